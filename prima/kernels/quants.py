@@ -1,0 +1,1 @@
+"""GGML tensor types and their block layouts (names and ids as in ggml.h)."""
