@@ -1,0 +1,23 @@
+"""The compute interface the model code runs on. A backend owns the heavy linear algebra
+(quantized matmul, embedding row lookup); the model code never branches on weight format or
+device. Backends are chosen by name: `cpu` now, `cann` (Ascend NPU via CANN's `acl`) later."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from prima.kernels.tensor import QTensor
+
+
+class Backend(Protocol):
+    name: str
+
+    def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
+        ...
+
+    def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""
+        ...

@@ -1,0 +1,274 @@
+"""Index of a GGUF file: metadata and tensor views over one read-only mmap.
+
+gguf-py's `GGUFReader` builds a Python object per array element, which takes ~14 s on a
+262k-token vocabulary; a daemon must start in well under a second, so the header is parsed
+here with `struct` and numpy, using gguf-py's enums and block sizes as the source of truth.
+Tensor data is never copied: every tensor is a numpy view into the file's mmap, so weights live
+in the OS page cache and the OS may reclaim them under pressure.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from prima.errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_NUMPY_DTYPES: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "<u1",
+    GGUFValueType.INT8: "<i1",
+    GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2",
+    GGUFValueType.UINT32: "<u4",
+    GGUFValueType.INT32: "<i4",
+    GGUFValueType.FLOAT32: "<f4",
+    GGUFValueType.BOOL: "<u1",
+    GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8",
+    GGUFValueType.FLOAT64: "<f8",
+}
+# Sanity bounds so a hostile header cannot make us allocate the world.
+_MAX_STRING_BYTES = 1 << 26
+_MAX_COUNT = 1 << 31
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file. `shape` is in numpy order (ggml's ne reversed),
+    so a 2-D weight is (rows = output features, cols = input features)."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    """Bounds-checked little-endian reader over the mapped header."""
+
+    def __init__(self, buf: memoryview, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def need(self, n: int) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ModelFileError(
+                f"{self.path}: the GGUF header is truncated at byte {self.pos} "
+                f"(wanted {n} more bytes, file has {len(self.buf)}); re-download the model"
+            )
+
+    def scalar(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self) -> int:
+        return self.scalar("<I")
+
+    def u64(self) -> int:
+        return self.scalar("<Q")
+
+    def count(self, what: str) -> int:
+        n = self.u64()
+        if n > _MAX_COUNT:
+            raise ModelFileError(f"{self.path}: implausible {what} count {n}; the file is corrupt")
+        return n
+
+    def string(self) -> str:
+        n = self.u64()
+        if n > _MAX_STRING_BYTES:
+            raise ModelFileError(f"{self.path}: implausible string length {n}; the file is corrupt")
+        self.need(n)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        try:
+            kind = GGUFValueType(vtype)
+        except ValueError:
+            raise ModelFileError(f"{self.path}: unknown metadata value type {vtype}; the file is corrupt") from None
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            item_type = GGUFValueType(self.u32())
+            n = self.count("array")
+            if item_type in _NUMPY_DTYPES:
+                dtype = np.dtype(_NUMPY_DTYPES[item_type])
+                self.need(n * dtype.itemsize)
+                arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).copy()
+                self.pos += n * dtype.itemsize
+                return arr.astype(bool) if item_type == GGUFValueType.BOOL else arr
+            return [self.value(item_type) for _ in range(n)]
+        return self.scalar(_SCALAR_FORMATS[kind])
+
+
+class GGUFFile:
+    """A GGUF model file opened read-only: `metadata` (decoded key/values), `tensors` (index by
+    name), and `tensor_bytes(name)` / `tensor_array(name)` as zero-copy views into the mmap."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ModelFileError(f"{self.path}: no such model file; pass a GGUF path or a model name")
+        if self.path.is_dir():
+            raise ModelFileError(f"{self.path}: is a directory, not a GGUF model file")
+        self.file_size = self.path.stat().st_size
+        if self.file_size < 24:
+            raise ModelFileError(f"{self.path}: only {self.file_size} bytes, too short to be a GGUF file")
+        with open(self.path, "rb") as fh:
+            self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+
+    # -- parsing -------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        cur = _Cursor(memoryview(self._mmap), self.path)
+        cur.need(4)
+        magic = bytes(cur.buf[0:4])
+        cur.pos = 4
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(
+                f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+                "prima reads llama.cpp GGUF models"
+            )
+        self.version = cur.u32()
+        if self.version not in SUPPORTED_VERSIONS:
+            raise ModelFileError(
+                f"{self.path}: GGUF version {self.version} is not supported (supported: {SUPPORTED_VERSIONS})"
+            )
+        n_tensors = cur.count("tensor")
+        n_kv = cur.count("metadata")
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.u32())
+
+        infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.u32()
+            if n_dims > 8:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has {n_dims} dimensions; the file is corrupt")
+            ne = tuple(cur.u64() for _ in range(n_dims))
+            qtype = cur.u32()
+            rel_offset = cur.u64()
+            infos.append((name, ne, qtype, rel_offset))
+
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFileError(f"{self.path}: invalid general.alignment {alignment}")
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        self.data_offset = data_start
+
+        for name, ne, qtype_id, rel_offset in infos:
+            try:
+                qtype = GGMLQuantizationType(qtype_id)
+            except ValueError:
+                qtype = None
+            shape = tuple(int(d) for d in reversed(ne))
+            n_elem = int(np.prod(ne, dtype=np.int64)) if ne else 1
+            if qtype is None or qtype not in GGML_QUANT_SIZES:
+                # Unknown type: record it with zero size; the model loader names it to the user.
+                self.tensors[name] = TensorInfo(name, qtype_id, shape, data_start + rel_offset, 0)  # type: ignore[arg-type]
+                continue
+            block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+            if n_elem % block_elems:
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} has {n_elem} elements, not a multiple of the "
+                    f"{qtype.name} block size {block_elems}; the file is corrupt"
+                )
+            n_bytes = n_elem // block_elems * block_bytes
+            offset = data_start + rel_offset
+            if offset + n_bytes > self.file_size:
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} ends at byte {offset + n_bytes} but the file has only "
+                    f"{self.file_size} bytes: the file is truncated; re-download the model"
+                )
+            self.tensors[name] = TensorInfo(name, qtype, shape, offset, n_bytes)
+
+    # -- access --------------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The raw bytes of tensor `name` shaped (rows, row_bytes): a view, never a copy."""
+        info = self.tensors[name]
+        raw = self.data[info.offset : info.offset + info.n_bytes]
+        rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+        return raw.reshape(rows, info.n_bytes // rows)
+
+    def tensor_array(self, name: str) -> np.ndarray:
+        """An F32/F16/BF16-as-uint16 tensor as a typed view in numpy shape."""
+        info = self.tensors[name]
+        dtypes = {
+            GGMLQuantizationType.F32: np.float32,
+            GGMLQuantizationType.F16: np.float16,
+            GGMLQuantizationType.BF16: np.uint16,
+        }
+        if info.qtype not in dtypes:
+            raise TypeError(f"tensor {name} is {info.qtype.name}, not a plain float type")
+        raw = self.data[info.offset : info.offset + info.n_bytes]
+        return raw.view(dtypes[info.qtype]).reshape(info.shape)
+
+    def byte_range(self, names: list[str]) -> tuple[int, int]:
+        """The [start, end) byte span covering the named tensors (for prefetch and residency)."""
+        infos = [self.tensors[n] for n in names]
+        return min(i.offset for i in infos), max(i.offset + i.n_bytes for i in infos)
+
+    def close(self) -> None:
+        self.data = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Views are still alive elsewhere; the mapping is released when they are collected.
+            pass
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def metadata_get(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """Read a metadata key, turning one-element numpy arrays into scalars."""
+    value = meta.get(key, default)
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    return value
