@@ -1,0 +1,73 @@
+"""Shared fixtures: the two test models (fetched through the registry if absent) and
+llama.cpp's reference outputs in ../shared/oracle."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prima.errors import ModelFetchError
+from prima.model.registry import resolve_model
+
+ORACLE_DIR = Path(__file__).resolve().parents[2] / "shared" / "oracle"
+ORACLE_TAGS = ("smollm2-135m", "gemma3-270m")
+
+
+@cache
+def load_oracle(tag: str) -> dict[str, Any]:
+    """The parsed `<tag>.json` from the oracle directory (cached: tests only read it)."""
+    return json.loads((ORACLE_DIR / f"{tag}.json").read_text(encoding="utf-8"))
+
+
+def _model_path(name: str) -> Path:
+    try:
+        return resolve_model(name)
+    except ModelFetchError as exc:
+        pytest.skip(f"test model {name} unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return _model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def oracle_dir() -> Path:
+    if not ORACLE_DIR.is_dir():
+        pytest.skip(f"no llama.cpp oracle at {ORACLE_DIR}")
+    return ORACLE_DIR
+
+
+@pytest.fixture(scope="session")
+def oracle(oracle_dir: Path) -> Callable[[str], dict[str, Any]]:
+    """`oracle(tag)` -> the reference dict for that model (`tokenize`, `prompts`, ...)."""
+    del oracle_dir  # only ensures the directory exists (skips otherwise)
+    return load_oracle
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize `oracle_tokenize_case` as (tag, text, ids) and `oracle_prompt_case` as
+    (tag, prompt dict) over every case in the oracle files, one test id per case."""
+    if not ORACLE_DIR.is_dir():
+        absent = pytest.param(None, marks=pytest.mark.skip(reason=f"no llama.cpp oracle at {ORACLE_DIR}"))
+        for name in ("oracle_tokenize_case", "oracle_prompt_case"):
+            if name in metafunc.fixturenames:
+                metafunc.parametrize(name, [absent])
+        return
+    if "oracle_tokenize_case" in metafunc.fixturenames:
+        cases = [(t, c["text"], c["ids"]) for t in ORACLE_TAGS for c in load_oracle(t)["tokenize"]]
+        ids = [f"{t}-{i}" for t in ORACLE_TAGS for i in range(len(load_oracle(t)["tokenize"]))]
+        metafunc.parametrize("oracle_tokenize_case", cases, ids=ids)
+    if "oracle_prompt_case" in metafunc.fixturenames:
+        prompts = [(t, p) for t in ORACLE_TAGS for p in load_oracle(t)["prompts"]]
+        metafunc.parametrize("oracle_prompt_case", prompts, ids=[f"{t}-{p['name']}" for t, p in prompts])
