@@ -120,7 +120,9 @@ class _Cursor:
         try:
             kind = GGUFValueType(vtype)
         except ValueError:
-            raise ModelFileError(f"{self.path}: unknown metadata value type {vtype}; the file is corrupt") from None
+            raise ModelFileError(
+                f"{self.path}: unknown metadata value type {vtype}; the file is corrupt"
+            ) from None
         if kind == GGUFValueType.STRING:
             return self.string()
         if kind == GGUFValueType.ARRAY:
@@ -183,7 +185,9 @@ class GGUFFile:
             name = cur.string()
             n_dims = cur.u32()
             if n_dims > 8:
-                raise ModelFileError(f"{self.path}: tensor {name!r} has {n_dims} dimensions; the file is corrupt")
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} has {n_dims} dimensions; the file is corrupt"
+                )
             ne = tuple(cur.u64() for _ in range(n_dims))
             qtype = cur.u32()
             rel_offset = cur.u64()

@@ -105,7 +105,9 @@ class Plan:
             raise PlanError(f"duplicate node ids in plan: {ids}")
         for n in self.nodes:
             if len(n.windows) != self.rounds:
-                raise PlanError(f"node {n.node_id} has {len(n.windows)} windows but the plan has {self.rounds} rounds")
+                raise PlanError(
+                    f"node {n.node_id} has {len(n.windows)} windows but the plan has {self.rounds} rounds"
+                )
         expected = 0
         for hop in self.hops():
             if hop.window.start != expected:
@@ -120,7 +122,9 @@ class Plan:
             )
 
     def describe(self) -> str:
-        lines = [f"plan epoch {self.epoch}: {self.n_layers} layers, {len(self.nodes)} nodes, {self.rounds} round(s)"]
+        lines = [
+            f"plan epoch {self.epoch}: {self.n_layers} layers, {len(self.nodes)} nodes, {self.rounds} round(s)"
+        ]
         for i, n in enumerate(self.nodes):
             role = "head" if i == 0 else f"node {i}"
             wins = " ".join(str(w) for w in n.windows)

@@ -1,0 +1,84 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty.
+
+Pure numpy over one logit vector; randomness comes from an injected numpy Generator so a seed
+reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prima.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """temperature 0 means greedy (argmax); the filters apply in llama.cpp's order:
+    repetition penalty, top-k, top-p, min-p, then temperature."""
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise InputError(f"min-p must be in [0, 1), got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise InputError(f"repeat penalty must be > 0, got {self.repeat_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    def __init__(self, config: SamplerConfig) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        cfg = self.config
+        logits = np.asarray(logits, dtype=np.float32)
+        if cfg.repeat_penalty != 1.0 and history:
+            logits = apply_repeat_penalty(logits, history[-cfg.repeat_last_n :], cfg.repeat_penalty)
+        if cfg.greedy:
+            return int(np.argmax(logits))
+        ids = np.argsort(-logits, kind="stable")
+        if cfg.top_k:
+            ids = ids[: cfg.top_k]
+        probs = _softmax(logits[ids])
+        if cfg.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), cfg.top_p) + 1)
+            ids, probs = ids[:keep], probs[:keep]
+        if cfg.min_p > 0.0:
+            mask = probs >= cfg.min_p * probs[0]
+            ids = ids[mask]
+        probs = _softmax(logits[ids] / np.float32(cfg.temperature))
+        return int(self.rng.choice(ids, p=probs))
+
+
+def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """Make recently seen tokens less likely (divide positive logits, multiply negative ones)."""
+    out = logits.copy()
+    seen = np.unique(np.asarray(recent, dtype=np.int64))
+    vals = out[seen]
+    out[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x.astype(np.float64) - np.max(x))
+    return e / e.sum()

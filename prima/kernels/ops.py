@@ -1,0 +1,103 @@
+"""Elementwise and attention operations of the forward pass, in float32 numpy.
+
+These follow llama.cpp's CPU definitions closely enough to match its float32 logits to ~1e-4:
+RMSNorm sums squares in float64, GELU goes through an fp16 table like ggml's `ggml_vec_gelu_f32`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from prima.model.config import ROPE_NEOX
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (n, d) or (n, h, d) normalized over the last axis, times `weight` (d,)."""
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+@lru_cache(maxsize=1)
+def _gelu_fp16_table() -> np.ndarray:
+    # ggml evaluates GELU (tanh approximation) once per fp16 value and looks results up; we do
+    # the same so that Gemma's activations round exactly as llama.cpp's do.
+    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = (
+            0.5
+            * x
+            * (1.0 + np.tanh(np.float32(0.7978845608028654) * x * (1.0 + np.float32(0.044715) * x * x)))
+        )
+    return y.astype(np.float16).astype(np.float32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation, evaluated through an fp16 lookup as ggml's CPU backend does."""
+    table = _gelu_fp16_table()
+    y = table[x.astype(np.float16).view(np.uint16)]
+    y = np.where(x <= -10.0, np.float32(0.0), y)
+    return np.where(x >= 10.0, x, y).astype(np.float32)
+
+
+@lru_cache(maxsize=16)
+def _rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
+    return base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, base: float, rope_dim: int, rope_type: str) -> np.ndarray:
+    """Rotary position embedding on x (n, heads, head_dim) at `positions` (n,). NORM rotates
+    adjacent pairs, NEOX rotates (i, i + rope_dim/2); dims past rope_dim pass through."""
+    angles = positions.astype(np.float64)[:, None] * _rope_inv_freq(rope_dim, base)[None, :]
+    cos = np.cos(angles).astype(np.float32)[:, None, :]  # (n, 1, rope_dim/2)
+    sin = np.sin(angles).astype(np.float32)[:, None, :]
+    out = x.copy()
+    half = rope_dim // 2
+    if rope_type == ROPE_NEOX:
+        x0, x1 = x[..., :half], x[..., half:rope_dim]
+        out[..., :half] = x0 * cos - x1 * sin
+        out[..., half:rope_dim] = x0 * sin + x1 * cos
+    else:
+        x0, x1 = x[..., 0:rope_dim:2], x[..., 1:rope_dim:2]
+        out[..., 0:rope_dim:2] = x0 * cos - x1 * sin
+        out[..., 1:rope_dim:2] = x0 * sin + x1 * cos
+    return out
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    positions: np.ndarray,
+    scale: float,
+    window: int = 0,
+) -> np.ndarray:
+    """Causal grouped-query attention of new queries over the cache.
+
+    q: (n, H, hd) for tokens at `positions`; k_cache, v_cache: (T, KVH, hd) holding keys for
+    positions [0, T) with T = positions.max() + 1. `window` > 0 masks keys `window` or more
+    positions behind the query (sliding-window layers). Returns (n, H * hd).
+    """
+    n, n_heads, hd = q.shape
+    t, n_kv, _ = k_cache.shape
+    group = n_heads // n_kv
+    # (KVH, group * n, hd) x (KVH, hd, T) -> (KVH, group * n, T)
+    qg = q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    scores = np.matmul(qg, k_cache.transpose(1, 2, 0)) * np.float32(scale)
+    key_pos = np.arange(t)
+    rel = positions[:, None] - key_pos[None, :]  # (n, T): how far behind the query each key is
+    masked = rel < 0
+    if window:
+        masked |= rel >= window
+    scores = scores.reshape(n_kv, group, n, t)
+    scores[:, :, masked] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores.reshape(n_kv, group * n, t), v_cache.transpose(1, 0, 2))  # (KVH, group*n, hd)
+    return out.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads * hd)

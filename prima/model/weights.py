@@ -1,0 +1,149 @@
+"""Model weights as views into the GGUF mmap, named as GGUF names them (`attn_q`, `ffn_gate`, ...).
+
+Nothing is dequantized or copied here except the small norm vectors; a node that owns a window
+of layers builds LayerWeights only for those layers, so the pages of other layers are never
+touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from prima.errors import ModelFileError
+from prima.kernels.quants import check_supported
+from prima.kernels.tensor import QTensor
+from prima.model.config import ModelConfig, config_from_metadata
+from prima.model.gguf_file import GGUFFile
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One transformer block. Optional fields are None where the architecture has no such tensor."""
+
+    index: int
+    attn_norm: np.ndarray
+    attn_q: QTensor
+    attn_k: QTensor
+    attn_v: QTensor
+    attn_output: QTensor
+    ffn_norm: np.ndarray
+    ffn_gate: QTensor
+    ffn_up: QTensor
+    ffn_down: QTensor
+    attn_q_bias: np.ndarray | None = None
+    attn_k_bias: np.ndarray | None = None
+    attn_v_bias: np.ndarray | None = None
+    attn_q_norm: np.ndarray | None = None
+    attn_k_norm: np.ndarray | None = None
+    post_attention_norm: np.ndarray | None = None
+    post_ffw_norm: np.ndarray | None = None
+
+    def tensor_names(self) -> list[str]:
+        return [f"blk.{self.index}.{suffix}" for suffix in _LAYER_TENSORS]
+
+
+_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class ModelWeights:
+    """Typed access to a GGUF's tensors; layer views are built on demand and cached."""
+
+    def __init__(self, gguf: GGUFFile) -> None:
+        self.gguf = gguf
+        embd = self._info("token_embd.weight")
+        self.config: ModelConfig = config_from_metadata(
+            gguf.metadata, vocab_size=embd.shape[0], path=gguf.path
+        )
+        self._layers: dict[int, LayerWeights] = {}
+
+    # -- tensors -------------------------------------------------------------------------------
+    def _info(self, name: str):  # noqa: ANN202 - TensorInfo
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise ModelFileError(
+                f"{self.gguf.path}: tensor {name!r} is missing; the file is incomplete or not a "
+                f"{self.gguf.architecture or 'supported'} model"
+            )
+        check_supported(info.qtype, name)
+        return info
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def matrix(self, name: str) -> QTensor:
+        info = self._info(name)
+        if len(info.shape) != 2:
+            raise ModelFileError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, expected 2-D")
+        return QTensor(name, info.qtype, (info.shape[0], info.shape[1]), self.gguf.tensor_bytes(name))
+
+    def vector(self, name: str) -> np.ndarray:
+        """A small float tensor (norm weight, bias) as a float32 array."""
+        info = self._info(name)
+        if info.qtype not in _FLOAT_TYPES:
+            raise ModelFileError(
+                f"{self.gguf.path}: tensor {name!r} is {info.qtype.name}; expected a float type"
+            )
+        arr = self.gguf.tensor_array(name)
+        if info.qtype == GGMLQuantizationType.BF16:
+            return (arr.astype(np.uint32) << 16).view(np.float32).reshape(-1)
+        return np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+
+    def _optional_vector(self, name: str) -> np.ndarray | None:
+        return self.vector(name) if self.has(name) else None
+
+    # -- model parts ---------------------------------------------------------------------------
+    @property
+    def token_embd(self) -> QTensor:
+        return self.matrix("token_embd.weight")
+
+    @property
+    def output_norm(self) -> np.ndarray:
+        return self.vector("output_norm.weight")
+
+    @property
+    def output(self) -> QTensor:
+        """The output head; tied models reuse the token embedding."""
+        return self.matrix("output.weight") if self.has("output.weight") else self.token_embd
+
+    def layer(self, i: int) -> LayerWeights:
+        if not 0 <= i < self.config.n_layers:
+            raise IndexError(f"layer {i} outside [0, {self.config.n_layers})")
+        if i not in self._layers:
+            p = f"blk.{i}."
+            self._layers[i] = LayerWeights(
+                index=i,
+                attn_norm=self.vector(p + "attn_norm.weight"),
+                attn_q=self.matrix(p + "attn_q.weight"),
+                attn_k=self.matrix(p + "attn_k.weight"),
+                attn_v=self.matrix(p + "attn_v.weight"),
+                attn_output=self.matrix(p + "attn_output.weight"),
+                ffn_norm=self.vector(p + "ffn_norm.weight"),
+                ffn_gate=self.matrix(p + "ffn_gate.weight"),
+                ffn_up=self.matrix(p + "ffn_up.weight"),
+                ffn_down=self.matrix(p + "ffn_down.weight"),
+                attn_q_bias=self._optional_vector(p + "attn_q.bias"),
+                attn_k_bias=self._optional_vector(p + "attn_k.bias"),
+                attn_v_bias=self._optional_vector(p + "attn_v.bias"),
+                attn_q_norm=self._optional_vector(p + "attn_q_norm.weight"),
+                attn_k_norm=self._optional_vector(p + "attn_k_norm.weight"),
+                post_attention_norm=self._optional_vector(p + "post_attention_norm.weight"),
+                post_ffw_norm=self._optional_vector(p + "post_ffw_norm.weight"),
+            )
+        return self._layers[i]
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        """Every tensor of layer `i` (for prefetch, release and residency accounting)."""
+        prefix = f"blk.{i}."
+        return [n for n in self.gguf.tensors if n.startswith(prefix)]
+
+    def validate(self, layers: range | None = None) -> None:
+        """Touch the metadata of every tensor the given layers (default: all) need, so a
+        missing or unsupported tensor is reported at load time, not mid-generation."""
+        _ = self.token_embd, self.output_norm, self.output
+        for i in layers if layers is not None else range(self.config.n_layers):
+            self.layer(i)

@@ -1,0 +1,52 @@
+"""The KV cache of one session, for the layers one node owns (never the whole model's)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from prima.errors import ContextFullError
+from prima.model.config import ModelConfig
+
+
+class KVCache:
+    """float32 keys and values per owned layer, each (n_ctx, n_kv_heads, head_dim).
+
+    `length` counts the positions written so far; writes must be contiguous from there (a
+    rollback to an earlier length is allowed, e.g. to replay after a failure)."""
+
+    def __init__(self, config: ModelConfig, n_ctx: int, layers: Iterable[int]) -> None:
+        self.n_ctx = n_ctx
+        self.layers = tuple(sorted(set(layers)))
+        shape = (n_ctx, config.n_kv_heads, config.head_dim)
+        self.k = {i: np.zeros(shape, dtype=np.float32) for i in self.layers}
+        self.v = {i: np.zeros(shape, dtype=np.float32) for i in self.layers}
+        self._length = dict.fromkeys(self.layers, 0)
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k.values()) * 2
+
+    def length(self, layer: int) -> int:
+        return self._length[layer]
+
+    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
+        """Write k, v (n, KVH, hd) at `positions` and return the number of valid positions."""
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        if end > self.n_ctx:
+            raise ContextFullError(
+                f"context full: position {end - 1} does not fit a context of {self.n_ctx} tokens; "
+                "start a new session or raise --ctx"
+            )
+        if start > self._length[layer]:
+            raise ValueError(f"layer {layer}: write at {start} leaves a gap after {self._length[layer]}")
+        self.k[layer][start:end] = k
+        self.v[layer][start:end] = v
+        self._length[layer] = end
+        return end
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= length (the data stays but is never read)."""
+        for i in self.layers:
+            self._length[i] = min(self._length[i], length)
