@@ -1,0 +1,172 @@
+"""The cost model: predicted time per token of a ring for a given layer assignment.
+
+For a ring of M devices (head first), k rounds, window sizes w_m and accelerator layers n_m:
+
+    T = k * sum_m (a_m * w_m + b_m * n_m + d_m * u_m * [m streams] + c_m) + kappa
+
+- a_m  CPU ms per layer: GEMV FLOPs / measured FLOP/s per weight format, plus reading the
+       layer's KV cache (full planned context) at memory bandwidth.
+- b_m  ms saved (negative) or added per layer moved to the accelerator.
+- d_m  ms to read one layer's weights from disk; paid for the u_m layers kept in RAM (u_m =
+       w_m - n_m, or w_m when the accelerator shares RAM) only if they do not fit, because a
+       device that cannot hold its k*u_m layers rereads all of them every token (cyclic access
+       defeats the LRU page cache).
+- c_m  ms to send one activation to the next ring member: latency + bytes / bandwidth. A lone
+       device sends nothing, so c is 0 when M == 1. (The original system sets c_m = 0.)
+- kappa  the output head on the head node.
+
+Memory, per device (bytes): a resident device needs k*u_m*(layer + KV) + fixed_m <= RAM budget;
+a streaming device needs two windows of weights (the one computing and the one prefetching)
+plus all its KV: 2*u_m*layer + k*u_m*KV + fixed_m <= RAM budget. Accelerator layers need
+k*n_m*(layer + KV) <= accelerator memory. Both Halda and the brute-force check in the tests
+evaluate plans through `ring_time_ms`, so they cannot disagree about what a plan costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from prima.scheduler.profile import DeviceProfile, ModelProfile
+
+FALLBACK_FORMAT = "F32"
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """Per-device coefficients of the objective (ms) and of the memory constraints (bytes)."""
+
+    cpu_ms_per_layer: float  # a_m
+    accel_delta_ms_per_layer: float  # b_m (0 without an accelerator)
+    disk_ms_per_layer: float  # d_m (inf when the device cannot stream from disk)
+    hop_ms: float  # c_m
+    fixed_ms: float  # this device's share of kappa (only the head's is non-zero)
+    layer_weight_bytes: int
+    layer_kv_bytes: int
+    fixed_bytes: int  # embedding + output head on the head, 0 elsewhere
+    ram_budget_bytes: int
+    accel_budget_bytes: int  # 0 without an accelerator
+    accel_shares_ram: bool
+
+    @property
+    def layer_ram_bytes(self) -> int:
+        """b' in the reference: one resident layer with its KV cache."""
+        return self.layer_weight_bytes + self.layer_kv_bytes
+
+    @property
+    def has_accel(self) -> bool:
+        return self.accel_budget_bytes > 0
+
+    @property
+    def can_stream(self) -> bool:
+        return math.isfinite(self.disk_ms_per_layer)
+
+
+def gemv_ms(flops: Mapping[str, float], throughput: Mapping[str, float]) -> float:
+    """Time (ms) for work given per weight format, at per-format throughput (FLOP/s).
+    A format the device was not measured on runs at its F32 speed."""
+    total = 0.0
+    for fmt, n in flops.items():
+        speed = throughput.get(fmt, throughput.get(FALLBACK_FORMAT, 0.0))
+        if n and speed <= 0:
+            return math.inf
+        total += n / speed * 1e3 if n else 0.0
+    return total
+
+
+def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) -> DeviceCost:
+    """The coefficients for `device` in a ring of two or more (see `ring_costs` for M == 1)."""
+    kv_read_bytes = model.kv_bytes_per_layer  # attention reads the whole cached context
+    cpu = gemv_ms(model.layer_flops, device.cpu_flops) + _transfer_ms(
+        kv_read_bytes, device.mem_bandwidth_bytes_per_s
+    )
+    accel = device.accelerator
+    delta = 0.0
+    accel_budget = 0
+    shares = False
+    if accel is not None and accel.memory_available_bytes > 0:
+        on_accel = gemv_ms(model.layer_flops, accel.flops) + _transfer_ms(
+            kv_read_bytes, accel.mem_bandwidth_bytes_per_s
+        )
+        if math.isfinite(on_accel):
+            delta = on_accel - cpu
+            accel_budget = accel.memory_available_bytes
+            shares = accel.shares_ram
+    disk = _transfer_ms(model.layer_bytes, device.disk_read_bytes_per_s)
+    hop = device.net_latency_ms + _transfer_ms(model.activation_bytes, device.net_bandwidth_bytes_per_s)
+    fixed_ms = gemv_ms(model.output_flops, device.cpu_flops) if is_head else 0.0
+    return DeviceCost(
+        cpu_ms_per_layer=cpu,
+        accel_delta_ms_per_layer=delta,
+        disk_ms_per_layer=disk,
+        hop_ms=hop,
+        fixed_ms=fixed_ms,
+        layer_weight_bytes=model.layer_bytes,
+        layer_kv_bytes=model.kv_bytes_per_layer,
+        fixed_bytes=model.input_bytes + model.output_bytes if is_head else 0,
+        ram_budget_bytes=device.ram_available_bytes,
+        accel_budget_bytes=accel_budget,
+        accel_shares_ram=shares,
+    )
+
+
+def ring_costs(devices: Sequence[DeviceProfile], model: ModelProfile) -> list[DeviceCost]:
+    """Coefficients for every device of a candidate ring, `devices[0]` being the head."""
+    return [device_cost(d, model, is_head=i == 0) for i, d in enumerate(devices)]
+
+
+def device_time_ms(
+    cost: DeviceCost, rounds: int, window: int, accel_layers: int, *, sends: bool = True
+) -> float:
+    """One device's share of T: k * (a w + b n + disk + c), inf when its layers do not fit.
+    `sends` is false for a lone device, which has no next hop."""
+    k, w, n = rounds, window, accel_layers
+    if n and (not cost.has_accel or n > w or k * n * cost.layer_ram_bytes > cost.accel_budget_bytes):
+        return math.inf
+    u = w if cost.accel_shares_ram else w - n  # layers whose weights live in RAM
+    disk = 0.0
+    if k * u * cost.layer_ram_bytes + cost.fixed_bytes > cost.ram_budget_bytes:
+        # Short of memory: stream, keeping two windows of weights and all the KV cache resident.
+        window_bytes = 2 * u * cost.layer_weight_bytes + k * u * cost.layer_kv_bytes + cost.fixed_bytes
+        if not cost.can_stream or window_bytes > cost.ram_budget_bytes:
+            return math.inf
+        disk = cost.disk_ms_per_layer * u
+    hop = cost.hop_ms if sends else 0.0
+    return k * (cost.cpu_ms_per_layer * w + cost.accel_delta_ms_per_layer * n + disk + hop)
+
+
+def ring_time_ms(
+    costs: Sequence[DeviceCost], rounds: int, window_sizes: Sequence[int], accel_layers: Sequence[int]
+) -> float:
+    """Predicted ms per token of a ring (costs[0] the head); inf if any device's layers do not fit."""
+    sends = len(costs) > 1
+    total = costs[0].fixed_ms
+    for cost, w, n in zip(costs, window_sizes, accel_layers, strict=True):
+        total += device_time_ms(cost, rounds, w, n, sends=sends)
+    return total
+
+
+def predict_ms_per_token(
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    rounds: int,
+    window_sizes: Sequence[int],
+    accel_layers: Sequence[int] | None = None,
+) -> float:
+    """Predicted ms per token of `devices` (ring order, head first) running `model` with the
+    given windows; inf when the assignment does not fit in memory."""
+    if rounds * sum(window_sizes) != model.n_layers:
+        raise ValueError(
+            f"{rounds} rounds x windows {list(window_sizes)} do not cover {model.n_layers} layers"
+        )
+    accel = accel_layers if accel_layers is not None else [0] * len(devices)
+    return ring_time_ms(ring_costs(devices, model), rounds, window_sizes, accel)
+
+
+def _transfer_ms(n_bytes: float, bytes_per_s: float) -> float:
+    if n_bytes <= 0:
+        return 0.0
+    if bytes_per_s <= 0:
+        return math.inf
+    return n_bytes / bytes_per_s * 1e3

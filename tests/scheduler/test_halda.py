@@ -1,0 +1,183 @@
+"""Halda against brute force under the same cost model, and scenarios with obvious answers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from functools import cache
+
+import pytest
+
+from prima.errors import PlanError
+from prima.scheduler import halda
+from prima.scheduler.cost_model import DeviceCost, device_time_ms, predict_ms_per_token, ring_costs
+from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write `total` as `parts` positive integers, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+def brute_force(devices: Sequence[DeviceProfile], model: ModelProfile) -> float:
+    """Minimum predicted ms/token over every subset containing the head, every k dividing L,
+    every window vector and every accelerator-layer vector.
+
+    T = kappa + sum_m device_time(m, k, w_m, n_m), so for a fixed (subset, k, w) the minimum over
+    the n vector is the sum of per-device minima; enumerating n per device is the same search."""
+    costs = ring_costs(devices, model)
+    n_layers = model.n_layers
+
+    @cache
+    def best_device_time(m: int, k: int, w: int, sends: bool) -> float:
+        cost: DeviceCost = costs[m]
+        n_range = range(w + 1) if cost.has_accel else range(1)
+        return min(device_time_ms(cost, k, w, n, sends=sends) for n in n_range)
+
+    best = math.inf
+    others = range(1, len(devices))
+    for r in range(len(devices)):
+        for rest in itertools.combinations(others, r):
+            members = (0, *rest)
+            sends = len(members) > 1
+            for k in halda.divisors(n_layers):
+                per_round = n_layers // k
+                if per_round < len(members):
+                    continue
+                for windows in compositions(per_round, len(members)):
+                    t = costs[0].fixed_ms + sum(
+                        best_device_time(m, k, w, sends) for m, w in zip(members, windows, strict=True)
+                    )
+                    best = min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_halda_matches_brute_force_on_random_clusters(seed, random_cluster):
+    devices, model = random_cluster(seed)
+    expected = brute_force(devices, model)
+    if not math.isfinite(expected):
+        with pytest.raises(PlanError, match="no assignment"):
+            halda.solve(devices, model)
+        return
+    plan = halda.solve(devices, model, explain_drops=False)
+    assert plan.predicted_ms_per_token == pytest.approx(expected, rel=1e-9)
+    # The plan's own windows, re-scored from scratch, give the same time.
+    by_id = {d.node_id: d for d in devices}
+    ring = [by_id[n.node_id] for n in plan.nodes]
+    accel = [n.accel_layers for n in plan.nodes]
+    rescored = predict_ms_per_token(ring, model, plan.rounds, [n.window_size for n in plan.nodes], accel)
+    assert rescored == pytest.approx(expected, rel=1e-9)
+    assert {n.node_id for n in plan.nodes} | {d.node_id for d in plan.dropped} == set(by_id)
+
+
+def test_halda_some_random_clusters_stream_and_drop(random_cluster):
+    """Guard on the generator: the random cases exercise streaming, dropping and accelerators."""
+    rounds, dropped, accel = set(), 0, 0
+    for seed in range(50):
+        devices, model = random_cluster(seed)
+        try:
+            plan = halda.solve(devices, model, explain_drops=False)
+        except PlanError:
+            continue
+        rounds.add(plan.rounds)
+        dropped += len(plan.dropped)
+        accel += sum(n.accel_layers for n in plan.nodes)
+    assert len(rounds) > 1
+    assert dropped > 0
+    assert accel > 0
+
+
+def test_halda_gives_a_small_memory_device_fewer_layers(make_device, make_model):
+    model = make_model(n_layers=12, layer_mib=200, kv_mib=2)
+    # Neither can stream and neither holds the model alone (12 x 202 MiB + 128 MiB head tensors):
+    # "big" holds 9 layers, "small" 3, and the small one is even the faster of the two.
+    devices = [
+        make_device("big", ram_gib=2.0, disk_gbps=0.0),
+        make_device("small", ram_gib=0.65, disk_gbps=0.0, gflops=40.0),
+    ]
+    plan = halda.solve(devices, model)
+    sizes = {n.node_id: n.n_layers for n in plan.nodes}
+    assert sizes == {"big": 9, "small": 3}
+
+
+def test_halda_drops_a_device_behind_a_slow_network(make_device, make_model):
+    model = make_model(n_layers=12, layer_mib=200)
+    devices = [
+        make_device("head", ram_gib=1.6),
+        make_device("fast", ram_gib=1.6),
+        make_device("far", ram_gib=1.6, latency_ms=400.0),
+    ]
+    plan = halda.solve(devices, model)
+    assert [n.node_id for n in plan.nodes] == ["head", "fast"]
+    (dropped,) = plan.dropped
+    assert dropped.node_id == "far"
+    assert "slower with it" in dropped.reason
+
+
+def test_halda_drops_a_device_with_slow_compute(make_device, make_model):
+    model = make_model(n_layers=8, layer_mib=200)
+    devices = [make_device("head", ram_gib=4.0), make_device("slow", ram_gib=4.0, gflops=0.05)]
+    plan = halda.solve(devices, model)
+    assert [n.node_id for n in plan.nodes] == ["head"]
+    assert plan.dropped[0].node_id == "slow"
+    assert plan.dropped[0].reason
+
+
+def test_halda_puts_a_model_that_fits_one_strong_device_on_it_alone(make_device, make_model):
+    model = make_model(n_layers=12, layer_mib=100)
+    devices = [
+        make_device("laptop", ram_gib=2.0, gflops=10.0),
+        make_device("desktop", ram_gib=16.0, gflops=80.0, mem_gbps=50.0),
+        make_device("phone", ram_gib=1.0, gflops=8.0),
+    ]
+    # The desktop is the head here, so it can run alone with no network hops at all.
+    plan = halda.solve([devices[1], devices[0], devices[2]], model)
+    assert [n.node_id for n in plan.nodes] == ["desktop"]
+    assert plan.rounds == 1
+    assert plan.head.n_layers == 12
+    assert {d.node_id for d in plan.dropped} == {"laptop", "phone"}
+
+
+def test_halda_short_of_memory_uses_rounds_and_streams(make_device, make_model):
+    model = make_model(n_layers=12, layer_mib=200, kv_mib=2)
+    # 12 x 202 MiB of layers; "home" holds 8 of them and has no disk to stream from, "tiny" holds
+    # 2 but reads 3 GB/s. Streaming keeps two windows resident, so tiny's window is 1 layer and
+    # covering the 4 missing layers takes k = 4 rounds: windows (2, 1).
+    devices = [
+        make_device("home", ram_gib=1.8, disk_gbps=0.0),
+        make_device("tiny", ram_gib=0.6, disk_gbps=3.0),
+    ]
+    plan = halda.solve(devices, model)
+    assert plan.rounds == 4
+    assert [(n.node_id, n.window_size) for n in plan.nodes] == [("home", 2), ("tiny", 1)]
+    home, tiny = ring_costs(devices, model)
+    assert 8 * home.layer_ram_bytes + home.fixed_bytes <= home.ram_budget_bytes  # home is resident
+    assert 4 * tiny.layer_ram_bytes > tiny.ram_budget_bytes  # tiny streams its 4 layers
+    # Streaming costs disk time: slower than a ring that fits.
+    roomy = [make_device("home", ram_gib=1.8, disk_gbps=0.0), make_device("tiny", ram_gib=2.0)]
+    assert plan.predicted_ms_per_token > halda.solve(roomy, model).predicted_ms_per_token
+
+
+def test_halda_uses_an_accelerator_that_is_faster(make_device, make_model):
+    model = make_model(n_layers=8, layer_mib=100)
+    gpu = AcceleratorProfile(
+        "cuda", memory_available_bytes=4 << 30, flops={"F32": 500e9}, mem_bandwidth_bytes_per_s=400e9
+    )
+    plan = halda.solve([make_device("head", ram_gib=8.0, accel=gpu)], model)
+    assert plan.head.accel_layers == plan.head.window_size == 8
+
+
+def test_halda_reports_an_unfittable_model(make_device, make_model):
+    model = make_model(n_layers=8, layer_mib=400)
+    devices = [make_device("a", ram_gib=0.5, disk_gbps=0.0), make_device("b", ram_gib=0.5, disk_gbps=0.0)]
+    with pytest.raises(PlanError, match="add a device"):
+        halda.solve(devices, model)
+
+
+def test_halda_rejects_duplicate_node_ids(make_device, make_model):
+    with pytest.raises(PlanError, match="duplicate"):
+        halda.solve([make_device("a"), make_device("a")], make_model())

@@ -1,0 +1,144 @@
+"""Profiles: JSON round trips, validation of untrusted files, and deriving a model profile."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from prima.errors import InputError
+from prima.model.gguf_file import GGUFFile
+from prima.scheduler.profile import (
+    AcceleratorProfile,
+    DeviceProfile,
+    ModelProfile,
+    devices_to_json,
+    load_cluster_file,
+)
+
+SMOLLM2 = Path.home() / ".cache/prima/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_profile_device_round_trips_through_json(make_device):
+    npu = AcceleratorProfile("cann", 3 << 30, {"F16": 4e12}, 50e9, shares_ram=True)
+    for dev in (make_device("phone"), make_device("pi", accel=npu), make_device("local", net_mbps=0)):
+        raw = json.loads(json.dumps(dev.to_dict()))
+        assert DeviceProfile.from_dict(raw) == dev
+    assert make_device("local", net_mbps=0).to_dict()["net_bandwidth_bytes_per_s"] is None
+
+
+def test_profile_model_round_trips_through_json(make_model):
+    model = make_model()
+    assert ModelProfile.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+def test_profile_cluster_file_round_trips(tmp_path, make_device, make_model):
+    devices = [make_device("a"), make_device("b")]
+    path = tmp_path / "devices.json"
+    path.write_text(devices_to_json(devices, make_model()))
+    assert load_cluster_file(path) == (devices, make_model())
+    path.write_text(json.dumps([d.to_dict() for d in devices]))
+    assert load_cluster_file(path) == (devices, None)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"schema_version": 99}, "schema_version 99"),
+        ({"ram_available_bytes": -1}, "ram_available_bytes"),
+        ({"ram_available_bytes": "lots"}, "ram_available_bytes"),
+        ({"os": "plan9"}, "os must be one of"),
+        ({"cpu_flops": {"F32": "fast"}}, "cpu_flops"),
+        ({"kind": "model"}, "kind"),
+    ],
+)
+def test_profile_rejects_bad_device_fields(make_device, change, message):
+    raw = {**make_device("a").to_dict(), **change}
+    with pytest.raises(InputError, match=message):
+        DeviceProfile.from_dict(raw)
+
+
+def test_profile_names_a_missing_field(make_device):
+    raw = make_device("a").to_dict()
+    del raw["mem_bandwidth_bytes_per_s"]
+    with pytest.raises(InputError, match="missing field 'mem_bandwidth_bytes_per_s'"):
+        DeviceProfile.from_dict(raw)
+
+
+def test_profile_cluster_file_errors_say_what_to_do(tmp_path):
+    path = tmp_path / "devices.json"
+    with pytest.raises(InputError, match="cannot read"):
+        load_cluster_file(path)
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_cluster_file(path)
+    path.write_text('{"devices": []}')
+    with pytest.raises(InputError, match="at least one device"):
+        load_cluster_file(path)
+
+
+def _write_tiny_gguf(path: Path, *, tied: bool) -> None:
+    """A 2-layer llama-shaped GGUF: 8-wide embeddings, 2 heads of 4, 1 KV head, 16-token vocab."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_context_length(256)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, np.float32))
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((8, 8), np.float32))
+        w.add_tensor(f"blk.{i}.attn_k.weight", np.zeros((4, 8), np.float16))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((16, 8), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    if not tied:
+        w.add_tensor("output.weight", np.zeros((16, 8), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_profile_model_from_gguf_derives_sizes(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, tied=False)
+    with GGUFFile(path) as f:
+        m = ModelProfile.from_gguf(f, ctx_tokens=1024)
+    assert m.n_layers == 2
+    # f32 norm (8) + f32 q (64) + f16 k (32) + f32 up (128) per layer.
+    assert m.layer_bytes == 8 * 4 + 64 * 4 + 32 * 2 + 128 * 4
+    assert m.layer_flops == {"F32": 2.0 * (8 + 64 + 128), "F16": 2.0 * 32}
+    # 1 KV head x (4 + 4) f32 values per token per layer.
+    assert m.kv_bytes_per_token_per_layer == 1 * 8 * 4
+    assert m.input_bytes == 16 * 8 * 4
+    assert m.output_bytes == 16 * 8 * 2 + 8 * 4
+    assert m.output_flops == {"F16": 2.0 * 16 * 8}
+    assert m.activation_bytes == 8 * 4
+    assert m.ctx_tokens == 256  # clipped to the model's context length
+
+
+def test_profile_model_from_gguf_with_tied_output(tmp_path):
+    path = tmp_path / "tied.gguf"
+    _write_tiny_gguf(path, tied=True)
+    with GGUFFile(path) as f:
+        m = ModelProfile.from_gguf(f)
+    assert m.output_bytes == 8 * 4  # only output_norm: the head reuses token_embd
+    assert m.output_flops == {"F32": 2.0 * 16 * 8}
+
+
+@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2-135M not in ~/.cache/prima/models")
+def test_profile_model_from_real_gguf():
+    with GGUFFile(SMOLLM2) as f:
+        m = ModelProfile.from_gguf(f)
+    assert m.n_layers == 30
+    assert set(m.layer_flops) >= {"Q4_1"}
+    # SmolLM2-135M: 3 KV heads of 64 -> K and V of 192 floats each.
+    assert m.kv_bytes_per_token_per_layer == 3 * 128 * 4
+    assert m.activation_bytes == 576 * 4
+    assert 0 < m.layer_bytes * m.n_layers < SMOLLM2.stat().st_size
+    assert math.isfinite(m.output_flops[next(iter(m.output_flops))])
