@@ -15,6 +15,7 @@ from prima.errors import PrimaError
 # One module per subcommand; each defines register(subparsers) -> None and sets `func`.
 COMMAND_MODULES = [
     "prima.cli.cmd_models",
+    "prima.cli.cmd_tokenize",
 ]
 
 
