@@ -1,1 +1,50 @@
-"""GGML tensor types and their block layouts (names and ids as in ggml.h)."""
+"""The weight formats prima runs, their block geometry, and a clear error for the rest.
+
+Block sizes come from gguf-py (`GGML_QUANT_SIZES`, matched against ggml.h); prima never keeps its
+own copy of them, so a format is described once."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from prima.errors import UnsupportedModelError
+
+Q = GGMLQuantizationType
+
+FLOAT_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F32, Q.F16, Q.BF16})
+LEGACY_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
+K_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | LEGACY_QTYPES | K_QTYPES
+
+# f16 bit pattern -> float32, indexed by the 16-bit word. numba has no float16 type, and one
+# 256 KiB table lookup per 32-element block costs far less than bit-twiddling the conversion.
+F16_TABLE: np.ndarray = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _names(qtypes: frozenset[GGMLQuantizationType]) -> str:
+    return ", ".join(sorted(q.name for q in qtypes))
+
+
+def check_supported(qtype: GGMLQuantizationType | int, tensor_name: str) -> None:
+    """Raise UnsupportedModelError unless prima has kernels for `qtype` (checked at model load,
+    so the user learns about an exotic quantization before any compute starts)."""
+    if qtype not in SUPPORTED_QTYPES:
+        type_name = qtype.name if isinstance(qtype, GGMLQuantizationType) else f"type id {qtype}"
+        raise UnsupportedModelError(
+            f"tensor {tensor_name!r} is stored as {type_name}, which prima cannot run; supported "
+            f"types: {_names(SUPPORTED_QTYPES)}. Use a GGUF quantized to one of these (e.g. Q4_K_M)"
+        )
+
+
+def block_size(qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """(elements, bytes) of one block of `qtype`."""
+    return GGML_QUANT_SIZES[qtype]
+
+
+def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
+    """Bytes one row of `cols` elements occupies; `cols` must fill whole blocks."""
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    if cols % elems:
+        raise ValueError(f"{qtype.name} rows hold multiples of {elems} elements, not {cols}")
+    return cols // elems * nbytes

@@ -1,0 +1,81 @@
+"""Every format's kernels equal x @ dequantize(W).T with gguf-py's dequantizer as the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from prima.errors import InputError
+from prima.kernels import matmul as mm
+from prima.kernels.tensor import QTensor
+
+from .conftest import ALL_QTYPES, random_qtensor, reference, relative_error
+
+Q = GGMLQuantizationType
+TOL = 1e-5
+
+
+def _cols(qtype: GGMLQuantizationType) -> int:
+    return 512 if qtype.name.endswith("_K") else 160  # several blocks per row, not a power of two
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 3, 17, 64])
+def test_matmul_equals_reference(qtype: GGMLQuantizationType, n: int) -> None:
+    w = random_qtensor(qtype, rows=37, cols=_cols(qtype))
+    x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
+    y = mm.matmul(w, x)
+    assert y.shape == (n, w.rows)
+    assert y.dtype == np.float32
+    assert relative_error(y, x, reference(w)) < TOL
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 17])
+def test_matmul_fallback_equals_reference(qtype: GGMLQuantizationType, n: int) -> None:
+    w = random_qtensor(qtype, rows=5, cols=_cols(qtype), seed=1)
+    x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
+    assert relative_error(mm.matmul_fallback(w, x), x, reference(w)) < TOL
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES, ids=lambda q: q.name)
+def test_get_rows_equals_reference(qtype: GGMLQuantizationType) -> None:
+    w = random_qtensor(qtype, rows=11, cols=_cols(qtype), seed=2)
+    ids = np.array([10, 0, 3, 3])
+    expected = reference(w)[ids].astype(np.float32)
+    np.testing.assert_allclose(mm.get_rows(w, ids), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(mm.get_rows_fallback(w, ids), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_matmul_tiles_cover_odd_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Force several tiles with a ragged last one.
+    monkeypatch.setattr(mm, "TILE_ELEMENTS", 3 * 160)
+    w = random_qtensor(Q.Q8_0, rows=7, cols=160)
+    x = np.random.default_rng(0).standard_normal((9, 160)).astype(np.float32)
+    assert relative_error(mm.matmul(w, x), x, reference(w)) < TOL
+
+
+def test_matmul_rejects_mismatched_activations() -> None:
+    w = random_qtensor(Q.Q4_0, rows=3, cols=64)
+    with pytest.raises(ValueError, match="do not match"):
+        mm.matmul(w, np.zeros((1, 32), np.float32))
+
+
+def test_get_rows_rejects_out_of_range_ids() -> None:
+    w = random_qtensor(Q.Q8_0, rows=3, cols=32)
+    with pytest.raises(InputError, match="outside"):
+        mm.get_rows(w, np.array([3]))
+
+
+def test_get_rows_empty_ids() -> None:
+    w = random_qtensor(Q.Q8_0, rows=3, cols=32)
+    assert mm.get_rows(w, np.array([], dtype=np.int64)).shape == (0, 32)
+
+
+def test_matmul_unsupported_type_names_tensor() -> None:
+    from prima.errors import UnsupportedModelError
+
+    w = QTensor("blk.0.ffn_up.weight", Q.IQ2_XXS, (1, 256), np.zeros((1, 66), np.uint8))
+    with pytest.raises(UnsupportedModelError, match="blk.0.ffn_up.weight"):
+        mm.matmul(w, np.zeros((1, 256), np.float32))
