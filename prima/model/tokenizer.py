@@ -53,9 +53,9 @@ class _FragmentModel(Protocol):
     def normal_piece(self, text: str) -> bytes: ...
 
 
-# Vocabulary structures keyed by the token list's content, so opening the same model again (a new
-# GGUFFile, a new list) reuses them: hashing 262k strings takes ~20 ms, rebuilding ~150 ms.
-_MODEL_CACHE: OrderedDict[tuple[str, bool, int], tuple[Sequence[str], _FragmentModel]] = OrderedDict()
+# Vocabulary structures keyed by the content of everything they are built from, so opening the same
+# model again (a new GGUFFile, new lists) reuses them: hashing 262k strings takes ~20 ms, building ~150.
+_MODEL_CACHE: OrderedDict[int, tuple[tuple[Any, ...], _FragmentModel]] = OrderedDict()
 
 
 class Tokenizer:
@@ -285,24 +285,30 @@ def _optional_id(meta: Mapping[str, Any], key: str, n_tokens: int) -> int | None
 def _cached_model(
     meta: Mapping[str, Any], kind: str, tokens: Sequence[str], add_space_prefix: bool
 ) -> _FragmentModel:
-    key = (kind, add_space_prefix, hash(tuple(tokens)))
-    hit = _MODEL_CACHE.get(key)
-    if hit is not None and (hit[0] is tokens or list(hit[0]) == list(tokens)):
-        _MODEL_CACHE.move_to_end(key)
-        return hit[1]
-    model: _FragmentModel
+    """The fragment model for this vocabulary, reused when every input that shapes it is equal."""
     if kind == "gpt2":
         merges = meta.get("tokenizer.ggml.merges")
         if not merges:
             raise TokenizerError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges, which this GGUF lacks")
-        model = ByteLevelBPE(tokens, merges, str(meta.get("tokenizer.ggml.pre", "gpt2")))
+        pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
+        inputs: tuple[Any, ...] = (kind, pre, tuple(tokens), tuple(merges))
     else:
         scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), dtype=np.float32)
         unk = _optional_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
+        inputs = (kind, add_space_prefix, unk, tuple(tokens), scores.tobytes())
+    key = hash(inputs)
+    hit = _MODEL_CACHE.get(key)
+    if hit is not None and hit[0] == inputs:
+        _MODEL_CACHE.move_to_end(key)
+        return hit[1]
+    model: _FragmentModel
+    if kind == "gpt2":
+        model = ByteLevelBPE(tokens, merges, pre)
+    else:
         model = SentencePieceBPE(
             tokens, scores, add_space_prefix=add_space_prefix, unk_id=0 if unk is None else unk
         )
-    _MODEL_CACHE[key] = (tokens, model)
+    _MODEL_CACHE[key] = (inputs, model)
     while len(_MODEL_CACHE) > _CACHE_SIZE:
         _MODEL_CACHE.popitem(last=False)
     return model
