@@ -41,8 +41,8 @@ def _scale_q3_k(row: np.ndarray, o: int, k: int) -> np.float32:
 
 
 # Q2_K: 84-byte super-block of 256: scales[16] (low nibble scale, high nibble min, one per 16
-# elements), qs[64] (2-bit values), d f16, dmin f16. Element h*128 + s*32 + l (h < 2, s < 4,
-# l < 32) is bits 2s of qs[h*32 + l]; its sub-block (scale index) is element // 16.
+# elements), qs[64] (2-bit values), d f16, dmin f16. Element h*128 + s*32 + j (h < 2, s < 4,
+# j < 32) is bits 2s of qs[h*32 + j]; its sub-block (scale index) is element // 16.
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def dot_q2_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
     n_super = x.shape[1] // QK
@@ -66,12 +66,12 @@ def dot_q2_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
                         ml1 = dmin * np.float32(sc1 >> 4)
                         xb = sb * QK + h * 128 + s * 32
                         qo = o + 16 + h * 32
-                        for l in range(16):
-                            q = (row[qo + l] >> np.uint8(2 * s)) & np.uint8(3)
-                            acc[l] += xk[xb + l] * (dl0 * np.float32(q) - ml0)
-                        for l in range(16):
-                            q = (row[qo + 16 + l] >> np.uint8(2 * s)) & np.uint8(3)
-                            acc[16 + l] += xk[xb + 16 + l] * (dl1 * np.float32(q) - ml1)
+                        for j in range(16):
+                            q = (row[qo + j] >> np.uint8(2 * s)) & np.uint8(3)
+                            acc[j] += xk[xb + j] * (dl0 * np.float32(q) - ml0)
+                        for j in range(16):
+                            q = (row[qo + 16 + j] >> np.uint8(2 * s)) & np.uint8(3)
+                            acc[16 + j] += xk[xb + 16 + j] * (dl1 * np.float32(q) - ml1)
             out[k, r] = acc.sum()
 
 
@@ -88,15 +88,15 @@ def rows_q2_k(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
             for h in range(2):
                 for s in range(4):
                     yb = sb * QK + h * 128 + s * 32
-                    for l in range(32):
-                        sc = row[o + h * 8 + s * 2 + (l >> 4)]
-                        q = (row[o + 16 + h * 32 + l] >> np.uint8(2 * s)) & np.uint8(3)
-                        y[yb + l] = (d * np.float32(sc & 15)) * np.float32(q) - dmin * np.float32(sc >> 4)
+                    for j in range(32):
+                        sc = row[o + h * 8 + s * 2 + (j >> 4)]
+                        q = (row[o + 16 + h * 32 + j] >> np.uint8(2 * s)) & np.uint8(3)
+                        y[yb + j] = (d * np.float32(sc & 15)) * np.float32(q) - dmin * np.float32(sc >> 4)
 
 
 # Q3_K: 110-byte super-block of 256: hmask[32] (high bits), qs[64] (low 2 bits), scales[12]
-# (16 packed 6-bit scales, see _scale_q3_k), d f16. Element h*128 + s*32 + l takes bits 2s of
-# qs[h*32 + l] and bit 4h + s of hmask[l]; a clear high bit means "subtract 4".
+# (16 packed 6-bit scales, see _scale_q3_k), d f16. Element h*128 + s*32 + j takes bits 2s of
+# qs[h*32 + j] and bit 4h + s of hmask[j]; a clear high bit means "subtract 4".
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def dot_q3_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
     n_super = x.shape[1] // QK
@@ -115,14 +115,14 @@ def dot_q3_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
                         dl1 = d * _scale_q3_k(row, o + 96, h * 8 + s * 2 + 1)
                         xb = sb * QK + h * 128 + s * 32
                         qo = o + 32 + h * 32
-                        for l in range(16):
-                            q = (row[qo + l] >> np.uint8(2 * s)) & np.uint8(3)
-                            hb = ((row[o + l] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
-                            acc[l] += xk[xb + l] * (dl0 * (np.float32(q | hb) - np.float32(4)))
-                        for l in range(16):
-                            q = (row[qo + 16 + l] >> np.uint8(2 * s)) & np.uint8(3)
-                            hb = ((row[o + 16 + l] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
-                            acc[16 + l] += xk[xb + 16 + l] * (dl1 * (np.float32(q | hb) - np.float32(4)))
+                        for j in range(16):
+                            q = (row[qo + j] >> np.uint8(2 * s)) & np.uint8(3)
+                            hb = ((row[o + j] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
+                            acc[j] += xk[xb + j] * (dl0 * (np.float32(q | hb) - np.float32(4)))
+                        for j in range(16):
+                            q = (row[qo + 16 + j] >> np.uint8(2 * s)) & np.uint8(3)
+                            hb = ((row[o + 16 + j] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
+                            acc[16 + j] += xk[xb + 16 + j] * (dl1 * (np.float32(q | hb) - np.float32(4)))
             out[k, r] = acc.sum()
 
 
@@ -138,16 +138,16 @@ def rows_q3_k(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
             for h in range(2):
                 for s in range(4):
                     yb = sb * QK + h * 128 + s * 32
-                    for l in range(32):
-                        dl = d * _scale_q3_k(row, o + 96, h * 8 + s * 2 + (l >> 4))
-                        q = (row[o + 32 + h * 32 + l] >> np.uint8(2 * s)) & np.uint8(3)
-                        hb = ((row[o + l] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
-                        y[yb + l] = dl * (np.float32(q | hb) - np.float32(4))
+                    for j in range(32):
+                        dl = d * _scale_q3_k(row, o + 96, h * 8 + s * 2 + (j >> 4))
+                        q = (row[o + 32 + h * 32 + j] >> np.uint8(2 * s)) & np.uint8(3)
+                        hb = ((row[o + j] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
+                        y[yb + j] = dl * (np.float32(q | hb) - np.float32(4))
 
 
 # Q4_K: 144-byte super-block of 256: d, dmin f16, 12 bytes of 6-bit scales/mins (8 sub-blocks
-# of 32), 128 bytes of nibbles. Byte g*32 + l holds element g*64 + l (low nibble, sub-block 2g)
-# and element g*64 + 32 + l (high nibble, sub-block 2g + 1).
+# of 32), 128 bytes of nibbles. Byte g*32 + j holds element g*64 + j (low nibble, sub-block 2g)
+# and element g*64 + 32 + j (high nibble, sub-block 2g + 1).
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def dot_q4_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
     n_super = x.shape[1] // QK
@@ -170,10 +170,10 @@ def dot_q4_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
                     dm1 = dmin * m1
                     xb = sb * QK + g * 64
                     qo = o + 16 + g * 32
-                    for l in range(32):
-                        acc[l] += xk[xb + l] * (d0 * np.float32(row[qo + l] & np.uint8(15)) - dm0)
-                    for l in range(32):
-                        acc[l] += xk[xb + 32 + l] * (d1 * np.float32(row[qo + l] >> np.uint8(4)) - dm1)
+                    for j in range(32):
+                        acc[j] += xk[xb + j] * (d0 * np.float32(row[qo + j] & np.uint8(15)) - dm0)
+                    for j in range(32):
+                        acc[j] += xk[xb + 32 + j] * (d1 * np.float32(row[qo + j] >> np.uint8(4)) - dm1)
             out[k, r] = acc.sum()
 
 
@@ -191,15 +191,15 @@ def rows_q4_k(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
                 sc0, m0 = _scale_min_k4(row, o + 4, 2 * g)
                 sc1, m1 = _scale_min_k4(row, o + 4, 2 * g + 1)
                 yb = sb * QK + g * 64
-                for l in range(32):
-                    q = row[o + 16 + g * 32 + l]
-                    y[yb + l] = (d * sc0) * np.float32(q & np.uint8(15)) - dmin * m0
-                    y[yb + 32 + l] = (d * sc1) * np.float32(q >> np.uint8(4)) - dmin * m1
+                for j in range(32):
+                    q = row[o + 16 + g * 32 + j]
+                    y[yb + j] = (d * sc0) * np.float32(q & np.uint8(15)) - dmin * m0
+                    y[yb + 32 + j] = (d * sc1) * np.float32(q >> np.uint8(4)) - dmin * m1
 
 
 # Q5_K: 176-byte super-block of 256: d, dmin f16, 12 bytes of scales/mins (as Q4_K), qh[32],
-# qs[128] (nibbles as Q4_K). Element g*64 + l takes bit 2g of qh[l] as its fifth bit; element
-# g*64 + 32 + l takes bit 2g + 1.
+# qs[128] (nibbles as Q4_K). Element g*64 + j takes bit 2g of qh[j] as its fifth bit; element
+# g*64 + 32 + j takes bit 2g + 1.
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def dot_q5_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
     n_super = x.shape[1] // QK
@@ -222,14 +222,14 @@ def dot_q5_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
                     dm1 = dmin * m1
                     xb = sb * QK + g * 64
                     qo = o + 48 + g * 32
-                    for l in range(32):
-                        hb = ((row[o + 16 + l] >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4)
-                        q = (row[qo + l] & np.uint8(15)) | hb
-                        acc[l] += xk[xb + l] * (d0 * np.float32(q) - dm0)
-                    for l in range(32):
-                        hb = ((row[o + 16 + l] >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4)
-                        q = (row[qo + l] >> np.uint8(4)) | hb
-                        acc[l] += xk[xb + 32 + l] * (d1 * np.float32(q) - dm1)
+                    for j in range(32):
+                        hb = ((row[o + 16 + j] >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4)
+                        q = (row[qo + j] & np.uint8(15)) | hb
+                        acc[j] += xk[xb + j] * (d0 * np.float32(q) - dm0)
+                    for j in range(32):
+                        hb = ((row[o + 16 + j] >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4)
+                        q = (row[qo + j] >> np.uint8(4)) | hb
+                        acc[j] += xk[xb + 32 + j] * (d1 * np.float32(q) - dm1)
             out[k, r] = acc.sum()
 
 
@@ -247,18 +247,18 @@ def rows_q5_k(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
                 sc0, m0 = _scale_min_k4(row, o + 4, 2 * g)
                 sc1, m1 = _scale_min_k4(row, o + 4, 2 * g + 1)
                 yb = sb * QK + g * 64
-                for l in range(32):
-                    q = row[o + 48 + g * 32 + l]
-                    qh = row[o + 16 + l]
+                for j in range(32):
+                    q = row[o + 48 + g * 32 + j]
+                    qh = row[o + 16 + j]
                     lo = (q & np.uint8(15)) | (((qh >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4))
                     hi = (q >> np.uint8(4)) | (((qh >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4))
-                    y[yb + l] = (d * sc0) * np.float32(lo) - dmin * m0
-                    y[yb + 32 + l] = (d * sc1) * np.float32(hi) - dmin * m1
+                    y[yb + j] = (d * sc0) * np.float32(lo) - dmin * m0
+                    y[yb + 32 + j] = (d * sc1) * np.float32(hi) - dmin * m1
 
 
 # Q6_K: 210-byte super-block of 256: ql[128] (low nibbles), qh[64] (2 high bits), scales[16]
 # int8 (one per 16 elements), d f16; value = d * scale * (q - 32). Within half h (128 elements),
-# chunk c (32 elements) takes nibble c // 2 of ql[64h + 32 (c % 2) + l] and bits 2c of qh[32h + l].
+# chunk c (32 elements) takes nibble c // 2 of ql[64h + 32 (c % 2) + j] and bits 2c of qh[32h + j].
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def dot_q6_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
     n_super = x.shape[1] // QK
@@ -279,16 +279,16 @@ def dot_q6_k(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
                         lo = o + h * 64 + (c & 1) * 32
                         ho = o + 128 + h * 32
                         xb = sb * QK + h * 128 + c * 32
-                        for l in range(16):
-                            q = ((row[lo + l] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
-                                ((row[ho + l] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                        for j in range(16):
+                            q = ((row[lo + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                                ((row[ho + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
                             )
-                            acc[l] += xk[xb + l] * (dl0 * (np.float32(q) - np.float32(32)))
-                        for l in range(16):
-                            q = ((row[lo + 16 + l] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
-                                ((row[ho + 16 + l] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                            acc[j] += xk[xb + j] * (dl0 * (np.float32(q) - np.float32(32)))
+                        for j in range(16):
+                            q = ((row[lo + 16 + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                                ((row[ho + 16 + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
                             )
-                            acc[16 + l] += xk[xb + 16 + l] * (dl1 * (np.float32(q) - np.float32(32)))
+                            acc[16 + j] += xk[xb + 16 + j] * (dl1 * (np.float32(q) - np.float32(32)))
             out[k, r] = acc.sum()
 
 
@@ -307,9 +307,9 @@ def rows_q6_k(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
                     lo = o + h * 64 + (c & 1) * 32
                     ho = o + 128 + h * 32
                     yb = sb * QK + h * 128 + c * 32
-                    for l in range(32):
-                        dl = d * np.float32(scales[o + 192 + h * 8 + c * 2 + (l >> 4)])
-                        q = ((row[lo + l] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
-                            ((row[ho + l] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                    for j in range(32):
+                        dl = d * np.float32(scales[o + 192 + h * 8 + c * 2 + (j >> 4)])
+                        q = ((row[lo + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                            ((row[ho + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
                         )
-                        y[yb + l] = dl * (np.float32(q) - np.float32(32))
+                        y[yb + j] = dl * (np.float32(q) - np.float32(32))

@@ -94,7 +94,9 @@ def _row_ids(w: QTensor, ids: np.ndarray) -> np.ndarray:
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
         bad = int(ids[(ids < 0) | (ids >= w.rows)][0])
-        raise InputError(f"{w.name}: row id {bad} is outside [0, {w.rows}); is the token id from another vocabulary?")
+        raise InputError(
+            f"{w.name}: row id {bad} is outside [0, {w.rows}); is the token id from another vocabulary?"
+        )
     return ids
 
 

@@ -19,7 +19,9 @@ SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | LEGACY_QTYPES
 
 # f16 bit pattern -> float32, indexed by the 16-bit word. numba has no float16 type, and one
 # 256 KiB table lookup per 32-element block costs far less than bit-twiddling the conversion.
-F16_TABLE: np.ndarray = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+F16_TABLE: np.ndarray = (
+    np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+)
 
 
 def _names(qtypes: frozenset[GGMLQuantizationType]) -> str:
