@@ -1,0 +1,75 @@
+"""The GGUF index: agrees with gguf-py on real files, and names the problem on bad ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+
+from prima.errors import ModelFileError, UnsupportedModelError
+from prima.model.gguf_file import GGUFFile
+from prima.model.weights import ModelWeights
+from tests.tiny_models import write_tiny_model
+
+
+def test_gguf_index_matches_gguf_py_on_real_model(smollm2_path: Path) -> None:
+    ours = GGUFFile(smollm2_path)
+    ref = GGUFReader(smollm2_path)
+    assert len(ours.tensors) == len(ref.tensors)
+    for t in ref.tensors:
+        info = ours.tensors[t.name]
+        assert info.qtype == t.tensor_type
+        assert info.shape == tuple(int(d) for d in reversed(t.shape))
+        assert info.n_bytes == t.n_bytes
+        assert info.offset == t.data_offset
+        assert np.array_equal(ours.tensor_bytes(t.name).reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+    assert ours.metadata["llama.block_count"] == 30
+    assert ours.metadata["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_gguf_truncated_file_names_the_problem(tmp_path: Path) -> None:
+    src = write_tiny_model(tmp_path / "tiny.gguf")
+    data = src.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ModelFileError, match="truncated"):
+        GGUFFile(cut)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:200])
+    with pytest.raises(ModelFileError, match="truncated"):
+        GGUFFile(header_only)
+
+
+def test_gguf_text_file_is_rejected(tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_text("this is not a model, just some text that is long enough\n" * 3)
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        GGUFFile(fake)
+
+
+def test_gguf_missing_and_directory_paths(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match="no such model file"):
+        GGUFFile(tmp_path / "absent.gguf")
+    with pytest.raises(ModelFileError, match="directory"):
+        GGUFFile(tmp_path)
+
+
+def test_unknown_architecture_is_unsupported(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "odd.gguf", arch="mamba9")
+    with pytest.raises(UnsupportedModelError, match="mamba9.*llama, qwen2, qwen3, gemma3"):
+        ModelWeights(GGUFFile(path))
+
+
+def test_unsupported_tensor_type_names_tensor(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "iq.gguf", qtype=GGMLQuantizationType.IQ4_NL)
+    with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight.*IQ4_NL"):
+        ModelWeights(GGUFFile(path)).validate()
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "holey.gguf", omit=("blk.1.ffn_up.weight",))
+    weights = ModelWeights(GGUFFile(path))
+    with pytest.raises(ModelFileError, match=r"blk\.1\.ffn_up\.weight.*missing"):
+        weights.validate()
