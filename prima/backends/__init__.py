@@ -1,1 +1,19 @@
-"""backends"""
+"""Compute backends, chosen by name. Each backend is one module implementing base.Backend."""
+
+from __future__ import annotations
+
+from prima.backends.base import Backend
+from prima.errors import InputError
+
+__all__ = ["AVAILABLE_BACKENDS", "Backend", "get_backend"]
+
+AVAILABLE_BACKENDS: tuple[str, ...] = ("cpu",)
+
+
+def get_backend(name: str, threads: int | None = None) -> Backend:
+    """The backend called `name`, with at most `threads` worker threads (None: one per core)."""
+    if name == "cpu":
+        from prima.backends.cpu import CpuBackend
+
+        return CpuBackend(threads=threads)
+    raise InputError(f"unknown backend {name!r}; available: {', '.join(AVAILABLE_BACKENDS)}")

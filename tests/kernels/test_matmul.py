@@ -10,7 +10,7 @@ from prima.errors import InputError
 from prima.kernels import matmul as mm
 from prima.kernels.tensor import QTensor
 
-from .conftest import ALL_QTYPES, random_qtensor, reference, relative_error
+from .weights import ALL_QTYPES, random_qtensor, reference, relative_error
 
 Q = GGMLQuantizationType
 TOL = 1e-5

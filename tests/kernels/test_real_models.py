@@ -9,7 +9,7 @@ from prima.kernels import matmul as mm
 from prima.kernels.tensor import QTensor
 from prima.model.gguf_file import GGUFFile
 
-from .conftest import reference, relative_error
+from .weights import reference, relative_error
 
 TOL = 1e-5
 
