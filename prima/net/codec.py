@@ -1,0 +1,229 @@
+"""The only place numpy arrays and plans become protobuf messages and back.
+
+Pure functions over frozen dataclasses. Decoding trusts nothing: every size is checked against
+the declared shape and the caller's limits before numpy touches the bytes, and every problem is
+a ProtocolError (or a subclass from prima.net.status) naming what was wrong.
+
+Wire dtypes: f32 is bit-exact; f16 and bf16 halve the bytes; Q8_BLOCK (32 int8 values sharing
+one f16 scale, 34 bytes per 32 values) quarters them for slow links at ~0.4% relative error.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prima.engine.sampling import SamplerConfig
+from prima.errors import PlanError, ProtocolError
+from prima.net.proto import prima_pb2 as pb
+from prima.net.status import PayloadTooLargeError
+from prima.scheduler.plan import NodeAssignment, Plan, Window
+
+PROTOCOL_VERSION = 1
+Q8_BLOCK = 32
+MAX_TENSOR_BYTES = 256 << 20  # hard ceiling whatever the caller allows
+
+
+class WireDType(enum.IntEnum):
+    """Activation encodings; values equal the proto enum `prima.v1.DType`."""
+
+    F32 = pb.DTYPE_F32
+    F16 = pb.DTYPE_F16
+    BF16 = pb.DTYPE_BF16
+    Q8_BLOCK = pb.DTYPE_Q8_BLOCK
+
+    @classmethod
+    def parse(cls, name: str) -> WireDType:
+        try:
+            return cls[name.upper().replace("-", "_")]
+        except KeyError:
+            raise ProtocolError(f"unknown wire dtype {name!r}; use one of {[d.name.lower() for d in cls]}") from None
+
+
+# -- tensors -------------------------------------------------------------------------------------
+def encode_tensor(x: np.ndarray, dtype: WireDType = WireDType.F32) -> pb.Tensor:
+    """A float array as a Tensor message in `dtype`."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    msg = pb.Tensor(dtype=int(dtype), shape=list(x.shape))
+    if dtype == WireDType.F32:
+        msg.data = x.astype("<f4", copy=False).tobytes()
+    elif dtype == WireDType.F16:
+        msg.data = x.astype("<f2").tobytes()
+    elif dtype == WireDType.BF16:
+        bits = x.view(np.uint32).astype(np.uint64)
+        # Round to nearest even on the 16 bits dropped.
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        msg.data = rounded.astype("<u2").tobytes()
+    elif dtype == WireDType.Q8_BLOCK:
+        q, scales = _q8_quantize(x.reshape(-1))
+        msg.data = q.tobytes()
+        msg.scales = scales.tobytes()
+    else:
+        raise ProtocolError(f"cannot encode dtype {dtype!r}")
+    return msg
+
+
+def decode_tensor(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> np.ndarray:
+    """A Tensor message as a float32 array, after checking its dtype, shape and byte counts."""
+    shape = tuple(int(d) for d in msg.shape)
+    if not shape:
+        raise ProtocolError("tensor has no shape; send at least one dimension")
+    n = int(np.prod(shape, dtype=np.int64))
+    if n * 4 > min(max_bytes, MAX_TENSOR_BYTES):
+        raise PayloadTooLargeError(
+            f"tensor of shape {shape} needs {n * 4} bytes as f32, over this node's limit of "
+            f"{min(max_bytes, MAX_TENSOR_BYTES)}; send smaller micro-batches"
+        )
+    try:
+        dtype = WireDType(msg.dtype)
+    except ValueError:
+        raise ProtocolError(f"unknown tensor dtype {msg.dtype}; this node speaks {[d.name for d in WireDType]}") from None
+    width = {WireDType.F32: 4, WireDType.F16: 2, WireDType.BF16: 2, WireDType.Q8_BLOCK: 1}[dtype]
+    if len(msg.data) != n * width:
+        raise ProtocolError(
+            f"tensor of shape {shape} in {dtype.name} needs {n * width} data bytes, got {len(msg.data)}"
+        )
+    if dtype == WireDType.F32:
+        return np.frombuffer(msg.data, dtype="<f4").astype(np.float32).reshape(shape)
+    if dtype == WireDType.F16:
+        return np.frombuffer(msg.data, dtype="<f2").astype(np.float32).reshape(shape)
+    if dtype == WireDType.BF16:
+        bits = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    n_blocks = -(-n // Q8_BLOCK)
+    if len(msg.scales) != n_blocks * 2:
+        raise ProtocolError(f"Q8_BLOCK tensor of {n} values needs {n_blocks} f16 scales, got {len(msg.scales) // 2}")
+    q = np.frombuffer(msg.data, dtype=np.int8)
+    scales = np.frombuffer(msg.scales, dtype="<f2")
+    return _q8_dequantize(q, scales, n).reshape(shape)
+
+
+def _q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per block of 32: scale = max|x| / 127 (f16), q = round(x / scale) as int8."""
+    n = x.size
+    blocks = np.zeros(-(-n // Q8_BLOCK) * Q8_BLOCK, dtype=np.float32)
+    blocks[:n] = x
+    blocks = blocks.reshape(-1, Q8_BLOCK)
+    scales = (np.abs(blocks).max(axis=1) / 127.0).astype("<f2")
+    inv = np.divide(1.0, scales.astype(np.float32), out=np.zeros(len(scales), np.float32), where=scales > 0)
+    q = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.int8)
+    return q.reshape(-1)[:n], scales
+
+
+def _q8_dequantize(q: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+    padded = np.zeros(len(scales) * Q8_BLOCK, dtype=np.float32)
+    padded[:n] = q
+    return (padded.reshape(-1, Q8_BLOCK) * scales.astype(np.float32)[:, None]).reshape(-1)[:n]
+
+
+# -- activations ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Activation:
+    """Hidden states (n, d_model) of tokens at `positions`, due to compute hop `hop_index` next."""
+
+    session_id: str
+    plan_epoch: int
+    hop_index: int
+    positions: np.ndarray
+    hidden: np.ndarray
+    batch_seq: int = 0
+
+
+def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.Activation:
+    return pb.Activation(
+        session_id=act.session_id,
+        plan_epoch=act.plan_epoch,
+        hop_index=act.hop_index,
+        positions=[int(p) for p in act.positions],
+        hidden=encode_tensor(act.hidden, dtype),
+        batch_seq=act.batch_seq,
+    )
+
+
+def decode_activation(msg: pb.Activation, *, d_model: int, max_tokens: int) -> Activation:
+    """Check an Activation's shape against this model and the node's batch limit, then decode."""
+    if not msg.session_id:
+        raise ProtocolError("activation has no session_id; open a session first")
+    shape = tuple(msg.hidden.shape)
+    if len(shape) != 2 or shape[1] != d_model:
+        raise ProtocolError(f"hidden states have shape {shape}; this model needs (n_tokens, {d_model})")
+    if shape[0] == 0:
+        raise ProtocolError("hidden states have no rows; send at least one token")
+    if shape[0] > max_tokens:
+        raise PayloadTooLargeError(
+            f"micro-batch of {shape[0]} tokens exceeds this node's limit of {max_tokens}; split the prompt"
+        )
+    if len(msg.positions) != shape[0]:
+        raise ProtocolError(f"{len(msg.positions)} positions for {shape[0]} rows of hidden states")
+    positions = np.asarray(msg.positions, dtype=np.int64)
+    if positions[0] < 0 or np.any(np.diff(positions) != 1):
+        raise ProtocolError("positions must be consecutive and non-negative")
+    hidden = decode_tensor(msg.hidden, max_bytes=max_tokens * d_model * 4)
+    return Activation(msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+def plan_to_proto(plan: Plan) -> pb.Plan:
+    return pb.Plan(
+        n_layers=plan.n_layers,
+        rounds=plan.rounds,
+        epoch=plan.epoch,
+        nodes=[
+            pb.NodeAssignment(
+                node_id=n.node_id,
+                address=n.address,
+                windows=[pb.Window(start=w.start, end=w.end) for w in n.windows],
+                accel_layers=n.accel_layers,
+            )
+            for n in plan.nodes
+        ],
+    )
+
+
+def plan_from_proto(msg: pb.Plan) -> Plan:
+    """A validated Plan; a plan that does not tile the model is a ProtocolError."""
+    try:
+        return Plan(
+            n_layers=msg.n_layers,
+            rounds=msg.rounds,
+            epoch=msg.epoch,
+            nodes=tuple(
+                NodeAssignment(n.node_id, n.address, tuple(Window(w.start, w.end) for w in n.windows), n.accel_layers)
+                for n in msg.nodes
+            ),
+        )
+    except PlanError as exc:
+        raise ProtocolError(f"invalid plan: {exc}") from exc
+
+
+def windows_to_proto(windows: Sequence[Window]) -> list[pb.Window]:
+    return [pb.Window(start=w.start, end=w.end) for w in windows]
+
+
+# -- sampling ------------------------------------------------------------------------------------
+def sampler_to_proto(cfg: SamplerConfig) -> pb.SamplerSettings:
+    return pb.SamplerSettings(
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p,
+        repeat_penalty=cfg.repeat_penalty,
+        repeat_last_n=cfg.repeat_last_n,
+        has_seed=cfg.seed is not None,
+        seed=cfg.seed or 0,
+    )
+
+
+def sampler_from_proto(msg: pb.SamplerSettings) -> SamplerConfig:
+    return SamplerConfig(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p,
+        min_p=msg.min_p,
+        repeat_penalty=msg.repeat_penalty,
+        repeat_last_n=msg.repeat_last_n,
+        seed=msg.seed if msg.has_seed else None,
+    )

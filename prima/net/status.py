@@ -1,0 +1,41 @@
+"""The protocol errors a daemon answers with, and the gRPC status code each maps to.
+
+Library code (codec, node runtime) raises these; only the servicer turns them into a status, so
+a peer's bad message ends that one call and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+
+from prima.errors import NodeError, PlanError, ProtocolError
+
+
+class UnknownSessionError(ProtocolError):
+    """A message names a session this node never opened (or already closed)."""
+
+
+class StaleEpochError(ProtocolError):
+    """A message or session belongs to a plan epoch other than the one loaded."""
+
+
+class NotReadyError(ProtocolError):
+    """The node has no plan yet, or is not the head but was asked to act as one."""
+
+
+class PayloadTooLargeError(ProtocolError):
+    """A tensor or batch exceeds the node's limits."""
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    """The gRPC status a servicer answers with for `exc` (most specific class first)."""
+    if isinstance(exc, UnknownSessionError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, StaleEpochError | NotReadyError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, PayloadTooLargeError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, ProtocolError | PlanError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NodeError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
