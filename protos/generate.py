@@ -25,8 +25,15 @@ def generate() -> dict[str, str]:
     protos = sorted(str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "prima" / "v1").glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *protos]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *protos,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {protos}")
         out: dict[str, str] = {}

@@ -40,7 +40,9 @@ class WireDType(enum.IntEnum):
         try:
             return cls[name.upper().replace("-", "_")]
         except KeyError:
-            raise ProtocolError(f"unknown wire dtype {name!r}; use one of {[d.name.lower() for d in cls]}") from None
+            raise ProtocolError(
+                f"unknown wire dtype {name!r}; use one of {[d.name.lower() for d in cls]}"
+            ) from None
 
 
 # -- tensors -------------------------------------------------------------------------------------
@@ -80,7 +82,9 @@ def decode_tensor(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> np.nd
     try:
         dtype = WireDType(msg.dtype)
     except ValueError:
-        raise ProtocolError(f"unknown tensor dtype {msg.dtype}; this node speaks {[d.name for d in WireDType]}") from None
+        raise ProtocolError(
+            f"unknown tensor dtype {msg.dtype}; this node speaks {[d.name for d in WireDType]}"
+        ) from None
     width = {WireDType.F32: 4, WireDType.F16: 2, WireDType.BF16: 2, WireDType.Q8_BLOCK: 1}[dtype]
     if len(msg.data) != n * width:
         raise ProtocolError(
@@ -95,7 +99,9 @@ def decode_tensor(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> np.nd
         return bits.view(np.float32).reshape(shape)
     n_blocks = -(-n // Q8_BLOCK)
     if len(msg.scales) != n_blocks * 2:
-        raise ProtocolError(f"Q8_BLOCK tensor of {n} values needs {n_blocks} f16 scales, got {len(msg.scales) // 2}")
+        raise ProtocolError(
+            f"Q8_BLOCK tensor of {n} values needs {n_blocks} f16 scales, got {len(msg.scales) // 2}"
+        )
     q = np.frombuffer(msg.data, dtype=np.int8)
     scales = np.frombuffer(msg.scales, dtype="<f2")
     return _q8_dequantize(q, scales, n).reshape(shape)
@@ -191,7 +197,9 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
             rounds=msg.rounds,
             epoch=msg.epoch,
             nodes=tuple(
-                NodeAssignment(n.node_id, n.address, tuple(Window(w.start, w.end) for w in n.windows), n.accel_layers)
+                NodeAssignment(
+                    n.node_id, n.address, tuple(Window(w.start, w.end) for w in n.windows), n.accel_layers
+                )
                 for n in msg.nodes
             ),
         )

@@ -28,7 +28,9 @@ def test_f32_roundtrip_is_bit_exact() -> None:
     assert y.tobytes() == x.tobytes()
 
 
-@pytest.mark.parametrize(("dtype", "rel"), [(WireDType.F16, 1e-3), (WireDType.BF16, 8e-3), (WireDType.Q8_BLOCK, 1e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "rel"), [(WireDType.F16, 1e-3), (WireDType.BF16, 8e-3), (WireDType.Q8_BLOCK, 1e-2)]
+)
 def test_lossy_dtypes_stay_within_their_error(dtype: WireDType, rel: float) -> None:
     x = _hidden(n=7, d=48)  # 336 values: not a whole number of Q8 blocks per row
     x[0, 3] = -60.0  # keep within f16 range

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generated_code_matches_proto() -> None:
     pytest.importorskip("grpc_tools")
     spec = importlib.util.spec_from_file_location("proto_generate", ROOT / "protos" / "generate.py")
-    assert spec and spec.loader
+    assert spec
+    assert spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fresh = module.generate()
