@@ -2,33 +2,41 @@
 
 For every k dividing L (W = L/k layers per round) one small mixed-integer program is solved
 with HiGHS; the best k wins. The objective and constraints are those of `cost_model`, written
-linearly (see docs/halda.md for the derivation):
+linearly (docs/halda.md has the derivation):
 
     minimize  k * sum_m (a_m w_m + b_m n_m + d_m y_m + c_m z_m) + k c_0 h + kappa
+    subject to
+      sum_m w_m = W                              every layer of a round is computed somewhere
+      z_m <= w_m <= wmax_m z_m                   z_m binary: device m is in the ring
+      n_m <= w_m,  n_m <= nmax_m                 accelerator layers fit its memory
+      u_m <= R_m + (S_m - R_m) s_m               s_m binary: device m streams from disk
+      y_m >= u_m - S_m (1 - s_m),  y_m >= 0      y_m: layers it rereads every token
+      h >= z_m  (m > 0)                          h binary: the head has a next hop
 
-    w_m  integer, layers per window;  z_m <= w_m <= W z_m        (z_m: device m is in the ring)
-    n_m  integer, accelerator layers; n_m <= w_m, k n_m b'_m <= accelerator memory
-    s_m  binary, device m streams its layers from disk; y_m = u_m s_m its streamed layers
-    h    binary, some device besides the head is in the ring (a lone head sends nothing)
-    sum_m w_m = W
+u_m are the layers whose weights sit in RAM (w_m - n_m, or w_m with unified memory); R_m is how
+many of them fit resident and S_m how many fit when streaming (two windows + all KV). Memory
+budgets are thus integer layer counts computed exactly from bytes, so the program's feasible
+set is the cost model's, with no floating tolerance at the boundary.
 
-The original system decides two things outside the integer program: the memory case of each
-device (by iterating "solve, reassign cases" until stable) and which devices to drop (those left
-with a single layer). Both heuristics can stop short of the optimum, so here both decisions are
-binaries inside the program (s_m and z_m); with the network cost c_m measured, a device whose
-hop costs more than its layers save is dropped by the objective itself. The result is exact under
-the cost model, which the tests check against brute-force enumeration.
+The original system decides two things outside the program: each device's memory case (iterate
+"solve, reassign cases" until stable) and which devices to drop (those left with one layer).
+Both heuristics can stop short of the optimum, so here both are binaries inside it (s_m, z_m);
+with the hop cost c_m measured, a device whose hop costs more than it saves is dropped by the
+objective itself. The result is exact under the cost model; the tests check it against brute
+force.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import highspy
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from prima.errors import PlanError
 from prima.scheduler.cost_model import DeviceCost, ring_costs, ring_time_ms
@@ -38,7 +46,8 @@ from prima.scheduler.profile import DeviceProfile, ModelProfile
 log = logging.getLogger("prima.scheduler")
 
 GiB = float(1 << 30)
-# Variables per device, in column order.
+MiB = float(1 << 20)
+# Variables per device, in column order; one more column, h, closes the vector.
 _W, _N, _Z, _S, _Y = range(5)
 _PER_DEVICE = 5
 # Two plans whose predicted times differ by less than this are equally good; prefer fewer rounds.
@@ -55,6 +64,46 @@ class Assignment:
     window_sizes: tuple[int, ...]
     accel_layers: tuple[int, ...]
     ms_per_token: float
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How many layers per window device m can take in k rounds (all counts per window)."""
+
+    resident: int  # R: layers in RAM that fit resident, k u b' + fixed <= budget
+    streaming: int  # S: layers in RAM that fit when streaming, or -1 if streaming cannot help
+    accel: int  # nmax: layers the accelerator memory holds, k n b' <= accelerator memory
+
+    @property
+    def in_ram(self) -> int:
+        return max(self.resident, self.streaming)
+
+    def window(self, cost: DeviceCost, per_round: int) -> int:
+        """wmax: the largest window the device can take at all."""
+        if cost.accel_shares_ram or not cost.has_accel:
+            return min(per_round, self.in_ram)
+        return min(per_round, self.in_ram + self.accel) if self.in_ram >= 0 else -1
+
+
+def capacity(cost: DeviceCost, rounds: int, per_round: int) -> Capacity:
+    """Exact integer form of the cost model's memory rules for one device."""
+    k = rounds
+    room = cost.ram_budget_bytes - cost.fixed_bytes
+    if room < 0:
+        return Capacity(-1, -1, 0)
+    resident = _fit(room, k * cost.layer_ram_bytes, per_round)
+    streaming = -1
+    if cost.can_stream:
+        # Compute one window while the next is read: two windows of weights plus all the KV.
+        streaming = _fit(room, 2 * cost.layer_weight_bytes + k * cost.layer_kv_bytes, per_round)
+        if streaming <= resident:
+            streaming = -1  # streaming lets it hold no more layers (always so for k <= 2)
+    accel = _fit(cost.accel_budget_bytes, k * cost.layer_ram_bytes, per_round) if cost.has_accel else 0
+    return Capacity(resident, streaming, accel)
+
+
+def _fit(room: int, per_layer: int, cap: int) -> int:
+    return cap if per_layer <= 0 else min(cap, room // per_layer)
 
 
 def solve(
@@ -82,9 +131,7 @@ def solve(
     dropped = [
         DroppedDevice(
             devices[m].node_id,
-            _drop_reason(costs, model.n_layers, max_rounds or model.n_layers, best, m)
-            if explain_drops
-            else "",
+            _drop_reason(costs, model.n_layers, best, m) if explain_drops else "",
         )
         for m in range(len(devices))
         if m not in best.members
@@ -111,10 +158,10 @@ def best_assignment(
     for k in divisors(n_layers):
         if max_rounds is not None and k > max_rounds:
             break
-        found = solve_rounds(costs, n_layers, k)
-        if found is None:
-            continue
-        if best is None or found.ms_per_token < best.ms_per_token * (1 - _TIE_RELATIVE):
+        # Only a strictly better plan can replace the incumbent, which prefers fewer rounds.
+        cutoff = best.ms_per_token * (1 - _TIE_RELATIVE) if best else math.inf
+        found = solve_rounds(costs, n_layers, k, cutoff_ms=cutoff)
+        if found is not None and found.ms_per_token < cutoff:
             best = found
     return best
 
@@ -124,124 +171,192 @@ def divisors(n: int) -> list[int]:
 
 
 def solve_rounds(
-    costs: Sequence[DeviceCost], n_layers: int, rounds: int, *, force: int | None = None
+    costs: Sequence[DeviceCost], n_layers: int, rounds: int, *, cutoff_ms: float = math.inf
 ) -> Assignment | None:
-    """Solve the integer program for a fixed k = `rounds`; `force` keeps that device in the ring.
-    Returns None when nothing fits."""
+    """Solve the integer program for a fixed k = `rounds`. Returns None when nothing fits or
+    nothing beats `cutoff_ms` (the incumbent from another k, which lets HiGHS prune early)."""
     k = rounds
     per_round = n_layers // k
     m_count = len(costs)
-    n_cols = _PER_DEVICE * m_count + 1  # + h
-    h_col = n_cols - 1
-    obj = np.zeros(n_cols)
-    lower = np.zeros(n_cols)
-    upper = np.zeros(n_cols)
-    integrality = np.ones(n_cols)
-    rows: list[tuple[dict[int, float], float, float]] = []
+    prog = _Program(_PER_DEVICE * m_count + 1)
+    h = prog.n_cols - 1
 
     def col(m: int, var: int) -> int:
         return _PER_DEVICE * m + var
 
-    kappa = costs[0].fixed_ms
-    obj[h_col] = k * costs[0].hop_ms if math.isfinite(costs[0].hop_ms) else 0.0
-    upper[h_col] = 1.0 if m_count > 1 and math.isfinite(costs[0].hop_ms) else 0.0
-
+    head_hop = costs[0].hop_ms
+    if math.isfinite(head_hop) and m_count > 1:
+        prog.var(h, 0, 1, k * head_hop)
     for m, c in enumerate(costs):
-        usable = math.isfinite(c.cpu_ms_per_layer) and (m == 0 or math.isfinite(c.hop_ms))
-        if m == 0 and not usable:
-            return None
         w, n, z, s, y = (col(m, v) for v in (_W, _N, _Z, _S, _Y))
-        # Window size, tied to membership: z <= w <= W z.
-        upper[w] = per_round
-        lower[z] = 1.0 if m == 0 or m == force else 0.0
-        upper[z] = 1.0 if usable else 0.0
-        obj[w] = k * c.cpu_ms_per_layer
-        rows.append(({w: 1.0, z: -1.0}, 0.0, math.inf))
-        rows.append(({w: 1.0, z: -float(per_round)}, -math.inf, 0.0))
+        cap = capacity(c, k, per_round)
+        w_max = cap.window(c, per_round)
+        usable = w_max >= 1 and math.isfinite(c.cpu_ms_per_layer) and (m == 0 or math.isfinite(c.hop_ms))
+        if not usable:
+            if m == 0:
+                return None  # the head cannot take even one layer per window
+            continue  # every column of m stays fixed at 0
+        prog.var(z, 1 if m == 0 else 0, 1, 0.0 if m == 0 else k * c.hop_ms)
+        prog.var(w, 0, w_max, k * c.cpu_ms_per_layer)
+        prog.row({w: 1, z: -1}, 0, math.inf)  # z <= w
+        prog.row({w: 1, z: -w_max}, -math.inf, 0)  # w <= wmax z
         if m > 0:
-            obj[z] = k * c.hop_ms if usable else 0.0
-            rows.append(({h_col: 1.0, z: -1.0}, 0.0, math.inf))  # h >= z_m
-        # Accelerator layers: n <= w, and k n b' <= accelerator memory (as a bound on n).
-        if c.has_accel:
-            upper[n] = min(per_round, math.floor(c.accel_budget_bytes / (k * c.layer_ram_bytes)))
-            obj[n] = k * c.accel_delta_ms_per_layer
-            rows.append(({n: 1.0, w: -1.0}, -math.inf, 0.0))
-        # u = layers whose weights live in RAM, as coefficients over (w, n).
-        u = {w: 1.0} if c.accel_shares_ram or not c.has_accel else {w: 1.0, n: -1.0}
-        budget = (c.ram_budget_bytes - c.fixed_bytes) / GiB
-        # Resident unless streaming: k u b' <= budget + big s.
-        need = k * c.layer_ram_bytes / GiB
-        big = need * per_round + abs(budget) + 1.0
-        rows.append(({**_scale(u, need), s: -big}, -math.inf, budget))
-        if c.can_stream:
-            # Streaming keeps two windows plus all the KV: (2 lw + k kv) u <= budget + big (1 - s).
-            window = (2 * c.layer_weight_bytes + k * c.layer_kv_bytes) / GiB
-            big_w = window * per_round + abs(budget) + 1.0
-            rows.append(({**_scale(u, window), s: big_w}, -math.inf, budget + big_w))
-            # y >= u - W (1 - s): the streamed layers, each costing d_m (y's cost keeps it tight).
-            upper[s] = 1.0
-            upper[y] = per_round
-            obj[y] = k * c.disk_ms_per_layer
-            rows.append(({y: 1.0, **_scale(u, -1.0), s: -float(per_round)}, -float(per_round), math.inf))
-    # Every layer of a round is computed somewhere.
-    rows.append(({col(m, _W): 1.0 for m in range(m_count)}, float(per_round), float(per_round)))
-
-    a = np.zeros((len(rows), n_cols))
-    row_lo = np.empty(len(rows))
-    row_hi = np.empty(len(rows))
-    for i, (coefs, lo, hi) in enumerate(rows):
-        for j, v in coefs.items():
-            a[i, j] += v
-        row_lo[i], row_hi[i] = lo, hi
-    # y is continuous (it equals an integer at the optimum anyway).
-    integrality[[col(m, _Y) for m in range(m_count)]] = 0
-    result = milp(
-        obj,
-        integrality=integrality,
-        bounds=Bounds(lower, upper),
-        constraints=LinearConstraint(a, row_lo, row_hi),
-        options={"mip_rel_gap": 0.0},
-    )
-    if result.x is None:
+            prog.row({h: 1, z: -1}, 0, math.inf)  # h >= z_m
+        u = {w: 1}
+        if c.has_accel and cap.accel > 0:
+            prog.var(n, 0, cap.accel, k * c.accel_delta_ms_per_layer)
+            prog.row({n: 1, w: -1}, -math.inf, 0)  # n <= w
+            if not c.accel_shares_ram:
+                u = {w: 1, n: -1}
+        if cap.streaming >= 0:
+            # u <= R + (S - R) s: resident, or streaming with the larger (window) limit.
+            prog.var(s, 0, 1, 0.0)
+            prog.row({**u, s: -(cap.streaming - cap.resident)}, -math.inf, cap.resident)
+            # y >= u - S (1 - s): a streaming device rereads all its u layers every token.
+            prog.var(y, 0, cap.streaming, k * c.disk_ms_per_layer)
+            prog.row({y: 1, **{j: -v for j, v in u.items()}, s: -cap.streaming}, -cap.streaming, math.inf)
+        else:
+            prog.row(u, -math.inf, cap.resident)
+    prog.row({col(m, _W): 1 for m in range(m_count)}, per_round, per_round)
+    # y may be continuous: at the optimum it equals an integer anyway.
+    continuous = [col(m, _Y) for m in range(m_count)]
+    x = prog.solve(continuous, cutoff=cutoff_ms - costs[0].fixed_ms)
+    if x is None:
         return None
-    x = np.rint(result.x).astype(int)
     members = tuple(m for m in range(m_count) if x[col(m, _Z)] == 1)
     windows = tuple(int(x[col(m, _W)]) for m in members)
     accel = tuple(int(x[col(m, _N)]) for m in members)
-    # Score the solution with the cost model itself, so the plan's prediction is the model's.
+    # Score the answer with the cost model itself, so the plan's prediction is the model's.
     t = ring_time_ms([costs[m] for m in members], k, windows, accel)
-    if not math.isfinite(t):
-        log.debug("k=%d: solver answer %s/%s does not fit under the cost model", k, windows, accel)
-        return None
-    assert abs(t - (result.fun + kappa)) <= 1e-6 * max(1.0, t), (t, result.fun + kappa)
+    assert math.isfinite(t), (k, windows, accel)
     return Assignment(k, members, windows, accel, t)
 
 
-def _scale(coefs: dict[int, float], factor: float) -> dict[int, float]:
-    return {j: v * factor for j, v in coefs.items()}
+class _Program:
+    """A mixed-integer program built column by column and solved with HiGHS."""
+
+    def __init__(self, n_cols: int) -> None:
+        self.n_cols = n_cols
+        self.cost = np.zeros(n_cols)
+        self.lower = np.zeros(n_cols)
+        self.upper = np.zeros(n_cols)  # unset columns are fixed at 0
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self, j: int, lo: float, hi: float, cost: float) -> None:
+        self.lower[j], self.upper[j], self.cost[j] = lo, hi, cost
+
+    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append((coefs, lo, hi))
+
+    def solve(self, continuous: Sequence[int], cutoff: float) -> np.ndarray | None:
+        """Integer solution vector, or None if infeasible or no better than `cutoff`."""
+        # Column-wise sparse matrix, as HiGHS takes it.
+        by_col: list[list[tuple[int, float]]] = [[] for _ in range(self.n_cols)]
+        for i, (coefs, _, _) in enumerate(self.rows):
+            for j, v in coefs.items():
+                by_col[j].append((i, float(v)))
+        lp = highspy.HighsLp()
+        lp.num_col_ = self.n_cols
+        lp.num_row_ = len(self.rows)
+        lp.col_cost_ = self.cost
+        lp.col_lower_ = self.lower
+        lp.col_upper_ = self.upper
+        lp.row_lower_ = np.array([lo for _, lo, _ in self.rows], dtype=float)
+        lp.row_upper_ = np.array([hi for _, _, hi in self.rows], dtype=float)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.cumsum([0] + [len(c) for c in by_col])
+        lp.a_matrix_.index_ = np.array([i for c in by_col for i, _ in c], dtype=np.int32)
+        lp.a_matrix_.value_ = np.array([v for c in by_col for _, v in c], dtype=float)
+        integrality = [highspy.HighsVarType.kInteger] * self.n_cols
+        for j in continuous:
+            integrality[j] = highspy.HighsVarType.kContinuous
+        lp.integrality_ = integrality
+        if math.isfinite(cutoff) and self._relaxation_bound(lp) >= cutoff:
+            return None
+        for attempt in range(2):
+            solver = _new_highs()
+            solver.setOptionValue("mip_rel_gap", 0.0)
+            if math.isfinite(cutoff):
+                solver.setOptionValue("objective_bound", cutoff)
+            solver.passModel(lp)
+            if solver.run() != highspy.HighsStatus.kError or attempt:
+                break
+            # HiGHS keeps one thread pool per process; if someone started it with other
+            # settings, our single-threaded run is refused until the pool is rebuilt.
+            log.debug("HiGHS refused to run; resetting its thread pool")
+            highspy.Highs.resetGlobalScheduler(True)
+        if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        return np.rint(np.asarray(solver.getSolution().col_value)).astype(int)
+
+    @staticmethod
+    def _relaxation_bound(lp: highspy.HighsLp) -> float:
+        """The LP relaxation's optimum: a lower bound on the program's, found in well under a
+        millisecond. Rounds k that cannot beat the best plan so far are skipped on it alone."""
+        solver = _new_highs()
+        solver.setOptionValue("solve_relaxation", True)
+        solver.passModel(lp)
+        if solver.run() == highspy.HighsStatus.kError:
+            return -math.inf
+        status = solver.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        if status != highspy.HighsModelStatus.kOptimal:
+            return -math.inf
+        return solver.getInfo().objective_function_value
 
 
-def _drop_reason(
-    costs: Sequence[DeviceCost], n_layers: int, max_rounds: int, best: Assignment, m: int
-) -> str:
-    """Why device m is not in the best plan, for the user: unusable, too small, or too slow."""
+_banner_silenced = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A quiet HiGHS instance. The first one in a process writes a banner straight to fd 1,
+    past sys.stdout, which would corrupt `prima plan --json`; point fd 1 at /dev/null for it."""
+    global _banner_silenced
+    if _banner_silenced:
+        solver = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            solver = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(devnull)
+        _banner_silenced = True
+    solver.setOptionValue("output_flag", False)
+    # These programs take a few hundred microseconds to solve; HiGHS's worker threads and its
+    # feasibility-jump heuristic each cost ten times that to start, so run without both.
+    solver.setOptionValue("threads", 1)
+    solver.setOptionValue("mip_heuristic_run_feasibility_jump", False)
+    return solver
+
+
+def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m: int) -> str:
+    """Why device m is not in the best plan, in words a user can act on. The program considered
+    every subset of devices, so leaving m out is optimal; this says which limit made it so."""
     c = costs[m]
+    k = best.rounds
     if not math.isfinite(c.cpu_ms_per_layer):
         return "no CPU throughput measured; re-run `prima profile` on it"
     if not math.isfinite(c.hop_ms):
         return "no network bandwidth to it; check that it is reachable"
-    forced = [solve_rounds(costs, n_layers, k, force=m) for k in divisors(n_layers) if k <= max_rounds]
-    options = [a for a in forced if a is not None]
-    if not options:
-        one_layer = c.layer_ram_bytes / (1 << 20)
+    if capacity(c, k, n_layers // k).window(c, n_layers // k) < 1:
+        disk = "" if c.can_stream else " and no disk to stream from"
         return (
-            f"cannot hold a layer: one layer with its KV cache needs {one_layer:.0f} MiB, "
-            f"it has {c.ram_budget_bytes / (1 << 20):.0f} MiB free"
+            f"cannot hold a layer in {k} round(s): a layer with its KV cache needs "
+            f"{c.layer_ram_bytes / MiB:.0f} MiB, it has {c.ram_budget_bytes / MiB:.0f} MiB free{disk}"
         )
-    with_it = min(options, key=lambda a: a.ms_per_token)
+    per_layer = c.cpu_ms_per_layer + min(c.accel_delta_ms_per_layer, 0.0)
+    members = [costs[i] for i in best.members]
+    hops = k * sum(x.hop_ms for x in members) if len(members) > 1 else 0.0
+    ring_avg = (best.ms_per_token - costs[0].fixed_ms - hops) / n_layers
     return (
-        f"slower with it: the best plan including it takes {with_it.ms_per_token:.1f} ms/token vs "
-        f"{best.ms_per_token:.1f} without (its hop costs {c.hop_ms:.1f} ms per round)"
+        f"faster without it: a layer takes {per_layer:.1f} ms on it vs {ring_avg:.1f} ms on average "
+        f"in the ring, and it would add a {c.hop_ms:.1f} ms hop per round"
     )
 
 

@@ -115,7 +115,8 @@ def test_halda_drops_a_device_behind_a_slow_network(make_device, make_model):
     assert [n.node_id for n in plan.nodes] == ["head", "fast"]
     (dropped,) = plan.dropped
     assert dropped.node_id == "far"
-    assert "slower with it" in dropped.reason
+    assert dropped.reason.startswith("faster without it")
+    assert "400.3 ms hop" in dropped.reason
 
 
 def test_halda_drops_a_device_with_slow_compute(make_device, make_model):
@@ -124,7 +125,7 @@ def test_halda_drops_a_device_with_slow_compute(make_device, make_model):
     plan = halda.solve(devices, model)
     assert [n.node_id for n in plan.nodes] == ["head"]
     assert plan.dropped[0].node_id == "slow"
-    assert plan.dropped[0].reason
+    assert plan.dropped[0].reason.startswith("faster without it")
 
 
 def test_halda_puts_a_model_that_fits_one_strong_device_on_it_alone(make_device, make_model):
