@@ -24,6 +24,17 @@ def _f16(lut: np.ndarray, row: np.ndarray, o: int) -> np.float32:
     return lut[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
 
 
+@njit(cache=True, inline="always")
+def _u32(row: np.ndarray, o: int) -> np.uint32:
+    """The little-endian u32 at byte `o` of `row`."""
+    return (
+        np.uint32(row[o])
+        | (np.uint32(row[o + 1]) << np.uint32(8))
+        | (np.uint32(row[o + 2]) << np.uint32(16))
+        | (np.uint32(row[o + 3]) << np.uint32(24))
+    )
+
+
 # Q4_0: 18-byte block of 32: d f16, 16 bytes of nibbles; the low nibble of byte j is element j,
 # the high nibble element j + 16; value = d * (q - 8).
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
@@ -113,13 +124,14 @@ def dot_q5_0(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
             for b in range(n_blocks):
                 o = b * 22
                 d = _f16(lut, row, o)
+                qh = _u32(row, o + 2)
                 xb = b * 32
                 for j in range(16):
                     q = row[o + 6 + j]
-                    h0 = ((row[o + 2 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                    h1 = ((row[o + 4 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                    v0 = np.float32((q & np.uint8(15)) | h0) - np.float32(16)
-                    v1 = np.float32((q >> np.uint8(4)) | h1) - np.float32(16)
+                    h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+                    h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
+                    v0 = np.float32(np.uint32(q & np.uint8(15)) | h0) - np.float32(16)
+                    v1 = np.float32(np.uint32(q >> np.uint8(4)) | h1) - np.float32(16)
                     acc[j] += xk[xb + j] * (d * v0)
                     acc[j + 16] += xk[xb + 16 + j] * (d * v1)
             out[k, r] = acc.sum()
@@ -134,12 +146,13 @@ def rows_q5_0(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
         for b in range(n_blocks):
             o = b * 22
             d = _f16(lut, row, o)
+            qh = _u32(row, o + 2)
             for j in range(16):
                 q = row[o + 6 + j]
-                h0 = ((row[o + 2 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                h1 = ((row[o + 4 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                y[b * 32 + j] = d * (np.float32((q & np.uint8(15)) | h0) - np.float32(16))
-                y[b * 32 + 16 + j] = d * (np.float32((q >> np.uint8(4)) | h1) - np.float32(16))
+                h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+                h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
+                y[b * 32 + j] = d * (np.float32(np.uint32(q & np.uint8(15)) | h0) - np.float32(16))
+                y[b * 32 + 16 + j] = d * (np.float32(np.uint32(q >> np.uint8(4)) | h1) - np.float32(16))
 
 
 # Q5_1: 24-byte block of 32: d f16, m f16, qh u32 (as Q5_0), 16 bytes of low nibbles;
@@ -157,13 +170,14 @@ def dot_q5_1(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -
                 o = b * 24
                 d = _f16(lut, row, o)
                 m = _f16(lut, row, o + 2)
+                qh = _u32(row, o + 4)
                 xb = b * 32
                 for j in range(16):
                     q = row[o + 8 + j]
-                    h0 = ((row[o + 4 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                    h1 = ((row[o + 6 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                    acc[j] += xk[xb + j] * (d * np.float32((q & np.uint8(15)) | h0) + m)
-                    acc[j + 16] += xk[xb + 16 + j] * (d * np.float32((q >> np.uint8(4)) | h1) + m)
+                    h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+                    h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
+                    acc[j] += xk[xb + j] * (d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m)
+                    acc[j + 16] += xk[xb + 16 + j] * (d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m)
             out[k, r] = acc.sum()
 
 
@@ -177,12 +191,13 @@ def rows_q5_1(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray
             o = b * 24
             d = _f16(lut, row, o)
             m = _f16(lut, row, o + 2)
+            qh = _u32(row, o + 4)
             for j in range(16):
                 q = row[o + 8 + j]
-                h0 = ((row[o + 4 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                h1 = ((row[o + 6 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
-                y[b * 32 + j] = d * np.float32((q & np.uint8(15)) | h0) + m
-                y[b * 32 + 16 + j] = d * np.float32((q >> np.uint8(4)) | h1) + m
+                h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+                h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
+                y[b * 32 + j] = d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m
+                y[b * 32 + 16 + j] = d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m
 
 
 # Q8_0: 34-byte block of 32: d f16, 32 int8; value = d * q.
