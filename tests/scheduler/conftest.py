@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFWriter
 
 from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
 
@@ -96,6 +98,34 @@ def random_cluster(seed: int) -> tuple[list[DeviceProfile], ModelProfile]:
             )
         )
     return devices, model
+
+
+def write_tiny_gguf(path: Path, *, tied: bool) -> None:
+    """A 2-layer llama-shaped GGUF: 8-wide embeddings, 2 heads of 4, 1 KV head, 16-token vocab."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_context_length(256)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, np.float32))
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((8, 8), np.float32))
+        w.add_tensor(f"blk.{i}.attn_k.weight", np.zeros((4, 8), np.float16))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((16, 8), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    if not tied:
+        w.add_tensor("output.weight", np.zeros((16, 8), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(name="write_tiny_gguf")
+def write_tiny_gguf_fixture() -> Callable[..., None]:
+    return write_tiny_gguf
 
 
 @pytest.fixture(name="make_model")

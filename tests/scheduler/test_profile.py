@@ -6,9 +6,7 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from prima.errors import InputError
 from prima.model.gguf_file import GGUFFile
@@ -81,32 +79,9 @@ def test_profile_cluster_file_errors_say_what_to_do(tmp_path):
         load_cluster_file(path)
 
 
-def _write_tiny_gguf(path: Path, *, tied: bool) -> None:
-    """A 2-layer llama-shaped GGUF: 8-wide embeddings, 2 heads of 4, 1 KV head, 16-token vocab."""
-    w = GGUFWriter(str(path), "llama")
-    w.add_block_count(2)
-    w.add_embedding_length(8)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_context_length(256)
-    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
-    for i in range(2):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((8, 8), np.float32))
-        w.add_tensor(f"blk.{i}.attn_k.weight", np.zeros((4, 8), np.float16))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((16, 8), np.float32))
-    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
-    if not tied:
-        w.add_tensor("output.weight", np.zeros((16, 8), np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def test_profile_model_from_gguf_derives_sizes(tmp_path):
+def test_profile_model_from_gguf_derives_sizes(tmp_path, write_tiny_gguf):
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, tied=False)
+    write_tiny_gguf(path, tied=False)
     with GGUFFile(path) as f:
         m = ModelProfile.from_gguf(f, ctx_tokens=1024)
     assert m.n_layers == 2
@@ -122,9 +97,9 @@ def test_profile_model_from_gguf_derives_sizes(tmp_path):
     assert m.ctx_tokens == 256  # clipped to the model's context length
 
 
-def test_profile_model_from_gguf_with_tied_output(tmp_path):
+def test_profile_model_from_gguf_with_tied_output(tmp_path, write_tiny_gguf):
     path = tmp_path / "tied.gguf"
-    _write_tiny_gguf(path, tied=True)
+    write_tiny_gguf(path, tied=True)
     with GGUFFile(path) as f:
         m = ModelProfile.from_gguf(f)
     assert m.output_bytes == 8 * 4  # only output_norm: the head reuses token_embd

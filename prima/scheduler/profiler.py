@@ -1,0 +1,181 @@
+"""Measure this machine into a DeviceProfile: memory, disk, CPU throughput per weight format.
+
+Every probe is short (well under a second at the default sizes) and takes its size as an
+argument, so tests run it small. Network latency and bandwidth to a peer are measured by the
+networking layer and passed in. Matmul throughput comes from an injected `kernel_bench(format)`
+so the profile reflects the kernels prima really runs; without one, a numpy float32 GEMV stands
+in for every format.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from prima.model.gguf_file import GGUFFile
+from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
+
+log = logging.getLogger("prima.scheduler")
+
+KernelBench = Callable[[str], float]
+MiB = 1 << 20
+# Leave this share of RAM to the owner's apps: the technique aims at memory pressure under ~6-10%.
+RAM_RESERVE_FRACTION = 0.05
+DEFAULT_PROBE_DIR = Path.home() / ".cache" / "prima"
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """How much work each probe does: bigger is steadier, smaller is faster."""
+
+    mem_bytes: int = 64 * MiB
+    disk_bytes: int = 64 * MiB
+    gemv_rows: int = 2048
+    gemv_cols: int = 2048
+    repeats: int = 5
+
+
+def os_class() -> str:
+    """One of profile.OS_CLASSES. Android reports itself as Linux, so look for its markers."""
+    if sys.platform == "android" or "ANDROID_ROOT" in os.environ or hasattr(sys, "getandroidapilevel"):
+        return "android"
+    return {"Linux": "linux", "Darwin": "macos", "Windows": "windows"}.get(platform.system(), "other")
+
+
+def usable_ram_bytes() -> tuple[int, int]:
+    """(total, usable): usable is what the OS can hand out without swapping (psutil's
+    `available`, which counts reclaimable page cache) minus a reserve for the owner's apps."""
+    vm = psutil.virtual_memory()
+    usable = max(0, int(vm.available - RAM_RESERVE_FRACTION * vm.total))
+    return int(vm.total), usable
+
+
+def measure_mem_bandwidth(n_bytes: int = 64 * MiB, repeats: int = 5) -> float:
+    """Bytes/s of a large numpy copy (each byte is read once and written once), best of
+    `repeats`: the rate at which a GEMV can stream weights and KV cache from RAM."""
+    src = np.ones(max(n_bytes // 8, 1), dtype=np.float64)
+    dst = np.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / max(best, 1e-9)
+
+
+def measure_disk_read(
+    path: str | os.PathLike[str] | None = None, n_bytes: int = 64 * MiB, scratch_dir: Path = DEFAULT_PROBE_DIR
+) -> float:
+    """Bytes/s reading up to `n_bytes` of `path` after asking the OS to drop it from the page
+    cache, i.e. the speed at which a short-of-memory device can stream layers. Without a path a
+    scratch file is written in `scratch_dir` (not /tmp, which is often RAM-backed)."""
+    if path is not None:
+        return _timed_cold_read(Path(path), n_bytes)
+    scratch_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="disk-probe-", dir=scratch_dir)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            chunk = np.random.default_rng(0).bytes(MiB)
+            for _ in range(max(n_bytes // MiB, 1)):
+                fh.write(chunk)
+            fh.flush()
+            # Dirty pages cannot be dropped: write them out first.
+            os.fsync(fh.fileno())
+        return _timed_cold_read(Path(name), n_bytes)
+    finally:
+        os.unlink(name)
+
+
+def _timed_cold_read(path: Path, n_bytes: int) -> float:
+    with open(path, "rb", buffering=0) as fh:
+        length = min(n_bytes, os.fstat(fh.fileno()).st_size)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), 0, length, os.POSIX_FADV_DONTNEED)
+        else:
+            log.debug("no posix_fadvise here: the disk probe may read from the page cache")
+        buf = bytearray(MiB)
+        view = memoryview(buf)
+        done = 0
+        t0 = time.perf_counter()
+        while done < length:
+            got = fh.readinto(view[: min(MiB, length - done)])
+            if not got:
+                break
+            done += got
+        elapsed = time.perf_counter() - t0
+    return done / max(elapsed, 1e-9)
+
+
+def numpy_gemv_flops(rows: int = 2048, cols: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a float32 matrix-vector product (2 FLOPs per weight), best of `repeats`.
+    Decoding one token is a chain of GEMVs, so this, not a GEMM, is the relevant speed."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((rows, cols), dtype=np.float32)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        w @ x
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * rows * cols / max(best, 1e-9)
+
+
+def measure_formats(formats: Iterable[str], kernel_bench: KernelBench) -> dict[str, float]:
+    """FLOP/s per weight format. `F32` is always measured: the cost model falls back to it."""
+    wanted = dict.fromkeys(["F32", *formats])
+    return {fmt: float(kernel_bench(fmt)) for fmt in wanted}
+
+
+def profile_device(
+    node_id: str | None = None,
+    address: str = "",
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    kernel_bench: KernelBench | None = None,
+    accelerator: AcceleratorProfile | None = None,
+    net_latency_ms: float = 0.0,
+    net_bandwidth_bytes_per_s: float = math.inf,
+    sizes: ProbeSizes | None = None,
+    scratch_dir: Path = DEFAULT_PROBE_DIR,
+) -> DeviceProfile:
+    """Measure this machine. With `model_path` the disk probe reads the model file itself and
+    throughput is measured for the model's weight formats; otherwise F32 only."""
+    sizes = sizes or ProbeSizes()
+    total, usable = usable_ram_bytes()
+    swap = psutil.swap_memory()
+    formats: list[str] = []
+    if model_path is not None:
+        with GGUFFile(model_path) as gguf:
+            model = ModelProfile.from_gguf(gguf)
+        formats = sorted({*model.layer_flops, *model.output_flops})
+    if kernel_bench is None:
+        # One numpy measurement stands for every format: numpy runs them all as float32.
+        gemv = numpy_gemv_flops(sizes.gemv_rows, sizes.gemv_cols, sizes.repeats)
+        kernel_bench = lambda _fmt: gemv  # noqa: E731
+    return DeviceProfile(
+        node_id=node_id or socket.gethostname(),
+        address=address,
+        os=os_class(),
+        ram_total_bytes=total,
+        ram_available_bytes=usable,
+        swap_total_bytes=int(swap.total),
+        swap_free_bytes=int(swap.free),
+        disk_read_bytes_per_s=measure_disk_read(model_path, sizes.disk_bytes, scratch_dir),
+        mem_bandwidth_bytes_per_s=measure_mem_bandwidth(sizes.mem_bytes, sizes.repeats),
+        cpu_flops=measure_formats(formats, kernel_bench),
+        accelerator=accelerator,
+        net_latency_ms=net_latency_ms,
+        net_bandwidth_bytes_per_s=net_bandwidth_bytes_per_s,
+    )
