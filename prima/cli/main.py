@@ -16,6 +16,8 @@ from prima.errors import PrimaError
 COMMAND_MODULES = [
     "prima.cli.cmd_models",
     "prima.cli.cmd_tokenize",
+    "prima.cli.cmd_plan",
+    "prima.cli.cmd_profile",
 ]
 
 

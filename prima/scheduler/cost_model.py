@@ -116,6 +116,18 @@ def ring_costs(devices: Sequence[DeviceProfile], model: ModelProfile) -> list[De
     return [device_cost(d, model, is_head=i == 0) for i, d in enumerate(devices)]
 
 
+def ram_layers(cost: DeviceCost, window: int, accel_layers: int) -> int:
+    """u: layers per window whose weights live in RAM (accelerator layers do not, unless the
+    accelerator shares RAM)."""
+    return window if cost.accel_shares_ram else window - accel_layers
+
+
+def streams(cost: DeviceCost, rounds: int, window: int, accel_layers: int) -> bool:
+    """Whether the device is short of memory for its k*u layers and must reread them from disk."""
+    u = ram_layers(cost, window, accel_layers)
+    return rounds * u * cost.layer_ram_bytes + cost.fixed_bytes > cost.ram_budget_bytes
+
+
 def device_time_ms(
     cost: DeviceCost, rounds: int, window: int, accel_layers: int, *, sends: bool = True
 ) -> float:
@@ -124,9 +136,9 @@ def device_time_ms(
     k, w, n = rounds, window, accel_layers
     if n and (not cost.has_accel or n > w or k * n * cost.layer_ram_bytes > cost.accel_budget_bytes):
         return math.inf
-    u = w if cost.accel_shares_ram else w - n  # layers whose weights live in RAM
+    u = ram_layers(cost, w, n)
     disk = 0.0
-    if k * u * cost.layer_ram_bytes + cost.fixed_bytes > cost.ram_budget_bytes:
+    if streams(cost, k, w, n):
         # Short of memory: stream, keeping two windows of weights and all the KV cache resident.
         window_bytes = 2 * u * cost.layer_weight_bytes + k * u * cost.layer_kv_bytes + cost.fixed_bytes
         if not cost.can_stream or window_bytes > cost.ram_budget_bytes:

@@ -355,7 +355,7 @@ def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m
     hops = k * sum(x.hop_ms for x in members) if len(members) > 1 else 0.0
     ring_avg = (best.ms_per_token - costs[0].fixed_ms - hops) / n_layers
     return (
-        f"faster without it: a layer takes {per_layer:.1f} ms on it vs {ring_avg:.1f} ms on average "
+        f"faster without it: a layer takes {per_layer:.2f} ms on it vs {ring_avg:.2f} ms on average "
         f"in the ring, and it would add a {c.hop_ms:.1f} ms hop per round"
     )
 

@@ -1,0 +1,123 @@
+"""`prima plan`: run Halda on a cluster described in a file and print the plan.
+
+Lets a user ask "what would this model do on these devices?" before starting any daemon: the
+devices file holds profiles (from `prima profile --json` on each device), head first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from prima.errors import InputError
+from prima.model.gguf_file import GGUFFile
+from prima.model.registry import DEFAULT_MODEL, resolve_model
+from prima.scheduler import halda
+from prima.scheduler.cost_model import device_time_ms, ram_layers, ring_costs, streams
+from prima.scheduler.plan import Plan
+from prima.scheduler.profile import DeviceProfile, ModelProfile, load_cluster_file
+
+_GIB = float(1 << 30)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plan", help="plan a model over a cluster described by device profiles")
+    parser.add_argument(
+        "-m",
+        "--model",
+        help="GGUF path, known model name, or model profile .json "
+        f"(default: the devices file's model, else {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--devices", required=True, type=Path, help="JSON file of device profiles, head first"
+    )
+    parser.add_argument("--ctx", type=int, help="context length to size the KV cache for (tokens)")
+    parser.add_argument("--max-rounds", type=int, help="consider at most this many rounds k")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    devices, file_model = load_cluster_file(args.devices)
+    model = _model_profile(args.model, file_model, args.ctx)
+    plan = halda.solve(devices, model, max_rounds=args.max_rounds)
+    rows = _node_rows(plan, devices, model)
+    if args.json:
+        doc = {
+            "model": model.name,
+            "n_layers": plan.n_layers,
+            "ctx_tokens": model.ctx_tokens,
+            "rounds": plan.rounds,
+            "predicted_ms_per_token": plan.predicted_ms_per_token,
+            "nodes": rows,
+            "dropped": [{"node_id": d.node_id, "reason": d.reason} for d in plan.dropped],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(
+        f"{model.name}: {plan.n_layers} layers, ctx {model.ctx_tokens}, {plan.rounds} round(s), "
+        f"predicted {plan.predicted_ms_per_token:.1f} ms/token"
+    )
+    width = max(len(r["node_id"]) for r in rows) + 2
+    print(f"{'NODE':<{width}}{'LAYERS':>6} {'ACCEL':>5} {'RAM GiB':>13} {'DISK':>6} {'MS/TOK':>8}  WINDOWS")
+    for r in rows:
+        ram = f"{r['ram_needed_bytes'] / _GIB:.2f}/{r['ram_budget_bytes'] / _GIB:.2f}"
+        disk = "stream" if r["streams"] else "-"
+        windows = " ".join(f"[{s},{e})" for s, e in r["windows"])
+        print(
+            f"{r['node_id']:<{width}}{r['layers']:>6} {r['accel_layers']:>5} {ram:>13} {disk:>6} "
+            f"{r['ms_per_token']:>8.1f}  {windows}"
+        )
+    for d in plan.dropped:
+        print(f"dropped {d.node_id}: {d.reason}")
+    return 0
+
+
+def _model_profile(arg: str | None, from_file: ModelProfile | None, ctx: int | None) -> ModelProfile:
+    """The model to plan: an explicit -m wins, then the devices file's, then the default."""
+    if arg is None and from_file is not None:
+        return _with_ctx(from_file, ctx)
+    target = arg or DEFAULT_MODEL
+    if target.endswith(".json"):
+        try:
+            raw = json.loads(Path(target).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"{target}: cannot read the model profile ({exc})") from None
+        if not isinstance(raw, dict):
+            raise InputError(f"{target}: a model profile is a JSON object")
+        return _with_ctx(ModelProfile.from_dict(raw), ctx)
+    with GGUFFile(resolve_model(target, download=False)) as gguf:
+        return ModelProfile.from_gguf(gguf, ctx_tokens=ctx)
+
+
+def _with_ctx(model: ModelProfile, ctx: int | None) -> ModelProfile:
+    if ctx is None:
+        return model
+    return ModelProfile.from_dict({**model.to_dict(), "ctx_tokens": ctx})
+
+
+def _node_rows(plan: Plan, devices: list[DeviceProfile], model: ModelProfile) -> list[dict[str, Any]]:
+    """Per ring member: its windows, memory use and share of the predicted time."""
+    by_id = {d.node_id: d for d in devices}
+    ring = [by_id[n.node_id] for n in plan.nodes]
+    k = plan.rounds
+    rows = []
+    for node, cost in zip(plan.nodes, ring_costs(ring, model), strict=True):
+        w, n = node.window_size, node.accel_layers
+        u = ram_layers(cost, w, n)
+        rows.append(
+            {
+                "node_id": node.node_id,
+                "address": node.address,
+                "windows": [[win.start, win.end] for win in node.windows],
+                "layers": node.n_layers,
+                "accel_layers": k * n,
+                "streams": streams(cost, k, w, n),
+                "ram_needed_bytes": k * u * cost.layer_ram_bytes + cost.fixed_bytes,
+                "ram_budget_bytes": cost.ram_budget_bytes,
+                "ms_per_token": device_time_ms(cost, k, w, n, sends=len(ring) > 1) + cost.fixed_ms,
+            }
+        )
+    return rows

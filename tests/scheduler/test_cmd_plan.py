@@ -1,0 +1,42 @@
+"""`prima plan` and `prima profile` end to end through the CLI entry point."""
+
+from __future__ import annotations
+
+import json
+
+from prima.cli.main import main
+from prima.scheduler.profile import devices_to_json
+
+
+def test_cmd_plan_prints_the_table_and_the_drops(tmp_path, capsys, make_device, make_model):
+    path = tmp_path / "devices.json"
+    devices = [
+        make_device("head", ram_gib=1.6),
+        make_device("fast", ram_gib=1.6),
+        make_device("far", latency_ms=400.0),
+    ]
+    path.write_text(devices_to_json(devices, make_model(n_layers=12)))
+    assert main(["plan", "--devices", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "12 layers" in out
+    assert "head" in out
+    assert "dropped far: faster without it" in out
+
+
+def test_cmd_plan_json_with_a_model_profile_file(tmp_path, capsys, make_device, make_model):
+    devices_path = tmp_path / "devices.json"
+    devices_path.write_text(devices_to_json([make_device("a", ram_gib=0.9), make_device("b", ram_gib=2.0)]))
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(make_model(n_layers=8).to_dict()))
+    assert main(["plan", "--devices", str(devices_path), "-m", str(model_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["n_layers"] == 8
+    assert sum(n["layers"] for n in doc["nodes"]) == 8
+    assert doc["predicted_ms_per_token"] > 0
+
+
+def test_cmd_plan_reports_a_bad_devices_file(tmp_path, capsys):
+    path = tmp_path / "devices.json"
+    path.write_text('{"devices": [{"node_id": "a"}]}')
+    assert main(["plan", "--devices", str(path)]) == 1
+    assert "missing field" in capsys.readouterr().err
