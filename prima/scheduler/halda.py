@@ -112,7 +112,6 @@ def solve(
     *,
     max_rounds: int | None = None,
     epoch: int = 1,
-    explain_drops: bool = True,
 ) -> Plan:
     """Plan `model` over `devices` (devices[0] is the head and always stays in the ring).
 
@@ -129,10 +128,7 @@ def solve(
     if best is None:
         raise PlanError(_no_fit_message(devices, model, costs))
     dropped = [
-        DroppedDevice(
-            devices[m].node_id,
-            _drop_reason(costs, model.n_layers, best, m) if explain_drops else "",
-        )
+        DroppedDevice(devices[m].node_id, _drop_reason(costs, model.n_layers, best, m))
         for m in range(len(devices))
         if m not in best.members
     ]
@@ -363,6 +359,11 @@ def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m
 def _no_fit_message(
     devices: Sequence[DeviceProfile], model: ModelProfile, costs: Sequence[DeviceCost]
 ) -> str:
+    if not math.isfinite(costs[0].cpu_ms_per_layer):
+        return (
+            f"the head {devices[0].node_id} has no CPU throughput for this model's formats; "
+            "re-run `prima profile` on it"
+        )
     need = model.n_layers * costs[0].layer_ram_bytes + costs[0].fixed_bytes
     have = sum(
         d.ram_available_bytes + (d.accelerator.memory_available_bytes if d.accelerator else 0)

@@ -69,7 +69,7 @@ def test_halda_matches_brute_force_on_random_clusters(seed, random_cluster):
         with pytest.raises(PlanError, match="no assignment"):
             halda.solve(devices, model)
         return
-    plan = halda.solve(devices, model, explain_drops=False)
+    plan = halda.solve(devices, model)
     assert plan.predicted_ms_per_token == pytest.approx(expected, rel=1e-9)
     # The plan's own windows, re-scored from scratch, give the same time.
     by_id = {d.node_id: d for d in devices}
@@ -86,7 +86,7 @@ def test_halda_some_random_clusters_stream_and_drop(random_cluster):
     for seed in range(50):
         devices, model = random_cluster(seed)
         try:
-            plan = halda.solve(devices, model, explain_drops=False)
+            plan = halda.solve(devices, model)
         except PlanError:
             continue
         rounds.add(plan.rounds)
