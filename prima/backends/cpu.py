@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 
@@ -23,10 +22,6 @@ class CpuBackend:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
-        # Idle OpenMP workers spinning between numba kernels steal the cores BLAS needs in the
-        # prefill tile loop (measured 32 ms vs 2.8 ms per 576x1536 Q4_1 matmul at n=64 on 2
-        # shared cores). libgomp reads this when numba first starts its pool; a user value wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if threads is not None and kernels.HAVE_NUMBA:
             import numba
 
