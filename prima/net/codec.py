@@ -11,7 +11,6 @@ one f16 scale, 34 bytes per 32 values) quarters them for slow links at ~0.4% rel
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +20,7 @@ from prima.errors import PlanError, ProtocolError
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
 from prima.scheduler.plan import NodeAssignment, Plan, Window
+from prima.weights.window import Residency
 
 PROTOCOL_VERSION = 1
 Q8_BLOCK = 32
@@ -207,8 +207,77 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
         raise ProtocolError(f"invalid plan: {exc}") from exc
 
 
-def windows_to_proto(windows: Sequence[Window]) -> list[pb.Window]:
-    return [pb.Window(start=w.start, end=w.end) for w in windows]
+# -- node status ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeStatus:
+    """What a daemon says about itself (the Info RPC)."""
+
+    node_id: str
+    protocol_version: int
+    model_name: str
+    model_fingerprint: str
+    n_layers: int
+    d_model: int
+    healthy: bool
+    status: str
+    plan_epoch: int = 0
+    windows: tuple[Window, ...] = ()
+    residency: Residency | None = None
+    sessions: int = 0
+
+
+def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
+    msg = pb.NodeInfo(
+        node_id=s.node_id,
+        protocol_version=s.protocol_version,
+        model_name=s.model_name,
+        model_fingerprint=s.model_fingerprint,
+        n_layers=s.n_layers,
+        d_model=s.d_model,
+        healthy=s.healthy,
+        status=s.status,
+        plan_epoch=s.plan_epoch,
+        windows=[pb.Window(start=w.start, end=w.end) for w in s.windows],
+        sessions=s.sessions,
+    )
+    if s.residency is not None:
+        r = s.residency
+        msg.residency.CopyFrom(
+            pb.Residency(
+                owned_bytes=r.owned_bytes,
+                resident_bytes=r.resident_bytes,
+                peak_resident_bytes=r.peak_resident_bytes,
+                budget_bytes=r.budget_bytes,
+                prefetches=r.prefetches,
+                releases=r.releases,
+            )
+        )
+    return msg
+
+
+def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
+    r = msg.residency
+    residency = (
+        Residency(
+            r.owned_bytes, r.resident_bytes, r.peak_resident_bytes, r.budget_bytes, r.prefetches, r.releases
+        )
+        if msg.HasField("residency")
+        else None
+    )
+    return NodeStatus(
+        node_id=msg.node_id,
+        protocol_version=msg.protocol_version,
+        model_name=msg.model_name,
+        model_fingerprint=msg.model_fingerprint,
+        n_layers=msg.n_layers,
+        d_model=msg.d_model,
+        healthy=msg.healthy,
+        status=msg.status,
+        plan_epoch=msg.plan_epoch,
+        windows=tuple(Window(w.start, w.end) for w in msg.windows),
+        residency=residency,
+        sessions=msg.sessions,
+    )
 
 
 # -- sampling ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from prima.errors import NodeError, PlanError, ProtocolError
+from prima.errors import InputError, NodeError, PlanError, ProtocolError
 
 
 class UnknownSessionError(ProtocolError):
@@ -34,8 +34,8 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, PayloadTooLargeError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, ProtocolError | PlanError):
+    if isinstance(exc, ProtocolError | PlanError | InputError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, NodeError):
-        return grpc.StatusCode.UNAVAILABLE
+        return grpc.StatusCode.ABORTED  # a peer failed; this node itself is fine
     return grpc.StatusCode.INTERNAL

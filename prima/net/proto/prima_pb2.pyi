@@ -196,18 +196,20 @@ class SamplerSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repeat_last_n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx")
+    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
+    UBATCH_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampler: SamplerSettings
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     n_ctx: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ...) -> None: ...
+    ubatch: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms")
@@ -224,14 +226,16 @@ class GenerateReply(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("token_ids", "reset", "n_ctx")
+    __slots__ = ("token_ids", "reset", "n_ctx", "ubatch")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
+    UBATCH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
     n_ctx: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., n_ctx: _Optional[int] = ...) -> None: ...
+    ubatch: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("logits",)

@@ -1,0 +1,134 @@
+"""`primad`: the daemon on each device. It maps the model file, serves prima.v1 on host:port and
+waits for a plan. With --port 0 it picks a free port; either way it prints one machine-readable
+line when it is ready to serve:
+
+    PRIMAD_READY {"node_id": "...", "address": "127.0.0.1:40123", "pid": 1234, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+import psutil
+
+from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.errors import InputError, PrimaError
+from prima.model.loader import load_model
+from prima.model.registry import DEFAULT_MODEL
+from prima.net.server import start_server
+
+READY_PREFIX = "PRIMAD_READY "
+# "auto" leaves this share of the available memory to the device's owner.
+AUTO_BUDGET_SHARE = 0.8
+
+
+def parse_bytes(text: str) -> int:
+    """'0', '123456', '512M', '1.5G', 'auto' -> bytes (0 = no budget)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t == "AUTO":
+        return int(psutil.virtual_memory().available * AUTO_BUDGET_SHARE)
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in units else t
+    try:
+        value = float(number)
+    except ValueError:
+        raise InputError(f"cannot read {text!r} as bytes; use e.g. 800M, 2G, 123456 or auto") from None
+    if value < 0:
+        raise InputError(f"--mem-budget must be >= 0, got {text}")
+    return int(value * scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="primad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for a LAN)"
+    )
+    p.add_argument(
+        "--port", type=int, default=7600, help="port to listen on; 0 picks a free one (default 7600)"
+    )
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
+    )
+    p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
+    p.add_argument(
+        "--mem-budget",
+        default="0",
+        help="bytes of layer weights to keep resident (e.g. 800M, auto); 0 = no limit (default)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="largest micro-batch accepted, in tokens",
+    )
+    p.add_argument(
+        "--ring-timeout",
+        type=float,
+        default=DEFAULT_RING_TIMEOUT_S,
+        help=f"seconds the head waits for activations to come back (default {DEFAULT_RING_TIMEOUT_S:.0f})",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        return serve(args)
+    except PrimaError as exc:
+        print(f"primad: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    budget = parse_bytes(args.mem_budget)
+    # Map the file and check the model; a node validates its layers only when a plan names them.
+    loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
+    stop = threading.Event()
+    runtime = NodeRuntime(
+        loaded,
+        args.name or "pending",
+        budget_bytes=budget,
+        max_batch_tokens=args.max_batch,
+        ring_timeout_s=args.ring_timeout,
+    )
+    server, port = start_server(runtime, args.host, args.port)
+    if args.name is None:
+        runtime.node_id = f"{socket.gethostname()}:{port}"
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ready = {
+        "node_id": runtime.node_id,
+        "address": f"{args.host}:{port}",
+        "port": port,
+        "pid": os.getpid(),
+        "model": str(loaded.path),
+        "n_layers": loaded.model.config.n_layers,
+        "mem_budget": budget,
+    }
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+    stop.wait()
+    server.stop(grace=2.0).wait(5.0)
+    runtime.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""N primad processes on 127.0.0.1 (port 0 each), for `prima run --local-ring N`, `prima ring up`,
+tests and benchmarks. Each daemon's bound port is read from its ready line, never guessed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prima.errors import NodeError
+
+log = logging.getLogger("prima.cluster")
+
+READY_PREFIX = "PRIMAD_READY "
+DEFAULT_START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class LocalNode:
+    node_id: str
+    address: str
+    pid: int
+
+
+class LocalRing:
+    """Start daemons with `LocalRing.start(...)`; `close()` (or the context manager) stops them."""
+
+    def __init__(self, procs: list[subprocess.Popen[str]], nodes: list[LocalNode]) -> None:
+        self.procs = procs
+        self.nodes = nodes
+
+    @classmethod
+    def start(
+        cls,
+        n: int,
+        model: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        mem_budgets: Sequence[str] | None = None,
+        models: Sequence[str | os.PathLike[str]] | None = None,
+        extra_args: Sequence[str] = (),
+        timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        log_dir: Path | None = None,
+    ) -> LocalRing:
+        """Start `n` daemons named node0..node{n-1} and wait until each prints its ready line.
+        `models` and `mem_budgets` optionally give each node its own file or budget."""
+        if n < 1:
+            raise NodeError(f"a ring needs at least one node, got {n}")
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for i in range(n):
+                cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
+                cmd += ["--model", str(models[i] if models else model), "--name", f"node{i}", *extra_args]
+                if threads is not None:
+                    cmd += ["--threads", str(threads)]
+                if mem_budgets and mem_budgets[i]:
+                    cmd += ["--mem-budget", mem_budgets[i]]
+                if log_dir:
+                    with open(log_dir / f"node{i}.log", "w") as stderr:  # the child keeps its own copy
+                        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True))
+                else:
+                    procs.append(
+                        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    )
+            nodes = [_wait_ready(p, f"node{i}", timeout_s) for i, p in enumerate(procs)]
+        except BaseException:
+            _stop(procs)
+            raise
+        log.info("local ring up: %s", ", ".join(f"{n.node_id}@{n.address}" for n in nodes))
+        return cls(procs, nodes)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [n.address for n in self.nodes]
+
+    def kill(self, index: int) -> None:
+        """Kill one daemon abruptly (tests of a node vanishing mid-session)."""
+        self.procs[index].kill()
+        self.procs[index].wait(timeout=10)
+
+    def close(self) -> None:
+        _stop(self.procs)
+
+    def __enter__(self) -> LocalRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> LocalNode:
+    """Read the daemon's stdout until its ready line, the process exits, or time runs out."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not sel.select(timeout=left):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                raise NodeError(f"primad {name} exited with code {proc.wait(timeout=5)} before it was ready")
+            if line.startswith(READY_PREFIX):
+                ready = json.loads(line[len(READY_PREFIX) :])
+                return LocalNode(ready["node_id"], ready["address"], int(ready["pid"]))
+        raise NodeError(f"primad {name} was not ready within {timeout_s:.0f} s")
+    finally:
+        sel.close()
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+        if p.stdout:
+            p.stdout.close()

@@ -1,0 +1,216 @@
+"""Talking to one primad: unary calls with deadlines, the per-session Relay stream to a successor,
+and the coordinator's Generate / Forward streams to the head.
+
+Every gRPC failure leaves this module as a NodeError naming the node and its address (or, for a
+status the peer chose, the peer's own message), so callers never see grpc exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from prima.engine.sampling import SamplerConfig
+from prima.errors import NodeError
+from prima.net import codec
+from prima.net.codec import Activation, NodeStatus, WireDType
+from prima.net.proto import prima_pb2 as pb
+from prima.net.proto import prima_pb2_grpc as pb_grpc
+from prima.scheduler.plan import Plan
+
+log = logging.getLogger("prima.net")
+
+DEFAULT_TIMEOUT_S = 10.0
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Find a peer that vanished without closing its socket within seconds, not minutes.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+_END = object()
+
+
+def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeError:
+    """A NodeError for a failed call: unreachable nodes and peer-reported errors read differently."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return NodeError(
+            f"node {name} at {address} did not answer ({doing}: {code.name}); "
+            "check that primad is running there and the address is reachable"
+        )
+    return NodeError(f"{doing} on node {name} at {address} failed: {details}")
+
+
+class NodeClient:
+    """One channel to one daemon; cheap to keep for a session (HTTP/2 multiplexes calls)."""
+
+    def __init__(self, address: str, name: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.name = name or address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.NodeStub(self.channel)
+
+    def _call(
+        self, doing: str, fn: Callable[..., object], request: object, timeout_s: float | None = None
+    ) -> object:
+        try:
+            return fn(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise node_error(self.name, self.address, exc, doing) from None
+
+    def info(self, timeout_s: float | None = None) -> NodeStatus:
+        return codec.node_status_from_proto(self._call("Info", self.stub.Info, pb.InfoRequest(), timeout_s))
+
+    def load_plan(self, plan: Plan, node_id: str, wire_dtype: WireDType = WireDType.F32) -> NodeStatus:
+        req = pb.LoadPlanRequest(plan=codec.plan_to_proto(plan), node_id=node_id, wire_dtype=int(wire_dtype))
+        # Loading validates the node's layers and may start reading them: allow longer.
+        reply = self._call("LoadPlan", self.stub.LoadPlan, req, self.timeout_s * 6)
+        return codec.node_status_from_proto(reply.info)
+
+    def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
+        req = pb.OpenSessionRequest(session_id=session_id, plan_epoch=plan_epoch, n_ctx=n_ctx)
+        self._call("OpenSession", self.stub.OpenSession, req)
+
+    def close_session(self, session_id: str) -> None:
+        self._call("CloseSession", self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+
+    def abort(self, session_id: str, node_id: str, message: str) -> None:
+        req = pb.AbortRequest(session_id=session_id, node_id=node_id, message=message)
+        self._call("Abort", self.stub.Abort, req)
+
+    def relay(
+        self, on_error: Callable[[NodeError], None], wire_dtype: WireDType = WireDType.F32
+    ) -> RelayStream:
+        return RelayStream(self, on_error, wire_dtype)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        sampler: SamplerConfig,
+        stop_ids: Sequence[int] = (),
+        n_ctx: int,
+        ubatch: int = 0,
+    ) -> Iterator[int | GenerateDone]:
+        """Token ids as the head samples them, then one GenerateDone. Closing the iterator early
+        cancels the generation on the head."""
+        req = pb.GenerateRequest(
+            prompt_ids=[int(t) for t in prompt_ids],
+            max_tokens=max_tokens,
+            sampler=codec.sampler_to_proto(sampler),
+            stop_ids=[int(t) for t in stop_ids],
+            n_ctx=n_ctx,
+            ubatch=ubatch,
+        )
+        call = self.stub.Generate(req)
+        try:
+            for reply in call:
+                if reply.done:
+                    yield GenerateDone(reply.stop_reason, reply.prompt_ms, reply.generate_ms)
+                    return
+                yield reply.token_id
+        except grpc.RpcError as exc:
+            raise node_error(self.name, self.address, exc, "Generate") from None
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass(frozen=True)
+class GenerateDone:
+    stop_reason: str
+    prompt_ms: float
+    generate_ms: float
+
+
+class RelayStream:
+    """One open Relay call to a successor for one session: `send` queues an activation and
+    returns at once; a gRPC thread drains the queue onto the stream. If the call fails, the
+    error goes to `on_error` once and later sends raise it."""
+
+    def __init__(
+        self, client: NodeClient, on_error: Callable[[NodeError], None], wire_dtype: WireDType
+    ) -> None:
+        self.client = client
+        self.wire_dtype = wire_dtype
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._on_error = on_error
+        self.error: NodeError | None = None
+        self._future = client.stub.Relay.future(self._requests())
+        self._future.add_done_callback(self._done)
+
+    def _requests(self) -> Iterator[pb.Activation]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+
+    def _done(self, future: grpc.Future) -> None:
+        exc = future.exception()
+        if exc is None or self.error is not None:
+            return
+        self.error = node_error(self.client.name, self.client.address, exc, "Relay")  # type: ignore[arg-type]
+        self._on_error(self.error)
+
+    def send(self, act: Activation) -> None:
+        if self.error is not None:
+            raise self.error
+        self._queue.put(codec.encode_activation(act, self.wire_dtype))
+
+    def close(self) -> None:
+        self._queue.put(_END)
+
+
+class ForwardStream:
+    """The coordinator's side of a Forward call: send token ids, get the last token's logits.
+    One call stays open for the whole session."""
+
+    def __init__(self, client: NodeClient, n_ctx: int, ubatch: int = 0) -> None:
+        self.client = client
+        self.n_ctx = n_ctx
+        self.ubatch = ubatch
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._call = client.stub.Forward(self._iterate())
+        self._lock = threading.Lock()
+
+    def _iterate(self) -> Iterator[pb.ForwardRequest]:
+        while True:
+            item = self._requests.get()
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+
+    def forward(self, token_ids: Sequence[int], reset: bool) -> np.ndarray:
+        with self._lock:
+            self._requests.put(
+                pb.ForwardRequest(
+                    token_ids=[int(t) for t in token_ids], reset=reset, n_ctx=self.n_ctx, ubatch=self.ubatch
+                )
+            )
+            try:
+                reply = next(self._call)
+            except grpc.RpcError as exc:
+                raise node_error(self.client.name, self.client.address, exc, "Forward") from None
+            except StopIteration:
+                raise NodeError(f"head {self.client.address} closed the Forward stream") from None
+        return codec.decode_tensor(reply.logits)
+
+    def close(self) -> None:
+        self._requests.put(_END)
+        self._call.cancel()
