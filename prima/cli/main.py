@@ -14,6 +14,8 @@ from prima.errors import PrimaError
 
 # One module per subcommand; each defines register(subparsers) -> None and sets `func`.
 COMMAND_MODULES = [
+    "prima.cli.cmd_run",
+    "prima.cli.cmd_chat",
     "prima.cli.cmd_models",
     "prima.cli.cmd_tokenize",
     "prima.cli.cmd_plan",

@@ -1,0 +1,105 @@
+"""`prima run`: generate text for one prompt and stream it to the terminal (or print JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from prima.cli.engine_options import add_model_args, open_session
+from prima.engine.generate import generate
+from prima.engine.prompt import chat_prompt_ids, prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.errors import InputError
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the best (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+
+
+def sampler_from_args(args: argparse.Namespace) -> SamplerConfig:
+    return SamplerConfig(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text for a prompt", description=__doc__)
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--logits-out", type=Path, help="write the last prompt token's float32 logits (.npy)")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise InputError("the prompt is empty: give some text with -p")
+    session = open_session(args)
+    try:
+        loaded = session.loaded
+        tok = loaded.tokenizer
+        if args.chat:
+            ids = chat_prompt_ids(loaded.gguf.metadata, tok, [{"role": "user", "content": args.prompt}])
+        else:
+            ids = prompt_ids(tok, args.prompt)
+        stream_out = None if args.json else _write_stdout
+        result = generate(
+            session.engine,
+            ids,
+            max_tokens=args.n_predict,
+            sampler=sampler_from_args(args),
+            stop_ids=sorted(tok.stop_ids),
+            stop_strings=args.stop,
+            decoder=tok.stream_decoder(),
+            on_text=stream_out,
+        )
+    finally:
+        session.close()
+    if args.logits_out and result.prompt_logits is not None:
+        np.save(args.logits_out, np.asarray(result.prompt_logits, dtype=np.float32))
+    if args.json:
+        out = {
+            "model": str(loaded.path),
+            "prompt_token_ids": result.prompt_token_ids,
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "stop_reason": result.stop_reason,
+            "timings": result.timings.as_dict(),
+        }
+        plan = getattr(session.engine, "plan", None)
+        if plan is not None and hasattr(plan, "to_dict"):
+            out["plan"] = plan.to_dict()
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        t = result.timings
+        print(
+            f"[{t.prompt_tokens} prompt tokens at {t.prefill_tokens_per_s:.1f} tok/s, "
+            f"{t.generated_tokens} generated at {t.decode_tokens_per_s:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,51 @@
+"""Open a model by name or path: GGUF index, weights, tokenizer and a Transformer on a backend."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from prima.backends import get_backend
+from prima.model.gguf_file import GGUFFile
+from prima.model.registry import resolve_model
+from prima.model.tokenizer import Tokenizer
+from prima.model.transformer import Transformer
+from prima.model.weights import ModelWeights
+
+log = logging.getLogger("prima.model")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    gguf: GGUFFile
+    weights: ModelWeights
+    model: Transformer
+    tokenizer: Tokenizer
+
+    @property
+    def name(self) -> str:
+        return str(self.gguf.metadata.get("general.name", self.path.stem))
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str],
+    *,
+    backend: str = "cpu",
+    threads: int | None = None,
+    layers: range | None = None,
+    download: bool = True,
+) -> LoadedModel:
+    """Resolve, open and validate a model. `layers` limits validation to the layers this node
+    will run, so a node never touches pages of layers it does not own."""
+    path = resolve_model(name_or_path, download=download)
+    gguf = GGUFFile(path)
+    weights = ModelWeights(gguf)
+    weights.validate(layers)
+    tokenizer = Tokenizer.from_gguf(gguf.metadata)
+    model = Transformer(weights, get_backend(backend, threads=threads))
+    cfg = weights.config
+    log.info("loaded %s: %s, %d layers, d=%d, vocab %d", path.name, cfg.arch, cfg.n_layers, cfg.d_model, cfg.vocab_size)
+    return LoadedModel(path, gguf, weights, model, tokenizer)
