@@ -10,8 +10,9 @@ of the last round and applies the output head without another hop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prima.errors import PlanError
 
@@ -120,6 +121,48 @@ class Plan:
             raise PlanError(
                 f"layers [{expected},{self.n_layers}) are unassigned; windows cover {expected} of {self.n_layers}"
             )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (for `--json` output and files); `from_dict` reverses it."""
+        return {
+            "n_layers": self.n_layers,
+            "rounds": self.rounds,
+            "epoch": self.epoch,
+            "predicted_ms_per_token": self.predicted_ms_per_token,
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "address": n.address,
+                    "windows": [[w.start, w.end] for w in n.windows],
+                    "accel_layers": n.accel_layers,
+                }
+                for n in self.nodes
+            ],
+            "dropped": [{"node_id": d.node_id, "reason": d.reason} for d in self.dropped],
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Plan:
+        try:
+            nodes = tuple(
+                NodeAssignment(
+                    str(n["node_id"]),
+                    str(n["address"]),
+                    tuple(Window(int(a), int(b)) for a, b in n["windows"]),
+                    int(n.get("accel_layers", 0)),
+                )
+                for n in raw["nodes"]
+            )
+            return cls(
+                int(raw["n_layers"]),
+                int(raw["rounds"]),
+                nodes,
+                int(raw.get("epoch", 1)),
+                raw.get("predicted_ms_per_token"),
+                tuple(DroppedDevice(str(d["node_id"]), str(d["reason"])) for d in raw.get("dropped", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"not a plan: {exc!r} is missing or malformed") from exc
 
     def describe(self) -> str:
         lines = [
