@@ -1,0 +1,393 @@
+"""HTTP plumbing for the OpenAI-compatible API on the standard library's ThreadingHTTPServer.
+
+One thread per connection reads and validates its request while another request may be
+generating; the generation itself is serialized by the service's queue. This module is the only
+place that maps errors to HTTP statuses, and the only one that knows about sockets: it tells the
+service a client is gone by peeking at the connection before each token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, NoReturn
+
+from prima.api.openai_schema import (
+    GenerationRequest,
+    RequestError,
+    Usage,
+    completion_response,
+    error_body,
+    models_response,
+    parse_chat_request,
+    parse_completion_request,
+    stream_chunk,
+    usage_chunk,
+)
+from prima.api.service import CompletionService, GenerationCancelled, ServerBusyError
+from prima.engine.generate import GenerationResult
+from prima.errors import ContextFullError, InputError, NodeError, PrimaError
+
+log = logging.getLogger("prima.api")
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context, small enough to refuse abuse
+SOCKET_TIMEOUT_S = 120.0  # an idle keep-alive connection or a stalled client frees its thread after this
+
+POST_ROUTES: dict[str, Callable[[Any], GenerationRequest]] = {
+    "/v1/chat/completions": parse_chat_request,
+    "/v1/completions": parse_completion_request,
+}
+GET_ROUTES = ("/health", "/v1/models")
+
+
+class HttpError(Exception):
+    """A request refused before it reaches the service (routing, body framing, JSON)."""
+
+    def __init__(
+        self, status: HTTPStatus, message: str, code: str, err_type: str = "invalid_request_error"
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.err_type = err_type
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it closed the connection."""
+
+
+class ApiServer(ThreadingHTTPServer):
+    """The HTTP server bound to one CompletionService. Binding happens in the constructor, so
+    the port (use 0 in tests) is known and connectable before `serve_forever` starts."""
+
+    daemon_threads = True
+
+    def __init__(
+        self, address: tuple[str, int], service: CompletionService, max_body_bytes: int = MAX_BODY_BYTES
+    ):
+        self.service = service
+        self.max_body_bytes = max_body_bytes
+        super().__init__(address, ApiHandler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else host
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def serve_in_background(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="prima-api", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """End running generations at their next token, stop accepting, close the socket.
+        Call from a thread other than the one running `serve_forever`."""
+        self.service.close()
+        self.shutdown()
+        self.server_close()
+
+
+class ApiHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
+    server_version = "prima"
+    timeout = SOCKET_TIMEOUT_S
+    server: ApiServer
+
+    # --- dispatch --------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        self._dispatch(self._handle_get)
+
+    def do_POST(self) -> None:
+        self._dispatch(self._handle_post)
+
+    def do_PUT(self) -> None:
+        self._dispatch(self._method_not_allowed)
+
+    do_DELETE = do_PATCH = do_PUT
+
+    def _dispatch(self, handler: Callable[[str], None]) -> None:
+        """The error boundary: every failure becomes an OpenAI-style JSON error and the
+        connection stays usable unless its framing is in doubt."""
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        self._response_started = False
+        try:
+            handler(path)
+        except HttpError as exc:
+            self._send_error(exc.status, str(exc), exc.err_type, exc.code)
+        except RequestError as exc:
+            self._send_error(
+                HTTPStatus.BAD_REQUEST, str(exc), "invalid_request_error", "invalid_request", exc.param
+            )
+        except ContextFullError as exc:
+            self._send_error(
+                HTTPStatus.BAD_REQUEST, str(exc), "invalid_request_error", "context_length_exceeded"
+            )
+        except InputError as exc:
+            self._send_error(HTTPStatus.BAD_REQUEST, str(exc), "invalid_request_error", "invalid_request")
+        except ServerBusyError as exc:
+            self._send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error", "server_busy")
+        except (GenerationCancelled, ClientGone) as exc:
+            log.info("%s %s: %s", self.command, path, exc)
+            self.close_connection = True
+        except NodeError as exc:
+            self._send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error", "node_unavailable")
+        except PrimaError as exc:
+            log.error("%s %s failed: %s", self.command, path, exc)
+            self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "server_error", "internal_error")
+        except (BrokenPipeError, ConnectionResetError, TimeoutError) as exc:
+            log.info("%s %s: connection lost: %s", self.command, path, exc)
+            self.close_connection = True
+        except Exception:
+            # A bug, not bad input: log the traceback, answer 500, keep serving other clients.
+            log.exception("%s %s: unexpected error", self.command, path)
+            self._send_error(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                "internal server error; see the server log",
+                "server_error",
+                "internal_error",
+            )
+
+    def _handle_get(self, path: str) -> None:
+        service = self.server.service
+        if path == "/health":
+            self._send_json(
+                HTTPStatus.OK,
+                {
+                    "status": "stopping" if service.closing else "ok",
+                    "model": service.model_id,
+                    "busy": service.queue.busy,
+                    "waiting": service.queue.waiting,
+                },
+            )
+        elif path == "/v1/models":
+            self._send_json(HTTPStatus.OK, models_response(service.model_id, service.created))
+        elif path in POST_ROUTES:
+            self._method_not_allowed(path)
+        else:
+            self._not_found(path)
+
+    def _handle_post(self, path: str) -> None:
+        parse = POST_ROUTES.get(path)
+        if parse is None:
+            body_len = self._content_length()  # read and drop the body so keep-alive stays in sync
+            self.rfile.read(body_len)
+            if path in GET_ROUTES:
+                self._method_not_allowed(path)
+            self._not_found(path)
+        req = parse(self._read_json())
+        service = self.server.service
+        prep = service.prepare(req)
+        events = service.run(prep, self._client_gone)
+        try:
+            if req.stream:
+                self._stream(req, events)
+            else:
+                self._complete(req, events)
+        finally:
+            events.close()  # releases the engine if we stopped early
+
+    def _method_not_allowed(self, path: str) -> NoReturn:
+        allowed = "POST" if path in POST_ROUTES else "GET"
+        raise HttpError(
+            HTTPStatus.METHOD_NOT_ALLOWED,
+            f"{self.command} is not allowed on {path}; use {allowed}",
+            "method_not_allowed",
+        )
+
+    def _not_found(self, path: str) -> NoReturn:
+        known = ", ".join([*(f"GET {p}" for p in GET_ROUTES), *(f"POST {p}" for p in POST_ROUTES)])
+        raise HttpError(
+            HTTPStatus.NOT_FOUND, f"no endpoint {self.command} {path}; this server has {known}", "not_found"
+        )
+
+    # --- request body ----------------------------------------------------------------------------
+
+    def _content_length(self) -> int:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise HttpError(
+                HTTPStatus.LENGTH_REQUIRED,
+                "chunked request bodies are not supported; send Content-Length",
+                "length_required",
+            )
+        raw = self.headers.get("Content-Length", "0")
+        try:
+            length = int(raw)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"bad Content-Length header {raw!r}", "invalid_request")
+        if length > self.server.max_body_bytes:
+            self.close_connection = True  # the unread body would be parsed as the next request
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the request body is {length} bytes; the limit is {self.server.max_body_bytes}",
+                "request_too_large",
+            )
+        return length
+
+    def _read_json(self) -> Any:
+        length = self._content_length()
+        data = self.rfile.read(length)
+        if len(data) < length:
+            raise ClientGone("the client closed the connection mid-body")
+        if not data.strip():
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, "the request body is empty; send a JSON object", "invalid_json"
+            )
+        try:
+            return json.loads(data, parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {exc}", "invalid_json"
+            ) from None
+
+    # --- responses -------------------------------------------------------------------------------
+
+    def _complete(self, req: GenerationRequest, events: Iterator[str | GenerationResult]) -> None:
+        result = _last_result(events)
+        model = self.server.service.model_id
+        body = completion_response(
+            req,
+            response_id=_response_id(req),
+            created=int(time.time()),
+            model=model,
+            text=result.text,
+            stop_reason=result.stop_reason,
+            usage=_usage(result),
+        )
+        self._send_json(HTTPStatus.OK, body)
+
+    def _stream(self, req: GenerationRequest, events: Iterator[str | GenerationResult]) -> None:
+        """Server-Sent Events in chunked encoding. The first event is awaited before the headers,
+        so queueing and prefill errors still get a real HTTP status."""
+        first = next(events)
+        ident = {
+            "response_id": _response_id(req),
+            "created": int(time.time()),
+            "model": self.server.service.model_id,
+        }
+        self._chunked = self.request_version != "HTTP/1.0"  # HTTP/1.0 has no chunks: end by closing
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self._response_started = True
+        self._write_event(stream_chunk(req, **ident, first=True))
+        event: str | GenerationResult = first
+        try:
+            while True:
+                if isinstance(event, GenerationResult):
+                    self._write_event(stream_chunk(req, **ident, stop_reason=event.stop_reason))
+                    if req.include_usage:
+                        self._write_event(usage_chunk(req, **ident, usage=_usage(event)))
+                    break
+                if event:
+                    self._write_event(stream_chunk(req, **ident, text=event))
+                event = next(events)
+        except (GenerationCancelled, ClientGone):
+            raise
+        except PrimaError as exc:
+            # The status line is gone already; report in-band like OpenAI does, then end the stream.
+            log.error("%s: generation failed mid-stream: %s", self.path, exc)
+            self._write_event(error_body(str(exc), "server_error", "generation_failed"))
+        self._write_chunk(b"data: [DONE]\n\n")
+        if self._chunked:
+            self._write_chunk(b"")  # the zero-length chunk ends the body
+
+    def _write_event(self, obj: dict[str, Any]) -> None:
+        self._write_chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    def _write_chunk(self, payload: bytes) -> None:
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload) if self._chunked else payload)
+            self.wfile.flush()
+        except OSError as exc:
+            raise ClientGone(f"the client went away mid-stream ({exc.__class__.__name__})") from None
+
+    def _send_json(self, status: HTTPStatus, obj: dict[str, Any]) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except OSError as exc:
+            raise ClientGone(f"the client went away before the response ({exc.__class__.__name__})") from None
+
+    def _send_error(
+        self, status: HTTPStatus, message: str, err_type: str, code: str, param: str | None = None
+    ) -> None:
+        if getattr(self, "_response_started", False):
+            # Mid-response (a stream): a second status line would corrupt it; dropping the connection is all we can do.
+            self.close_connection = True
+            return
+        try:
+            self._send_json(status, error_body(message, err_type, code, param))
+        except ClientGone:
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Errors the base class raises itself (malformed request line, oversized headers) in JSON too."""
+        self.close_connection = True
+        status = HTTPStatus(code)
+        self._send_error(
+            status, message or status.phrase, "invalid_request_error", status.phrase.lower().replace(" ", "_")
+        )
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    # --- disconnect detection --------------------------------------------------------------------
+
+    def _client_gone(self) -> bool:
+        """True once the peer has closed its end: the socket reads as EOF (or errors).
+
+        Checked before every token, so a vanished client frees the engine within one step."""
+        sock = self.connection
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except ValueError:  # fd beyond select's range: cannot tell, keep generating
+            return False
+        except OSError:
+            return True
+
+
+def _last_result(events: Iterator[str | GenerationResult]) -> GenerationResult:
+    for event in events:
+        if isinstance(event, GenerationResult):
+            return event
+    raise AssertionError("CompletionService.run always ends with a GenerationResult")
+
+
+def _usage(result: GenerationResult) -> Usage:
+    return Usage(prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.token_ids))
+
+
+def _response_id(req: GenerationRequest) -> str:
+    return f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

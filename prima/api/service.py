@@ -1,0 +1,241 @@
+"""Turn a parsed request into a generation on the one engine, one request at a time.
+
+An engine holds one KV cache, so generations are serialized through a FIFO queue. A request whose
+client has gone (or a server that is shutting down) stops at the next token: the engine is
+wrapped so every `forward` first asks `cancelled()`, which frees the engine for the next request
+without waiting for `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from prima.api.openai_schema import GenerationRequest, RequestError
+from prima.engine.generate import Engine, GenerationResult, stream
+from prima.engine.prompt import chat_prompt_ids, prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.errors import PrimaError
+from prima.model.loader import LoadedModel
+
+log = logging.getLogger("prima.api")
+
+Cancelled = Callable[[], bool]
+
+
+class ServerBusyError(PrimaError):
+    """Too many requests are already waiting for the engine; the client should retry later."""
+
+
+class GenerationCancelled(PrimaError):
+    """The client went away (or the server is stopping); raised inside the generation loop."""
+
+
+class EngineQueue:
+    """A FIFO lock: whoever waits longest gets the engine next. At most `max_waiting` requests
+    wait; a waiter gives up when `cancelled()` turns true or after `timeout_s` seconds."""
+
+    def __init__(self, max_waiting: int = 16, poll_s: float = 0.1) -> None:
+        self.max_waiting = max_waiting
+        self.poll_s = poll_s
+        self._mutex = threading.Lock()
+        self._busy = False
+        self._waiters: deque[threading.Event] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def acquire(self, cancelled: Cancelled, timeout_s: float) -> None:
+        """Block until this caller owns the engine; raise ServerBusyError or GenerationCancelled."""
+        with self._mutex:
+            if not self._busy and not self._waiters:
+                self._busy = True
+                return
+            if len(self._waiters) >= self.max_waiting:
+                raise ServerBusyError(
+                    f"{len(self._waiters)} requests are already waiting for the model; retry later"
+                )
+            turn = threading.Event()
+            self._waiters.append(turn)
+        deadline = time.monotonic() + timeout_s
+        while not turn.wait(self.poll_s):
+            gone = cancelled()
+            if gone or time.monotonic() >= deadline:
+                with self._mutex:
+                    if not turn.is_set():  # still queued: leave the queue
+                        self._waiters.remove(turn)
+                        if gone:
+                            raise GenerationCancelled("the client disconnected while queued")
+                        raise ServerBusyError(
+                            f"waited {timeout_s:.0f} s for the model without a turn; retry later"
+                        )
+                # Handed the engine in the same instant: we own it, so carry on.
+                break
+
+    def release(self) -> None:
+        """Hand the engine straight to the longest waiter, so no late arrival can jump the queue."""
+        with self._mutex:
+            if self._waiters:
+                self._waiters.popleft().set()
+            else:
+                self._busy = False
+
+
+class _CancellableEngine:
+    """The engine as `stream()` sees it, checking for cancellation before each forward pass."""
+
+    def __init__(self, engine: Engine, cancelled: Cancelled) -> None:
+        self._engine = engine
+        self._cancelled = cancelled
+        self.n_ctx = engine.n_ctx
+
+    def reset(self) -> None:
+        self._engine.reset()
+
+    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        if self._cancelled():
+            raise GenerationCancelled(
+                "generation cancelled: the client disconnected or the server is stopping"
+            )
+        return self._engine.forward(token_ids)
+
+
+@dataclass(frozen=True)
+class ServeDefaults:
+    """What a request gets for fields it leaves out (from `prima serve`'s flags)."""
+
+    sampler: SamplerConfig = SamplerConfig(temperature=0.7)
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    queue_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class PreparedGeneration:
+    """A request resolved against the model: tokens, sampler and limits, ready for the engine."""
+
+    prompt_ids: list[int]
+    sampler: SamplerConfig
+    max_tokens: int
+    stop_strings: tuple[str, ...]
+
+
+class CompletionService:
+    """Owns the loaded model and its engine; the HTTP layer calls `prepare` then `run`."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        engine: Engine,
+        model_id: str,
+        defaults: ServeDefaults | None = None,
+        queue: EngineQueue | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.engine = engine
+        self.model_id = model_id
+        self.defaults = defaults or ServeDefaults()
+        self.queue = queue or EngineQueue()
+        self.created = int(time.time())
+        self._closing = threading.Event()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    def close(self) -> None:
+        """Stop accepting work; running generations end at their next token."""
+        self._closing.set()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing.is_set()
+
+    def prepare(self, req: GenerationRequest) -> PreparedGeneration:
+        """Tokenize and check the request before it queues, so bad input never waits for the engine."""
+        tok = self.loaded.tokenizer
+        if req.kind == "chat":
+            ids = chat_prompt_ids(
+                self.loaded.gguf.metadata, tok, [m.as_template_input() for m in req.messages]
+            )
+        elif isinstance(req.prompt, str):
+            ids = prompt_ids(tok, req.prompt)
+        else:
+            assert req.prompt is not None, "parse_completion_request guarantees a prompt"
+            ids = list(req.prompt)
+            bad = [t for t in ids if t >= tok.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"'prompt' has token ids outside the vocabulary of {tok.vocab_size}: {bad[:5]}", "prompt"
+                )
+        if len(ids) >= self.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
+                "shorten the prompt or restart the server with a larger --ctx",
+                "messages" if req.kind == "chat" else "prompt",
+            )
+        return PreparedGeneration(
+            prompt_ids=ids,
+            sampler=_merge_sampler(self.defaults.sampler, req),
+            max_tokens=req.max_tokens if req.max_tokens is not None else self.defaults.max_tokens,
+            stop_strings=_merge_stops(self.defaults.stop, req.stop),
+        )
+
+    def run(self, prep: PreparedGeneration, cancelled: Cancelled) -> Iterator[str | GenerationResult]:
+        """Wait for the engine, then yield text pieces and finally the GenerationResult.
+
+        The engine is released when the iterator finishes, raises, or is closed early, so a
+        caller that stops iterating (a broken pipe) frees it too."""
+
+        def stop() -> bool:
+            return self.closing or cancelled()
+
+        if self.closing:
+            raise GenerationCancelled("the server is stopping")
+        self.queue.acquire(stop, self.defaults.queue_timeout_s)
+        try:
+            tok = self.loaded.tokenizer
+            yield from stream(
+                _CancellableEngine(self.engine, stop),
+                prep.prompt_ids,
+                max_tokens=prep.max_tokens,
+                sampler=prep.sampler,
+                stop_ids=sorted(tok.stop_ids),
+                stop_strings=prep.stop_strings,
+                decoder=tok.stream_decoder(),
+            )
+        finally:
+            self.queue.release()
+
+
+def _merge_sampler(base: SamplerConfig, req: GenerationRequest) -> SamplerConfig:
+    """The server's sampler with whatever the request set; SamplerConfig re-validates the result."""
+    s = req.sampling
+    changes = {
+        name: value
+        for name, value in (
+            ("temperature", s.temperature),
+            ("top_p", s.top_p),
+            ("top_k", s.top_k),
+            ("min_p", s.min_p),
+            ("repeat_penalty", s.repeat_penalty),
+            ("seed", s.seed),
+        )
+        if value is not None
+    }
+    return replace(base, **changes)
+
+
+def _merge_stops(server: Sequence[str], request: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys([*server, *request]))
