@@ -16,6 +16,7 @@ from prima.errors import PrimaError
 COMMAND_MODULES = [
     "prima.cli.cmd_run",
     "prima.cli.cmd_chat",
+    "prima.cli.cmd_serve",
     "prima.cli.cmd_models",
     "prima.cli.cmd_tokenize",
     "prima.cli.cmd_plan",

@@ -1,0 +1,84 @@
+"""`prima serve`: an OpenAI-compatible HTTP API over one model (on this device or a ring).
+
+The sampling flags set the defaults a request gets when it leaves a field out; request fields
+always win. Requests queue for the engine one at a time. Ctrl-C stops the server cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from prima.api.server import ApiServer
+from prima.api.service import CompletionService, EngineQueue, ServeDefaults
+from prima.cli.cmd_run import add_sampling_args, sampler_from_args
+from prima.cli.engine_options import add_model_args, open_session
+from prima.errors import InputError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description=__doc__)
+    add_model_args(p)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)"
+    )
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=512,
+        help="tokens per reply when a request sets no max_tokens (default 512)",
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait for the model (default 16)"
+    )
+    p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
+    add_sampling_args(p)
+    p.set_defaults(func=run, temp=0.7)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in 0..65535, got {args.port}")
+    if args.n_predict < 1:
+        raise InputError(f"-n must be >= 1, got {args.n_predict}")
+    if args.max_queue < 0:
+        raise InputError(f"--max-queue must be >= 0, got {args.max_queue}")
+    defaults = ServeDefaults(
+        sampler=sampler_from_args(args), max_tokens=args.n_predict, stop=tuple(args.stop)
+    )
+    session = open_session(args)
+    model_id = args.model_id or _model_id(args.model)
+    service = CompletionService(
+        session.loaded,
+        session.engine,
+        model_id,
+        defaults=defaults,
+        queue=EngineQueue(max_waiting=args.max_queue),
+    )
+    try:
+        server = ApiServer((args.host, args.port), service)
+    except OSError as exc:
+        session.close()
+        raise InputError(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror}; pick another --port"
+        ) from None
+    print(
+        f"prima serve: {model_id} (context {service.n_ctx}) at {server.url}/v1  (Ctrl-C stops)",
+        file=sys.stderr,
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("\nprima serve: stopping", file=sys.stderr)
+    finally:
+        service.close()  # running generations end at their next token
+        server.server_close()
+        session.close()
+    return 0
+
+
+def _model_id(model: str) -> str:
+    """A registry name stays as typed; a GGUF path becomes its file stem, which clients can echo back."""
+    return Path(model).stem if model.endswith(".gguf") else model
