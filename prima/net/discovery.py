@@ -1,0 +1,485 @@
+"""Finding daemons on the LAN over mDNS / DNS-SD (service `_prima._tcp.local.`).
+
+Each primad registers one service instance whose SRV/A records carry host:port and whose TXT
+record carries its node id, protocol version and model fingerprint; the coordinator browses for
+a few seconds. The pure half (TXT encode/decode into a frozen NodeAdvert, consistency checks) is
+separate from the zeroconf half (Advertiser, browse), so the rules are tested without sockets.
+
+TXT records come from anyone on the network: decoding trusts nothing, a malformed record raises
+AdvertError, and browse skips it with a warning logged once per peer (then at debug level).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import queue
+import re
+import secrets
+import socket
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal
+
+import psutil
+from zeroconf import (
+    BadTypeInNameException,
+    InterfaceChoice,
+    InterfacesType,
+    NonUniqueNameException,
+    ServiceBrowser,
+    ServiceInfo,
+    ServiceStateChange,
+    Zeroconf,
+)
+
+from prima.errors import InputError, NodeError, PlanError, ProtocolError
+from prima.net.codec import PROTOCOL_VERSION
+
+log = logging.getLogger("prima.net")
+
+SERVICE_TYPE = "_prima._tcp.local."
+INTERFACES_ENV = "PRIMA_MDNS_INTERFACES"
+DEFAULT_BROWSE_S = 3.0
+SHORT_FINGERPRINT = 12  # hex digits shown to people, as the coordinator's messages do
+
+# TXT limits: a DNS label holds at most 63 bytes, and DNS-SD advises keeping the whole TXT
+# record small enough for one packet. Anything larger is noise or an attack, not a daemon.
+MAX_NODE_ID_BYTES = 63
+MAX_MODEL_NAME_BYTES = 120
+MAX_TXT_BYTES = 1024
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{8,128}")
+_INSTANCE_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")
+_HOST_UNSAFE = re.compile(r"[^a-z0-9-]")
+
+# TXT keys. Unknown keys are ignored so newer daemons can add fields.
+K_ID, K_PROTO, K_FINGERPRINT, K_MODEL = "id", "proto", "fingerprint", "model"
+REQUIRED_KEYS = (K_ID, K_PROTO, K_FINGERPRINT)
+
+
+class AdvertError(ProtocolError):
+    """A TXT record is missing a key, not UTF-8, oversized or has an unusable value."""
+
+
+# -- the pure half -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeAdvert:
+    """One daemon as seen over mDNS: who it is (TXT) and where it listens (SRV + A records)."""
+
+    node_id: str
+    host: str
+    port: int
+    model_fingerprint: str
+    model_name: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+    instance: str = ""  # the DNS-SD instance name; unique on the LAN even when node ids clash
+
+    @property
+    def address(self) -> str:
+        """host:port for a gRPC channel (IPv6 hosts in brackets)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def short_fingerprint(self) -> str:
+        return self.model_fingerprint[:SHORT_FINGERPRINT]
+
+
+def encode_txt(advert: NodeAdvert) -> dict[str, str]:
+    """The TXT properties a daemon publishes; checked with the same rules decode applies, so a
+    daemon cannot advertise something every browser would then drop."""
+    props = {
+        K_ID: advert.node_id,
+        K_PROTO: str(advert.protocol_version),
+        K_FINGERPRINT: advert.model_fingerprint,
+        K_MODEL: advert.model_name,
+    }
+    decode_txt({k.encode(): v.encode() for k, v in props.items()}, advert.host, advert.port)
+    return props
+
+
+def decode_txt(
+    properties: Mapping[bytes, bytes | None], host: str, port: int, instance: str = ""
+) -> NodeAdvert:
+    """A NodeAdvert from a peer's TXT properties and resolved address, or AdvertError saying why not."""
+    size = sum(len(k) + len(v or b"") + 2 for k, v in properties.items())
+    if size > MAX_TXT_BYTES:
+        raise AdvertError(f"TXT record of {size} bytes is over the {MAX_TXT_BYTES}-byte limit")
+    text: dict[str, str] = {}
+    for key, value in properties.items():
+        try:
+            text[key.decode("ascii").lower()] = (value or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            raise AdvertError(f"TXT key {key[:20]!r} or its value is not valid text") from None
+    missing = [k for k in REQUIRED_KEYS if not text.get(k)]
+    if missing:
+        raise AdvertError(f"TXT record lacks {', '.join(missing)}; is this a prima daemon?")
+    node_id = text[K_ID]
+    if len(node_id.encode()) > MAX_NODE_ID_BYTES or not node_id.isprintable() or node_id != node_id.strip():
+        raise AdvertError(f"node id {node_id[:40]!r} is not a printable name of <= {MAX_NODE_ID_BYTES} bytes")
+    try:
+        proto = int(text[K_PROTO])
+    except ValueError:
+        raise AdvertError(f"protocol version {text[K_PROTO][:20]!r} is not an integer") from None
+    if not 0 < proto < 1 << 16:
+        raise AdvertError(f"protocol version {proto} is out of range")
+    fingerprint = text[K_FINGERPRINT]
+    if not _FINGERPRINT_RE.fullmatch(fingerprint):
+        raise AdvertError(f"model fingerprint {fingerprint[:20]!r} is not 8-128 lowercase hex digits")
+    model = text.get(K_MODEL, "")
+    if len(model.encode()) > MAX_MODEL_NAME_BYTES or not model.isprintable():
+        raise AdvertError(
+            f"model name {model[:40]!r} is not a printable name of <= {MAX_MODEL_NAME_BYTES} bytes"
+        )
+    if not 0 < port < 1 << 16:
+        raise AdvertError(f"port {port} is out of range")
+    return NodeAdvert(node_id, host, port, fingerprint, model, proto, instance)
+
+
+def pick_host(addresses: Iterable[str]) -> str | None:
+    """The address to dial among those a service lists: a LAN IPv4 first, then loopback, then
+    IPv6 (link-local last: it needs a scope that gRPC targets handle poorly)."""
+
+    def rank(text: str) -> int:
+        try:
+            ip = ipaddress.ip_address(text.split("%")[0])
+        except ValueError:
+            return 9
+        if ip.version == 4:
+            return 2 if ip.is_link_local else 1 if ip.is_loopback else 0
+        return 5 if ip.is_link_local else 4 if ip.is_loopback else 3
+
+    ranked = sorted((rank(a), a) for a in addresses)
+    return ranked[0][1] if ranked and ranked[0][0] < 9 else None
+
+
+ProblemKind = Literal["duplicate_id", "protocol", "model"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that stops these nodes forming one ring, worded as what to do about it."""
+
+    kind: ProblemKind
+    message: str
+    node_ids: tuple[str, ...]
+
+
+def check_adverts(
+    adverts: Sequence[NodeAdvert],
+    *,
+    protocol_version: int = PROTOCOL_VERSION,
+    model_fingerprint: str | None = None,
+) -> list[Problem]:
+    """Duplicate node ids, protocol versions other than ours, and disagreeing model files.
+
+    With `model_fingerprint` every node is compared to it; without, the nodes are compared with
+    each other (any second fingerprint is a problem)."""
+    problems: list[Problem] = []
+    by_id: dict[str, list[NodeAdvert]] = {}
+    for a in adverts:
+        by_id.setdefault(a.node_id, []).append(a)
+    for node_id, same in sorted(by_id.items()):
+        if len({a.address for a in same}) > 1:
+            where = ", ".join(sorted(a.address for a in same))
+            problems.append(
+                Problem(
+                    "duplicate_id",
+                    f"node id {node_id!r} is advertised by {len(same)} daemons ({where}); "
+                    "give each primad its own --name",
+                    (node_id,),
+                )
+            )
+    for a in adverts:
+        if a.protocol_version != protocol_version:
+            problems.append(
+                Problem(
+                    "protocol",
+                    f"node {a.node_id} at {a.address} speaks protocol v{a.protocol_version}, this prima "
+                    f"v{protocol_version}; run the same prima version on every device",
+                    (a.node_id,),
+                )
+            )
+    if model_fingerprint is not None:
+        for a in adverts:
+            if a.model_fingerprint != model_fingerprint:
+                problems.append(
+                    Problem(
+                        "model",
+                        f"node {a.node_id} at {a.address} serves a different model file "
+                        f"({_describe_model(a)}) than this coordinator ({model_fingerprint[:SHORT_FINGERPRINT]}); "
+                        "start it with the same --model",
+                        (a.node_id,),
+                    )
+                )
+        return problems
+    groups: dict[str, list[NodeAdvert]] = {}
+    for a in adverts:
+        groups.setdefault(a.model_fingerprint, []).append(a)
+    if len(groups) > 1:
+        # Largest group first: the odd ones out are most likely the ones to restart.
+        ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0].model_fingerprint))
+        which = "; ".join(
+            f"{_describe_model(g[0])} on {', '.join(sorted(a.node_id for a in g))}" for g in ordered
+        )
+        problems.append(
+            Problem(
+                "model",
+                f"the nodes serve {len(groups)} different model files: {which}; "
+                "start every primad with the same --model",
+                tuple(sorted({a.node_id for a in adverts})),
+            )
+        )
+    return problems
+
+
+def _describe_model(a: NodeAdvert) -> str:
+    return f"{a.model_name} {a.short_fingerprint}" if a.model_name else a.short_fingerprint
+
+
+def require_consistent(
+    adverts: Sequence[NodeAdvert],
+    *,
+    protocol_version: int = PROTOCOL_VERSION,
+    model_fingerprint: str | None = None,
+) -> list[NodeAdvert]:
+    """`adverts` unchanged if they can form one ring, else PlanError listing every problem."""
+    problems = check_adverts(adverts, protocol_version=protocol_version, model_fingerprint=model_fingerprint)
+    if problems:
+        raise PlanError("; and ".join(p.message for p in problems))
+    return list(adverts)
+
+
+# -- interfaces ----------------------------------------------------------------------------------
+def resolve_interfaces(interfaces: Sequence[str] | str | None = None) -> InterfacesType:
+    """What to bind zeroconf to: explicit IPs, else $PRIMA_MDNS_INTERFACES (comma-separated IPs or
+    'all'), else every interface. The variable lets tests tell subprocess daemons to use loopback."""
+    if interfaces is None:
+        interfaces = os.environ.get(INTERFACES_ENV, "")
+    if isinstance(interfaces, str):
+        interfaces = [s.strip() for s in interfaces.split(",") if s.strip()]
+    if not interfaces or [s.lower() for s in interfaces] == ["all"]:
+        return InterfaceChoice.All
+    for ip in interfaces:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise InputError(
+                f"mDNS interface {ip!r} is not an IP address; give this device's address on the LAN "
+                f"(e.g. 192.168.1.20) or 'all' (in --interface or ${INTERFACES_ENV})"
+            ) from None
+    return list(interfaces)
+
+
+def advertised_addresses(host: str, interfaces: InterfacesType) -> list[str]:
+    """The addresses to publish for a daemon listening on `host`: that host itself, or for a
+    wildcard the chosen interfaces, or every non-loopback IPv4 address of this device."""
+    if host not in ("", "0.0.0.0", "::"):
+        return [host]
+    if isinstance(interfaces, list):
+        return [str(i) for i in interfaces]
+    found = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+    ]
+    return found or ["127.0.0.1"]
+
+
+# -- the zeroconf half ---------------------------------------------------------------------------
+_warned: set[str] = set()
+_WARNED_MAX = 1024
+
+
+def _warn_once(key: str, msg: str, *args: object) -> None:
+    """Peers repeat themselves every browse: warn the first time, then only at debug level."""
+    if key in _warned:
+        log.debug(msg, *args)
+        return
+    if len(_warned) >= _WARNED_MAX:
+        _warned.clear()
+    _warned.add(key)
+    log.warning(msg, *args)
+
+
+def _instance_name(node_id: str) -> str:
+    """A DNS-SD instance label (<= 63 bytes): the node id plus a random tag. zeroconf's probe does
+    not reliably catch two daemons claiming one name, and a clash would hide one of them; with
+    unique names both are seen and a shared node id is reported instead."""
+    base = _INSTANCE_UNSAFE.sub("-", node_id).strip(".-")[: MAX_NODE_ID_BYTES - 7] or "primad"
+    return f"{base}-{secrets.token_hex(3)}"
+
+
+class Advertiser:
+    """Publishes one daemon while the context is open; leaving it sends the mDNS goodbye so
+    browsers drop the node at once instead of after the record's TTL.
+
+    Registration probes the network first (one to two seconds). Two daemons with the same node
+    id both get published under distinct instance names, so browsers can report the clash.
+    """
+
+    def __init__(
+        self,
+        advert: NodeAdvert,
+        *,
+        interfaces: Sequence[str] | str | None = None,
+        service_type: str = SERVICE_TYPE,
+    ) -> None:
+        self.advert = advert
+        self.interfaces = resolve_interfaces(interfaces)
+        self.service_type = service_type
+        self._zc: Zeroconf | None = None
+        self._info: ServiceInfo | None = None
+
+    def __enter__(self) -> Advertiser:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def instance(self) -> str:
+        """The registered DNS-SD instance name, or '' when not registered."""
+        return self._info.name if self._info else ""
+
+    def start(self) -> None:
+        """Register the service; NodeError (with what to do) if mDNS cannot be used here."""
+        a = self.advert
+        try:
+            txt = encode_txt(a)
+        except AdvertError as exc:
+            raise InputError(
+                f"cannot advertise node {a.node_id[:40]!r}: {exc}; pick another --name"
+            ) from None
+        addresses = advertised_addresses(a.host, self.interfaces)
+        server = _HOST_UNSAFE.sub("-", f"prima-{socket.gethostname()}-{a.port}".lower())[:MAX_NODE_ID_BYTES]
+        try:
+            info = ServiceInfo(
+                self.service_type,
+                f"{_instance_name(a.node_id)}.{self.service_type}",
+                port=a.port,
+                properties=txt,
+                server=f"{server}.local.",
+                parsed_addresses=addresses,
+            )
+            self._zc = Zeroconf(interfaces=self.interfaces)
+            self._zc.register_service(info, allow_name_change=True)
+        except (OSError, BadTypeInNameException, NonUniqueNameException) as exc:
+            self.close()
+            raise NodeError(
+                f"cannot advertise node {a.node_id} over mDNS ({exc}); start primad with --no-mdns "
+                "and give the coordinator --nodes host:port,..."
+            ) from exc
+        self._info = info
+        log.info("advertising %s at %s over mDNS as %r", a.node_id, ", ".join(addresses), info.name)
+
+    def close(self) -> None:
+        """Unregister (sending goodbyes) and close the sockets; safe to call twice."""
+        zc, info = self._zc, self._info
+        self._zc = self._info = None
+        if zc is None:
+            return
+        try:
+            if info is not None:
+                zc.unregister_service(info)
+        finally:
+            zc.close()
+
+
+def browse(
+    timeout_s: float = DEFAULT_BROWSE_S,
+    *,
+    interfaces: Sequence[str] | str | None = None,
+    expect: int | None = None,
+    service_type: str = SERVICE_TYPE,
+) -> list[NodeAdvert]:
+    """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
+    `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning."""
+    deadline = time.monotonic() + timeout_s
+    events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
+    found: dict[str, NodeAdvert] = {}
+
+    def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        # Runs on zeroconf's event loop thread, where blocking requests are not allowed: hand off.
+        events.put((name, state_change))
+
+    try:
+        zc = Zeroconf(interfaces=resolve_interfaces(interfaces))
+    except OSError as exc:
+        raise NodeError(
+            f"cannot open mDNS sockets ({exc}); pass --nodes host:port,... instead of discovering"
+        ) from exc
+    browser = ServiceBrowser(zc, service_type, handlers=[on_change])
+    try:
+        while expect is None or len(found) < expect:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                name, change = events.get(timeout=min(remaining, 0.25))
+            except queue.Empty:
+                continue
+            if change == ServiceStateChange.Removed:
+                found.pop(name, None)
+                continue
+            advert = _resolve(zc, service_type, name, deadline)
+            if advert is not None:
+                found[name] = advert
+    finally:
+        browser.cancel()
+        zc.close()
+    adverts = _dedupe(found.values())
+    log.info("mDNS browse found %d node(s): %s", len(adverts), ", ".join(a.node_id for a in adverts))
+    return adverts
+
+
+def _resolve(zc: Zeroconf, service_type: str, name: str, deadline: float) -> NodeAdvert | None:
+    """Ask for one instance's SRV, TXT and address records (usually already cached with the PTR)."""
+    info = ServiceInfo(service_type, name)
+    wait_ms = max(50, int(min(deadline - time.monotonic(), 1.0) * 1000))
+    if not info.request(zc, wait_ms):
+        _warn_once(f"noanswer:{name}", "mDNS: %r did not send its address and TXT record; skipping it", name)
+        return None
+    host = pick_host(info.parsed_scoped_addresses())
+    if host is None or info.port is None:
+        _warn_once(f"noaddr:{name}", "mDNS: %r advertises no usable address; skipping it", name)
+        return None
+    try:
+        return decode_txt(info.properties, host, info.port, instance=name)
+    except AdvertError as exc:
+        _warn_once(f"txt:{name}", "mDNS: skipping %r at %s:%d: %s", name, host, info.port, exc)
+        return None
+
+
+def _dedupe(adverts: Iterable[NodeAdvert]) -> list[NodeAdvert]:
+    """One entry per (node id, address): a daemon seen under two instance names (a restart whose
+    old record is still cached) is one node, not a duplicate-id clash."""
+    unique: dict[tuple[str, str], NodeAdvert] = {}
+    for a in sorted(adverts, key=lambda a: (a.node_id, a.address, a.instance)):
+        unique.setdefault((a.node_id, a.address), a)
+    return list(unique.values())
+
+
+def discover(
+    timeout_s: float = DEFAULT_BROWSE_S,
+    *,
+    interfaces: Sequence[str] | str | None = None,
+    expect: int | None = None,
+    model_fingerprint: str | None = None,
+) -> list[NodeAdvert]:
+    """Browse, then insist the nodes can form one ring: the coordinator's entry point. Raises
+    PlanError when nothing answered (naming the --nodes fallback) or on any Problem."""
+    adverts = browse(timeout_s, interfaces=interfaces, expect=expect)
+    if not adverts:
+        raise PlanError(
+            f"no primad answered over mDNS within {timeout_s:g} s; check the daemons run (without "
+            "--no-mdns) on this network, or pass --nodes host:port,... (multicast is often blocked by "
+            "Wi-Fi client isolation and in containers)"
+        )
+    return require_consistent(adverts, model_fingerprint=model_fingerprint)
