@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "prima.cli.cmd_tokenize",
     "prima.cli.cmd_plan",
     "prima.cli.cmd_profile",
+    "prima.cli.cmd_nodes",
     "prima.cli.cmd_ring",
 ]
 
