@@ -93,10 +93,17 @@ def encode_txt(advert: NodeAdvert) -> dict[str, str]:
         K_ID: advert.node_id,
         K_PROTO: str(advert.protocol_version),
         K_FINGERPRINT: advert.model_fingerprint,
-        K_MODEL: advert.model_name,
+        K_MODEL: _clip_model_name(advert.model_name),
     }
     decode_txt({k.encode(): v.encode() for k, v in props.items()}, advert.host, advert.port)
     return props
+
+
+def _clip_model_name(name: str) -> str:
+    """The model name is only shown to people: drop what browsers would reject rather than refuse
+    to advertise a daemon over a long GGUF `general.name`."""
+    clean = "".join(c for c in name if c.isprintable())
+    return clean.encode()[:MAX_MODEL_NAME_BYTES].decode("utf-8", errors="ignore")
 
 
 def decode_txt(
@@ -325,11 +332,11 @@ class Advertiser:
         advert: NodeAdvert,
         *,
         interfaces: Sequence[str] | str | None = None,
-        service_type: str = SERVICE_TYPE,
+        service_type: str | None = None,
     ) -> None:
         self.advert = advert
         self.interfaces = resolve_interfaces(interfaces)
-        self.service_type = service_type
+        self.service_type = service_type or SERVICE_TYPE
         self._zc: Zeroconf | None = None
         self._info: ServiceInfo | None = None
 
@@ -398,10 +405,12 @@ def browse(
     *,
     interfaces: Sequence[str] | str | None = None,
     expect: int | None = None,
-    service_type: str = SERVICE_TYPE,
+    service_type: str | None = None,
 ) -> list[NodeAdvert]:
     """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
-    `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning."""
+    `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning.
+    `service_type` (default SERVICE_TYPE) lets tests browse a private type."""
+    service_type = service_type or SERVICE_TYPE
     deadline = time.monotonic() + timeout_s
     events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
     found: dict[str, NodeAdvert] = {}
@@ -442,7 +451,11 @@ def browse(
 
 def _resolve(zc: Zeroconf, service_type: str, name: str, deadline: float) -> NodeAdvert | None:
     """Ask for one instance's SRV, TXT and address records (usually already cached with the PTR)."""
-    info = ServiceInfo(service_type, name)
+    try:
+        info = ServiceInfo(service_type, name)
+    except BadTypeInNameException as exc:
+        _warn_once(f"name:{name}", "mDNS: skipping service %r: %s", name, exc)
+        return None
     wait_ms = max(50, int(min(deadline - time.monotonic(), 1.0) * 1000))
     if not info.request(zc, wait_ms):
         _warn_once(f"noanswer:{name}", "mDNS: %r did not send its address and TXT record; skipping it", name)

@@ -62,6 +62,13 @@ def test_txt_roundtrip_keeps_every_field() -> None:
     assert discovery.decode_txt(props, a.host, a.port) == a
 
 
+def test_txt_encode_clips_a_long_model_name() -> None:
+    a = NodeAdvert("n0", "127.0.0.1", 7600, FP_A, "é" * 100 + "\n")
+    name = discovery.encode_txt(a)["model"]
+    assert name == "é" * 60
+    assert len(name.encode()) == discovery.MAX_MODEL_NAME_BYTES
+
+
 def test_txt_decode_ignores_unknown_keys_and_key_case() -> None:
     props = {b"ID": b"n0", b"Proto": b"1", b"fingerprint": FP_A.encode(), b"future": b"x", b"flag": None}
     got = discovery.decode_txt(props, "10.0.0.2", 7600)
@@ -235,19 +242,20 @@ def test_browse_skips_malformed_txt_with_a_warning(
         assert any(name in m for m in skipped)
 
 
-def test_nodes_command_lists_advertised_nodes_as_json(capsys: pytest.CaptureFixture[str]) -> None:
-    # The real service type: other rings on this host may answer too, so check ours are listed.
-    tag = secrets.token_hex(3)
-    adverts = [_advert(f"cli-{tag}-{i}", 17640 + i) for i in range(2)]
-    with advertising(adverts, discovery.SERVICE_TYPE):
-        code = main(["nodes", "--json", "--timeout", "2", "--interface", "127.0.0.1"])
+def test_nodes_command_lists_advertised_nodes_as_json(
+    service_type: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(discovery, "SERVICE_TYPE", service_type)
+    adverts = [_advert(f"node{i}", 17640 + i) for i in range(2)]
+    with advertising(adverts, service_type):
+        code = main(["nodes", "--json", "--timeout", "3", "--expect", "2", "--interface", "127.0.0.1"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
     assert doc["protocol_version"] == PROTOCOL_VERSION
-    listed = {n["node_id"]: n for n in doc["nodes"]}
-    for a in adverts:
-        assert listed[a.node_id]["address"] == a.address
-        assert listed[a.node_id]["model_fingerprint"] == FP_A
+    assert doc["problems"] == []
+    assert [(n["node_id"], n["address"], n["model_fingerprint"]) for n in doc["nodes"]] == [
+        (a.node_id, a.address, FP_A) for a in adverts
+    ]
 
 
 # -- prima nodes, without the network ------------------------------------------------------------
