@@ -54,6 +54,8 @@ class LocalRing:
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
         procs: list[subprocess.Popen[str]] = []
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for i in range(n):
                 cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]

@@ -1,0 +1,40 @@
+"""Local rings of real primad processes, shared per module, and the single-device reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from prima.cluster.local_ring import LocalRing
+from prima.engine.generate import generate
+from prima.engine.local import LocalEngine
+from prima.engine.sampling import SamplerConfig
+from prima.model.loader import load_model
+
+N_CTX = 256
+UBATCH = 4  # small, so prompts are cut into several micro-batches that pipeline round the ring
+MAX_TOKENS = 10
+GREEDY = SamplerConfig()
+
+
+def reference_tokens(model_path: Path, prompt_ids: Sequence[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy tokens from the single-device engine with the ring's micro-batch size."""
+    loaded = load_model(model_path)
+    engine = LocalEngine(loaded.model, n_ctx=N_CTX, ubatch=UBATCH)
+    stops = sorted(loaded.tokenizer.stop_ids)
+    return generate(engine, prompt_ids, max_tokens=max_tokens, sampler=GREEDY, stop_ids=stops).token_ids
+
+
+@pytest.fixture(scope="module")
+def ring_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("primad-logs")
+
+
+def start_ring(n: int, model: Path, log_dir: Path, **kwargs: object) -> Iterator[LocalRing]:
+    ring = LocalRing.start(n, model, threads=1, log_dir=log_dir, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield ring
+    finally:
+        ring.close()

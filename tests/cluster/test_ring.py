@@ -1,0 +1,109 @@
+"""A model split across real primad processes gives exactly the tokens of the whole model on one
+device: 2, 3 and 4 nodes, one and several rounds, both test models. One 4-daemon ring per model
+is started per module and re-planned (LoadPlan with a new epoch) for each case."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prima.cluster.coordinator import Ring
+from prima.cluster.local_ring import LocalRing
+from prima.engine.generate import generate
+from prima.model.loader import load_model
+from prima.net.client import GenerateDone
+
+from .conftest import GREEDY, MAX_TOKENS, N_CTX, UBATCH, reference_tokens, start_ring
+
+pytestmark = pytest.mark.slow
+
+# (nodes, rounds) per model; rounds divide the layer count (smollm2: 30, gemma3: 18).
+CASES = [(2, 1), (3, 2), (4, 3)]
+PROMPTS = ("capital", "code")
+
+
+@pytest.fixture(scope="module")
+def smollm2_ring(smollm2_path: Path, ring_logs: Path) -> Iterator[LocalRing]:
+    yield from start_ring(4, smollm2_path, ring_logs / "smollm2")
+
+
+@pytest.fixture(scope="module")
+def gemma3_ring(gemma3_path: Path, ring_logs: Path) -> Iterator[LocalRing]:
+    yield from start_ring(4, gemma3_path, ring_logs / "gemma3")
+
+
+def _prompt_ids(oracle: Callable[[str], dict[str, Any]], tag: str, name: str) -> list[int]:
+    return next(p["prompt_token_ids"] for p in oracle(tag)["prompts"] if p["name"] == name)
+
+
+def _ring_tokens(ring: Ring, prompt_ids: list[int], stop_ids: list[int]) -> list[int]:
+    events = list(
+        ring.generate(
+            prompt_ids, max_tokens=MAX_TOKENS, sampler=GREEDY, stop_ids=stop_ids, n_ctx=N_CTX, ubatch=UBATCH
+        )
+    )
+    assert isinstance(events[-1], GenerateDone)
+    return [t for t in events if isinstance(t, int)]
+
+
+def _check_model(
+    local_ring: LocalRing, model_path: Path, tag: str, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    stops = sorted(load_model(model_path, layers=range(0)).tokenizer.stop_ids)
+    expected = {name: reference_tokens(model_path, _prompt_ids(oracle, tag, name)) for name in PROMPTS}
+    for n_nodes, rounds in CASES:
+        ring = Ring.connect(local_ring.addresses[:n_nodes], rounds=rounds)
+        try:
+            assert len(ring.plan.hops()) == n_nodes * rounds
+            for name in PROMPTS:
+                got = _ring_tokens(ring, _prompt_ids(oracle, tag, name), stops)
+                assert got == expected[name], f"{n_nodes} nodes, {rounds} round(s), prompt {name}"
+        finally:
+            ring.close()
+
+
+def test_smollm2_ring_equals_single_device(
+    smollm2_ring: LocalRing, smollm2_path: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    _check_model(smollm2_ring, smollm2_path, "smollm2-135m", oracle)
+
+
+def test_gemma3_ring_equals_single_device(
+    gemma3_ring: LocalRing, gemma3_path: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    _check_model(gemma3_ring, gemma3_path, "gemma3-270m", oracle)
+
+
+def test_hand_windows_and_forward_stream_equal_single_device(
+    smollm2_ring: LocalRing, smollm2_path: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    """Uneven hand-set windows, driven through the coordinator-side engine (Forward RPC)."""
+    prompt = _prompt_ids(oracle, "smollm2-135m", "capital")
+    expected = reference_tokens(smollm2_path, prompt)
+    ring = Ring.connect(smollm2_ring.addresses[:3], window_sizes=[2, 4, 4], rounds=3)
+    try:
+        engine = ring.engine(N_CTX, ubatch=UBATCH)
+        stops = sorted(load_model(smollm2_path, layers=range(0)).tokenizer.stop_ids)
+        result = generate(engine, prompt, max_tokens=MAX_TOKENS, sampler=GREEDY, stop_ids=stops)
+        engine.close()
+        assert result.token_ids == expected
+        assert [n.windows[0].n_layers for n in ring.plan.nodes] == [2, 4, 4]
+    finally:
+        ring.close()
+
+
+def test_info_reports_plan_and_residency(smollm2_ring: LocalRing) -> None:
+    ring = Ring.connect(smollm2_ring.addresses[:2], rounds=3)
+    try:
+        infos = ring.info()
+        assert {i.plan_epoch for i in infos} == {ring.plan.epoch}
+        for info, node in zip(infos, ring.plan.nodes, strict=True):
+            assert info.windows == node.windows
+            assert info.residency is not None
+            assert 0 < info.residency.owned_bytes
+            assert info.residency.resident_bytes <= info.residency.owned_bytes + 4096 * len(node.windows)
+    finally:
+        ring.close()
