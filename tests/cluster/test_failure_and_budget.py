@@ -1,0 +1,85 @@
+"""A node that vanishes mid-session is named in a NodeError (no hang); a node whose --mem-budget
+is below its layers keeps its resident weights within the budget and the output unchanged."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prima.cluster.coordinator import Ring
+from prima.cluster.local_ring import LocalRing
+from prima.errors import NodeError
+from prima.net.client import GenerateDone
+from prima.weights.window import PAGE
+
+from .conftest import GREEDY, MAX_TOKENS, N_CTX, UBATCH, reference_tokens, start_ring
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 3
+SLACK_BYTES = 64 * PAGE  # read-around at span edges
+
+
+@pytest.fixture
+def three_nodes(smollm2_path: Path, ring_logs: Path) -> Iterator[LocalRing]:
+    yield from start_ring(3, smollm2_path, ring_logs / "failure")
+
+
+def test_vanished_node_is_named(three_nodes: LocalRing) -> None:
+    ring = Ring.connect(three_nodes.addresses)
+    try:
+        first = list(ring.generate([1, 2, 3], max_tokens=2, sampler=GREEDY, n_ctx=N_CTX))
+        assert isinstance(first[-1], GenerateDone)
+        three_nodes.kill(2)
+        with pytest.raises(NodeError, match="node2"):
+            list(ring.generate([1, 2, 3], max_tokens=2, sampler=GREEDY, n_ctx=N_CTX))
+    finally:
+        ring.close()
+
+
+@pytest.fixture
+def private_copy(smollm2_path: Path, tmp_path: Path) -> Path:
+    """The budgeted node maps its own copy, so no other process holds its pages in the cache."""
+    dst = tmp_path / "model.gguf"
+    shutil.copyfile(smollm2_path, dst)
+    fd = os.open(dst, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages cannot be dropped
+    os.close(fd)
+    return dst
+
+
+def test_mem_budget_keeps_weights_resident_within_it(
+    smollm2_path: Path, private_copy: Path, ring_logs: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    prompt = next(p["prompt_token_ids"] for p in oracle("smollm2-135m")["prompts"] if p["name"] == "capital")
+    expected = reference_tokens(smollm2_path, prompt)
+    # node1 owns 15 layers in 3 windows of 5 (~11 MB each); give it room for about two windows.
+    budget = 24 << 20
+    for local in start_ring(
+        2,
+        smollm2_path,
+        ring_logs / "budget",
+        models=[smollm2_path, private_copy],
+        mem_budgets=["", str(budget)],
+    ):
+        ring = Ring.connect(local.addresses, rounds=ROUNDS)
+        try:
+            events = list(
+                ring.generate(prompt, max_tokens=MAX_TOKENS, sampler=GREEDY, n_ctx=N_CTX, ubatch=UBATCH)
+            )
+            tokens = [t for t in events if isinstance(t, int)]
+            res = ring.clients[1].info().residency
+        finally:
+            ring.close()
+    assert tokens == expected
+    assert res is not None
+    assert res.budget_bytes == budget
+    assert res.owned_bytes > budget
+    assert res.releases > 0
+    assert 0 < res.peak_resident_bytes <= budget + SLACK_BYTES
+    assert res.resident_bytes <= budget + SLACK_BYTES
