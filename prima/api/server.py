@@ -288,7 +288,8 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         self._response_started = True
-        self._write_event(stream_chunk(req, **ident, first=True))
+        if req.kind == "chat":  # chat streams announce the assistant role first; text streams don't
+            self._write_event(stream_chunk(req, **ident, first=True))
         event: str | GenerationResult = first
         try:
             while True:

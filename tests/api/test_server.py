@@ -1,0 +1,321 @@
+"""The HTTP API end to end: a real server thread on 127.0.0.1:0 over the real default model.
+
+Greedy answers must equal `generate()` on the same prompt; streams must add up to the
+non-streaming text; bad input gets a 4xx naming the problem and the server keeps serving;
+concurrent clients each get their own correct answer; a client that hangs up mid-stream frees
+the engine at the next token."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prima.api.server import ApiServer
+from prima.api.service import CompletionService, ServeDefaults
+from prima.engine.generate import GenerationResult, generate
+from prima.engine.local import LocalEngine
+from prima.engine.prompt import chat_prompt_ids, prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.model.loader import LoadedModel, load_model
+
+N_CTX = 256
+HTTP_TIMEOUT_S = 300.0  # a safety bound for a loaded CI machine, not an expectation
+MAX_SSE_LINES = 2000
+
+CHAT = [{"role": "user", "content": "Say hi."}]
+FRANCE = "The capital of France is"
+
+
+@cache
+def _smollm2() -> LoadedModel:
+    return load_model("smollm2-135m")
+
+
+class CountingEngine:
+    """LocalEngine that records how many forward passes each generation made (reset starts one)."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        self.inner = inner
+        self.n_ctx = inner.n_ctx
+        self.forwards: list[int] = []
+
+    def reset(self) -> None:
+        self.forwards.append(0)
+        self.inner.reset()
+
+    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        self.forwards[-1] += 1
+        return self.inner.forward(token_ids)
+
+
+@pytest.fixture(scope="module")
+def engine() -> CountingEngine:
+    return CountingEngine(LocalEngine(_smollm2().model, N_CTX))
+
+
+@pytest.fixture(scope="module")
+def server(engine: CountingEngine) -> Iterator[ApiServer]:
+    defaults = ServeDefaults(sampler=SamplerConfig(), max_tokens=12)  # greedy unless a request says otherwise
+    service = CompletionService(_smollm2(), engine, "smollm2-135m", defaults=defaults)
+    srv = ApiServer(("127.0.0.1", 0), service)
+    thread = srv.serve_in_background()
+    yield srv
+    srv.stop()
+    thread.join(HTTP_TIMEOUT_S)
+
+
+@cache
+def _reference(kind: str, text: str, max_tokens: int, stop: tuple[str, ...] = ()) -> GenerationResult:
+    """What `prima run` would produce for the same prompt, on an engine of its own."""
+    m = _smollm2()
+    ids = (
+        chat_prompt_ids(m.gguf.metadata, m.tokenizer, [{"role": "user", "content": text}])
+        if kind == "chat"
+        else prompt_ids(m.tokenizer, text)
+    )
+    return generate(
+        LocalEngine(m.model, N_CTX),
+        ids,
+        max_tokens=max_tokens,
+        sampler=SamplerConfig(),
+        stop_ids=sorted(m.tokenizer.stop_ids),
+        stop_strings=stop,
+        decoder=m.tokenizer.stream_decoder(),
+    )
+
+
+def _connect(srv: ApiServer) -> http.client.HTTPConnection:
+    host, port = srv.server_address[:2]
+    return http.client.HTTPConnection(str(host), port, timeout=HTTP_TIMEOUT_S)
+
+
+def _request(
+    srv: ApiServer, method: str, path: str, body: Any = None, raw: bytes | None = None
+) -> tuple[int, Any]:
+    conn = _connect(srv)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def _post(srv: ApiServer, path: str, body: Any) -> tuple[int, Any]:
+    return _request(srv, "POST", path, body)
+
+
+def _stream(srv: ApiServer, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST with stream=true; the parsed `data:` events up to [DONE] (which must arrive)."""
+    conn = _connect(srv)
+    try:
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode())
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.getheader("Content-Type") == "text/event-stream"
+        events = []
+        for _ in range(MAX_SSE_LINES):
+            line = resp.readline()
+            assert line, "the stream ended without data: [DONE]"
+            if not line.strip():
+                continue
+            assert line.startswith(b"data: ")
+            payload = line[len(b"data: ") :].strip()
+            if payload == b"[DONE]":
+                assert resp.read().strip() == b""  # only the blank line after [DONE]; the body ends cleanly
+                return events
+            events.append(json.loads(payload))
+        raise AssertionError("too many SSE lines")
+    finally:
+        conn.close()
+
+
+def _chat_text(events: Sequence[dict[str, Any]]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+
+
+# --- happy paths -----------------------------------------------------------------------------------
+
+
+def test_health_and_models(server: ApiServer) -> None:
+    status, health = _request(server, "GET", "/health")
+    assert status == 200
+    assert health["status"] == "ok"
+    assert health["model"] == "smollm2-135m"
+    status, models = _request(server, "GET", "/v1/models")
+    assert status == 200
+    assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+
+
+def test_greedy_chat_completion_equals_generate(server: ApiServer) -> None:
+    ref = _reference("chat", CHAT[0]["content"], 12)
+    status, body = _post(
+        server,
+        "/v1/chat/completions",
+        {"model": "whatever", "messages": CHAT, "max_tokens": 12, "temperature": 0},
+    )
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "smollm2-135m"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": ref.text}
+    assert choice["finish_reason"] == ("length" if ref.stop_reason == "length" else "stop")
+    assert body["usage"] == {
+        "prompt_tokens": len(ref.prompt_token_ids),
+        "completion_tokens": len(ref.token_ids),
+        "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids),
+    }
+
+
+def test_chat_stream_concatenates_to_the_non_streaming_text(server: ApiServer) -> None:
+    ref = _reference("chat", CHAT[0]["content"], 12)
+    events = _stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12})
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert len({e["id"] for e in events}) == 1
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert _chat_text(events) == ref.text
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+def test_completion_stream_with_usage_matches_generate(server: ApiServer) -> None:
+    ref = _reference("text", FRANCE, 8)
+    events = _stream(
+        server,
+        "/v1/completions",
+        {"prompt": FRANCE, "max_tokens": 8, "stream_options": {"include_usage": True}},
+    )
+    *chunks, usage = events
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert usage["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+
+
+def test_stop_string_cuts_the_completion(server: ApiServer) -> None:
+    ref = _reference("text", FRANCE, 12, ("\n",))
+    assert ref.stop_reason == "stop_string"  # llama.cpp's greedy text is " Paris.\n\nThe ..."
+    status, body = _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 12, "stop": "\n"})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == ref.text
+    assert "\n" not in ref.text
+    assert body["choices"][0]["finish_reason"] == "stop"
+    events = _stream(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 12, "stop": ["\n"]})
+    assert "".join(e["choices"][0]["text"] for e in events) == ref.text
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_requests_each_get_their_own_answer(server: ApiServer) -> None:
+    prompts = [FRANCE, "One, two, three,", "def add(a, b):"]
+    expected = [_reference("text", p, 4).text for p in prompts]
+    answers: dict[int, Any] = {}
+
+    def client(i: int) -> None:
+        answers[i] = _post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 4})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HTTP_TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads)
+    for i, want in enumerate(expected):
+        status, body = answers[i]
+        assert status == 200, body
+        assert body["choices"][0]["text"] == want
+
+
+def test_disconnecting_stream_client_frees_the_engine(server: ApiServer, engine: CountingEngine) -> None:
+    body = json.dumps({"prompt": FRANCE, "max_tokens": 200, "stream": True}).encode()
+    host, port = server.server_address[:2]
+    with socket.create_connection((str(host), port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        received = b""
+        for _ in range(MAX_SSE_LINES):  # wait for the first text chunk, then hang up
+            data = sock.recv(4096)
+            assert data, "the server closed before streaming"
+            received += data
+            if b"data: " in received:
+                break
+    n_before = len(engine.forwards)
+    # The next request gets the engine; the abandoned generation stopped long before 200 tokens.
+    status, reply = _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 4})
+    assert status == 200, reply
+    assert reply["choices"][0]["text"] == _reference("text", FRANCE, 4).text
+    abandoned = engine.forwards[n_before - 1]
+    assert abandoned < 100
+    status, health = _request(server, "GET", "/health")
+    assert health["busy"] is False
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "words"),
+    [
+        ("POST", "/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+        ("POST", "/v1/chat/completions", b"", 400, "empty"),
+        ("POST", "/v1/chat/completions", b'{"messages": []}', 400, "'messages' is empty"),
+        ("POST", "/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages' must be a list"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+            400,
+            "'max_tokens' must be an integer",
+        ),
+        ("POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, "'temperature' must be in"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "word " * 400}).encode(), 400, "context holds 256"),
+        ("POST", "/v1/completions", b'{"prompt": [999999]}', 400, "outside the vocabulary"),
+        ("POST", "/v1/embeddings", b"{}", 404, "no endpoint POST /v1/embeddings"),
+        ("GET", "/nowhere", None, 404, "no endpoint GET /nowhere"),
+        ("GET", "/v1/completions", None, 405, "use POST"),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_problem(
+    server: ApiServer, method: str, path: str, body: bytes | None, status: int, words: str
+) -> None:
+    got, reply = _request(server, method, path, raw=body)
+    assert got == status
+    assert words in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert _request(server, "GET", "/health")[0] == 200  # still serving
+
+
+def test_oversized_body_is_refused_before_reading(server: ApiServer) -> None:
+    conn = _connect(server)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Length", str(server.max_body_bytes + 1))
+        conn.endheaders()  # the body is never sent: the server must answer from the header alone
+        resp = conn.getresponse()
+        assert resp.status == 413
+        assert "limit" in json.loads(resp.read())["error"]["message"]
+    finally:
+        conn.close()
+    assert _request(server, "GET", "/health")[0] == 200
+
+
+def test_keep_alive_connection_serves_several_requests(server: ApiServer) -> None:
+    conn = _connect(server)
+    try:
+        for path in ("/health", "/nowhere", "/v1/models"):
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            json.loads(resp.read())
+        assert resp.status == 200
+    finally:
+        conn.close()
