@@ -53,6 +53,12 @@ class LocalRing:
         `models` and `mem_budgets` optionally give each node its own file or budget."""
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
+        # Daemons on one machine share its cores: split them, and cap BLAS pools too, whose
+        # spinning worker threads would otherwise starve the other daemons.
+        threads = threads or max(1, (os.cpu_count() or 1) // n)
+        env = dict(os.environ)
+        for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(threads)
         procs: list[subprocess.Popen[str]] = []
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -60,16 +66,19 @@ class LocalRing:
             for i in range(n):
                 cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
                 cmd += ["--model", str(models[i] if models else model), "--name", f"node{i}", *extra_args]
-                if threads is not None:
-                    cmd += ["--threads", str(threads)]
+                cmd += ["--threads", str(threads)]
                 if mem_budgets and mem_budgets[i]:
                     cmd += ["--mem-budget", mem_budgets[i]]
                 if log_dir:
                     with open(log_dir / f"node{i}.log", "w") as stderr:  # the child keeps its own copy
-                        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True))
+                        procs.append(
+                            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+                        )
                 else:
                     procs.append(
-                        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                        subprocess.Popen(
+                            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+                        )
                     )
             nodes = [_wait_ready(p, f"node{i}", timeout_s) for i, p in enumerate(procs)]
         except BaseException:
