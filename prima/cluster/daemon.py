@@ -420,7 +420,9 @@ class NodeRuntime:
         return ForwardAdapter(RingEngine(self.model, self, n_ctx or 2048, ubatch or DEFAULT_UBATCH))
 
     def shutdown(self) -> None:
+        """Finish the batch in hand, then close sessions and channels (bounded wait)."""
         self._work.put(None)
+        self._worker.join(timeout=30)
         layout = self._layout
         for session_id in list(self._sessions):
             self.close_session(session_id)

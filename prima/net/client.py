@@ -69,6 +69,8 @@ class NodeClient:
             return fn(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
             raise node_error(self.name, self.address, exc, doing) from None
+        except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel!"
+            raise NodeError(f"{doing} on node {self.name} at {self.address}: {exc}") from None
 
     def info(self, timeout_s: float | None = None) -> NodeStatus:
         return codec.node_status_from_proto(self._call("Info", self.stub.Info, pb.InfoRequest(), timeout_s))
