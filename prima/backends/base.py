@@ -4,6 +4,7 @@ device. Backends are chosen by name: `cpu` now, `cann` (Ascend NPU via CANN's `a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +17,11 @@ class Backend(Protocol):
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
+        ...
+
+    def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
+        """y = x @ [W0; W1; ...].T, float32 (n, sum of rows), for weights sharing `cols` (merged
+        q/k/v and gate/up projections: one call where the backend can fuse them)."""
         ...
 
     def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:

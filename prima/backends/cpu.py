@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -13,25 +15,30 @@ log = logging.getLogger("prima.backends")
 
 
 class CpuBackend:
-    """Runs every supported weight format on the host CPU. `threads` caps numba's worker pool
-    (None keeps numba's default, one per core); BLAS keeps its own setting."""
+    """Runs every supported weight format on the host CPU with at most `threads` workers (None:
+    one per core): numba's pool for decode kernels, as many Python threads for prefill tiles."""
 
     name = "cpu"
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        self.threads = threads
-        if threads is not None and kernels.HAVE_NUMBA:
+        self.threads = threads if threads is not None else (os.cpu_count() or 1)
+        if kernels.HAVE_NUMBA:
             import numba
 
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        if not kernels.HAVE_NUMBA:
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        else:
             log.warning("numba is not installed: the cpu backend falls back to slow numpy kernels")
+        kernels.set_threads(self.threads)
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
         return kernels.matmul(w, x)
+
+    def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
+        """y = x @ [W0; W1; ...].T (n, sum of rows): one launch for weights of one format."""
+        return kernels.matmul_many(ws, x)
 
     def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""

@@ -1,19 +1,20 @@
 """Fused numba kernels for ggml's 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
 
-Each format has two kernels over the raw GGUF bytes, never a dequantized copy of the weight:
-  dot_<fmt>(raw (rows, row_bytes) u8, x (n, cols) f32, lut, out (n, rows) f32)  out = x @ W.T
-  rows_<fmt>(raw, ids (m,) i64, lut, out (m, cols) f32)                         out = W[ids]
+Each format has two per-row kernels over the raw GGUF bytes, never a dequantized copy of the weight:
+  dot_<fmt>(row (row_bytes,) u8, x (n, cols) f32, lut, out (n, rows) f32, r, acc)  out[:, r] = x @ w_r
+  deq_<fmt>(row, lut, y (cols,) f32)                                              y = w_r
+The parallel drivers in prima.kernels.drivers run them over rows and pick the format by type id.
 `lut` is quants.F16_TABLE. Values are formed exactly as gguf-py's reference forms them (d * q,
 or d * q + m, in float32) and multiplied into 32 float32 lane accumulators, one per element of
 a block: per-lane accumulation vectorizes without reassociating a scalar sum, which is what made
-these kernels several times faster than a scalar dot on this machine. The drivers are written out
-per format because numba cannot cache a kernel that takes or closes over another jitted function.
+these kernels several times faster than a scalar dot on this machine. The drivers call these by
+name (numba cannot cache a kernel that takes another jitted function as an argument).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 _FASTMATH = {"contract"}
 
@@ -37,198 +38,188 @@ def _u32(row: np.ndarray, o: int) -> np.uint32:
 
 # Q4_0: 18-byte block of 32: d f16, 16 bytes of nibbles; the low nibble of byte j is element j,
 # the high nibble element j + 16; value = d * (q - 8).
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def dot_q4_0(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
+@njit(cache=True, fastmath=_FASTMATH)
+def dot_q4_0(
+    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
+) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
     n_blocks = x.shape[1] // 32
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = np.empty(32, np.float32)
-        for k in range(x.shape[0]):
-            xk = x[k]
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                o = b * 18
-                d = _f16(lut, row, o)
-                xb = b * 32
-                for j in range(16):
-                    q = row[o + 2 + j]
-                    acc[j] += xk[xb + j] * (d * (np.float32(q & np.uint8(15)) - np.float32(8)))
-                    acc[j + 16] += xk[xb + 16 + j] * (d * (np.float32(q >> np.uint8(4)) - np.float32(8)))
-            out[k, r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def rows_q4_0(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
-    n_blocks = out.shape[1] // 32
-    for i in prange(ids.shape[0]):
-        row = raw[ids[i]]
-        y = out[i]
+    for k in range(x.shape[0]):
+        xk = x[k]
+        acc[:] = 0.0
         for b in range(n_blocks):
             o = b * 18
             d = _f16(lut, row, o)
+            xb = b * 32
             for j in range(16):
                 q = row[o + 2 + j]
-                y[b * 32 + j] = d * (np.float32(q & np.uint8(15)) - np.float32(8))
-                y[b * 32 + 16 + j] = d * (np.float32(q >> np.uint8(4)) - np.float32(8))
+                acc[j] += xk[xb + j] * (d * (np.float32(q & np.uint8(15)) - np.float32(8)))
+                acc[j + 16] += xk[xb + 16 + j] * (d * (np.float32(q >> np.uint8(4)) - np.float32(8)))
+        out[k, r] = acc.sum()
+
+
+@njit(cache=True)
+def deq_q4_0(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // 32
+    for b in range(n_blocks):
+        o = b * 18
+        d = _f16(lut, row, o)
+        for j in range(16):
+            q = row[o + 2 + j]
+            y[b * 32 + j] = d * (np.float32(q & np.uint8(15)) - np.float32(8))
+            y[b * 32 + 16 + j] = d * (np.float32(q >> np.uint8(4)) - np.float32(8))
 
 
 # Q4_1: 20-byte block of 32: d f16, m f16, 16 bytes of nibbles (as Q4_0); value = d * q + m.
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def dot_q4_1(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
+@njit(cache=True, fastmath=_FASTMATH)
+def dot_q4_1(
+    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
+) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
     n_blocks = x.shape[1] // 32
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = np.empty(32, np.float32)
-        for k in range(x.shape[0]):
-            xk = x[k]
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                o = b * 20
-                d = _f16(lut, row, o)
-                m = _f16(lut, row, o + 2)
-                xb = b * 32
-                for j in range(16):
-                    q = row[o + 4 + j]
-                    acc[j] += xk[xb + j] * (d * np.float32(q & np.uint8(15)) + m)
-                    acc[j + 16] += xk[xb + 16 + j] * (d * np.float32(q >> np.uint8(4)) + m)
-            out[k, r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def rows_q4_1(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
-    n_blocks = out.shape[1] // 32
-    for i in prange(ids.shape[0]):
-        row = raw[ids[i]]
-        y = out[i]
+    for k in range(x.shape[0]):
+        xk = x[k]
+        acc[:] = 0.0
         for b in range(n_blocks):
             o = b * 20
             d = _f16(lut, row, o)
             m = _f16(lut, row, o + 2)
+            xb = b * 32
             for j in range(16):
                 q = row[o + 4 + j]
-                y[b * 32 + j] = d * np.float32(q & np.uint8(15)) + m
-                y[b * 32 + 16 + j] = d * np.float32(q >> np.uint8(4)) + m
+                acc[j] += xk[xb + j] * (d * np.float32(q & np.uint8(15)) + m)
+                acc[j + 16] += xk[xb + 16 + j] * (d * np.float32(q >> np.uint8(4)) + m)
+        out[k, r] = acc.sum()
+
+
+@njit(cache=True)
+def deq_q4_1(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // 32
+    for b in range(n_blocks):
+        o = b * 20
+        d = _f16(lut, row, o)
+        m = _f16(lut, row, o + 2)
+        for j in range(16):
+            q = row[o + 4 + j]
+            y[b * 32 + j] = d * np.float32(q & np.uint8(15)) + m
+            y[b * 32 + 16 + j] = d * np.float32(q >> np.uint8(4)) + m
 
 
 # Q5_0: 22-byte block of 32: d f16, qh (32 high bits, little-endian u32: bit j belongs to element
 # j), 16 bytes of low nibbles (as Q4_0); value = d * ((nibble | high << 4) - 16).
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def dot_q5_0(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
+@njit(cache=True, fastmath=_FASTMATH)
+def dot_q5_0(
+    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
+) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
     n_blocks = x.shape[1] // 32
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = np.empty(32, np.float32)
-        for k in range(x.shape[0]):
-            xk = x[k]
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                o = b * 22
-                d = _f16(lut, row, o)
-                qh = _u32(row, o + 2)
-                xb = b * 32
-                for j in range(16):
-                    q = row[o + 6 + j]
-                    h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
-                    h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
-                    v0 = np.float32(np.uint32(q & np.uint8(15)) | h0) - np.float32(16)
-                    v1 = np.float32(np.uint32(q >> np.uint8(4)) | h1) - np.float32(16)
-                    acc[j] += xk[xb + j] * (d * v0)
-                    acc[j + 16] += xk[xb + 16 + j] * (d * v1)
-            out[k, r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def rows_q5_0(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
-    n_blocks = out.shape[1] // 32
-    for i in prange(ids.shape[0]):
-        row = raw[ids[i]]
-        y = out[i]
+    for k in range(x.shape[0]):
+        xk = x[k]
+        acc[:] = 0.0
         for b in range(n_blocks):
             o = b * 22
             d = _f16(lut, row, o)
             qh = _u32(row, o + 2)
+            xb = b * 32
             for j in range(16):
                 q = row[o + 6 + j]
                 h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
                 h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
-                y[b * 32 + j] = d * (np.float32(np.uint32(q & np.uint8(15)) | h0) - np.float32(16))
-                y[b * 32 + 16 + j] = d * (np.float32(np.uint32(q >> np.uint8(4)) | h1) - np.float32(16))
+                v0 = np.float32(np.uint32(q & np.uint8(15)) | h0) - np.float32(16)
+                v1 = np.float32(np.uint32(q >> np.uint8(4)) | h1) - np.float32(16)
+                acc[j] += xk[xb + j] * (d * v0)
+                acc[j + 16] += xk[xb + 16 + j] * (d * v1)
+        out[k, r] = acc.sum()
+
+
+@njit(cache=True)
+def deq_q5_0(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // 32
+    for b in range(n_blocks):
+        o = b * 22
+        d = _f16(lut, row, o)
+        qh = _u32(row, o + 2)
+        for j in range(16):
+            q = row[o + 6 + j]
+            h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+            h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
+            y[b * 32 + j] = d * (np.float32(np.uint32(q & np.uint8(15)) | h0) - np.float32(16))
+            y[b * 32 + 16 + j] = d * (np.float32(np.uint32(q >> np.uint8(4)) | h1) - np.float32(16))
 
 
 # Q5_1: 24-byte block of 32: d f16, m f16, qh u32 (as Q5_0), 16 bytes of low nibbles;
 # value = d * (nibble | high << 4) + m.
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def dot_q5_1(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
+@njit(cache=True, fastmath=_FASTMATH)
+def dot_q5_1(
+    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
+) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
     n_blocks = x.shape[1] // 32
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = np.empty(32, np.float32)
-        for k in range(x.shape[0]):
-            xk = x[k]
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                o = b * 24
-                d = _f16(lut, row, o)
-                m = _f16(lut, row, o + 2)
-                qh = _u32(row, o + 4)
-                xb = b * 32
-                for j in range(16):
-                    q = row[o + 8 + j]
-                    h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
-                    h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
-                    acc[j] += xk[xb + j] * (d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m)
-                    acc[j + 16] += xk[xb + 16 + j] * (d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m)
-            out[k, r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def rows_q5_1(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
-    n_blocks = out.shape[1] // 32
-    for i in prange(ids.shape[0]):
-        row = raw[ids[i]]
-        y = out[i]
+    for k in range(x.shape[0]):
+        xk = x[k]
+        acc[:] = 0.0
         for b in range(n_blocks):
             o = b * 24
             d = _f16(lut, row, o)
             m = _f16(lut, row, o + 2)
             qh = _u32(row, o + 4)
+            xb = b * 32
             for j in range(16):
                 q = row[o + 8 + j]
                 h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
                 h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
-                y[b * 32 + j] = d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m
-                y[b * 32 + 16 + j] = d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m
+                acc[j] += xk[xb + j] * (d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m)
+                acc[j + 16] += xk[xb + 16 + j] * (d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m)
+        out[k, r] = acc.sum()
+
+
+@njit(cache=True)
+def deq_q5_1(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // 32
+    for b in range(n_blocks):
+        o = b * 24
+        d = _f16(lut, row, o)
+        m = _f16(lut, row, o + 2)
+        qh = _u32(row, o + 4)
+        for j in range(16):
+            q = row[o + 8 + j]
+            h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+            h1 = ((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4)
+            y[b * 32 + j] = d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m
+            y[b * 32 + 16 + j] = d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m
 
 
 # Q8_0: 34-byte block of 32: d f16, 32 int8; value = d * q.
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def dot_q8_0(raw: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
+@njit(cache=True, fastmath=_FASTMATH)
+def dot_q8_0(
+    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
+) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
     n_blocks = x.shape[1] // 32
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        qs = row.view(np.int8)
-        acc = np.empty(32, np.float32)
-        for k in range(x.shape[0]):
-            xk = x[k]
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                o = b * 34
-                d = _f16(lut, row, o)
-                xb = b * 32
-                for j in range(32):
-                    acc[j] += xk[xb + j] * (d * np.float32(qs[o + 2 + j]))
-            out[k, r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def rows_q8_0(raw: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
-    n_blocks = out.shape[1] // 32
-    for i in prange(ids.shape[0]):
-        row = raw[ids[i]]
-        qs = row.view(np.int8)
-        y = out[i]
+    qs = row.view(np.int8)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        acc[:] = 0.0
         for b in range(n_blocks):
             o = b * 34
             d = _f16(lut, row, o)
+            xb = b * 32
             for j in range(32):
-                y[b * 32 + j] = d * np.float32(qs[o + 2 + j])
+                acc[j] += xk[xb + j] * (d * np.float32(qs[o + 2 + j]))
+        out[k, r] = acc.sum()
+
+
+@njit(cache=True)
+def deq_q8_0(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // 32
+    qs = row.view(np.int8)
+    for b in range(n_blocks):
+        o = b * 34
+        d = _f16(lut, row, o)
+        for j in range(32):
+            y[b * 32 + j] = d * np.float32(qs[o + 2 + j])

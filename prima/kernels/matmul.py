@@ -7,7 +7,8 @@ Without numba, the same tiling runs on gguf-py's numpy dequantizer (slow, but co
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -18,7 +19,7 @@ from prima.kernels.quants import F16_TABLE, FLOAT_QTYPES, check_supported
 from prima.kernels.tensor import QTensor
 
 try:
-    from prima.kernels import k_quants, legacy_quants
+    from prima.kernels import drivers
 
     HAVE_NUMBA = True
 except ImportError:  # numba is optional at runtime: fall back to gguf-py + BLAS
@@ -30,39 +31,69 @@ Q = GGMLQuantizationType
 FUSED_MAX_N = 4
 # Elements per dequantized tile (float32: 1 MiB), small enough to stay in L2 while BLAS reads it.
 TILE_ELEMENTS = 1 << 18
+# Prefill splits a weight's row tiles over this many Python threads; each dequantizes without the
+# GIL and calls single-threaded BLAS, so no two thread pools spin against each other.
+_prefill_threads = 1
+_pool: ThreadPoolExecutor | None = None
 
-_Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
-_KERNELS: dict[GGMLQuantizationType, tuple[_Kernel, _Kernel]] = {}
-if HAVE_NUMBA:
-    for _qtype, _mod in [
-        (Q.Q4_0, legacy_quants),
-        (Q.Q4_1, legacy_quants),
-        (Q.Q5_0, legacy_quants),
-        (Q.Q5_1, legacy_quants),
-        (Q.Q8_0, legacy_quants),
-        (Q.Q2_K, k_quants),
-        (Q.Q3_K, k_quants),
-        (Q.Q4_K, k_quants),
-        (Q.Q5_K, k_quants),
-        (Q.Q6_K, k_quants),
-    ]:
-        _suffix = _qtype.name.lower()
-        _KERNELS[_qtype] = (getattr(_mod, f"dot_{_suffix}"), getattr(_mod, f"rows_{_suffix}"))
+
+def set_threads(threads: int) -> None:
+    """Use `threads` workers for prefill tiles (decode kernels use numba's pool)."""
+    global _prefill_threads
+    _prefill_threads = max(1, threads)
 
 
 def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
     """x (n, cols) -> float32 (n, rows) = x @ dequantize(W).T."""
-    x = _activations(w, x)
+    return matmul_many((w,), x)
+
+
+def matmul_many(ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
+    """x (n, cols) -> float32 (n, sum of rows) = x @ [W0; W1; ...].T for weights sharing `cols`.
+    Up to three weights of one quantized format run as a single fused launch (q/k/v, gate/up)."""
+    x = _activations(ws[0], x)
+    for w in ws[1:]:
+        _activations(w, x)
+    n = x.shape[0]
+    if (
+        HAVE_NUMBA
+        and n <= FUSED_MAX_N
+        and len(ws) <= 3
+        and int(ws[0].qtype) in drivers.QUANTIZED_IDS
+        and all(w.qtype == ws[0].qtype for w in ws)
+    ):
+        out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
+        raws = _same_kind([w.raw for w in ws])
+        a = raws[0]
+        b = raws[1] if len(raws) > 1 else a[:0]
+        c = raws[2] if len(raws) > 2 else a[:0]
+        drivers.matvec(int(ws[0].qtype), a, b, c, x, F16_TABLE, out)
+        return out
+    if len(ws) == 1:
+        return _matmul_one(ws[0], x)
+    return np.concatenate([_matmul_one(w, x) for w in ws], axis=1)
+
+
+def _matmul_one(w: QTensor, x: np.ndarray) -> np.ndarray:
     if w.qtype == Q.F32:
         return x @ w.raw.view(np.float32).T
     if not HAVE_NUMBA:
         return matmul_fallback(w, x)
-    if w.qtype in _KERNELS and x.shape[0] <= FUSED_MAX_N:
-        dot, _ = _KERNELS[w.qtype]
+    if int(w.qtype) in drivers.QUANTIZED_IDS and x.shape[0] <= FUSED_MAX_N:
         out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-        dot(w.raw, x, F16_TABLE, out)
+        drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, out)
         return out
-    return _tiled_matmul(w, x, _dequantize_rows)
+    return _tiled_matmul(w, x, _dequantize_tile)
+
+
+def _same_kind(raws: list[np.ndarray]) -> list[np.ndarray]:
+    """numba compiles one driver per array type: make writable and read-only views agree."""
+    if all(r.flags.writeable == raws[0].flags.writeable for r in raws):
+        return raws
+    views = [r.view() for r in raws]
+    for v in views:
+        v.flags.writeable = False
+    return views
 
 
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
@@ -73,7 +104,7 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
 
 def matmul_fallback(w: QTensor, x: np.ndarray) -> np.ndarray:
     """matmul without numba: gguf-py dequantizes tiles, BLAS multiplies them."""
-    return _tiled_matmul(w, _activations(w, x), _reference_rows)
+    return _tiled_matmul(w, _activations(w, x), _reference_tile)
 
 
 def get_rows_fallback(w: QTensor, ids: np.ndarray) -> np.ndarray:
@@ -101,24 +132,50 @@ def _row_ids(w: QTensor, ids: np.ndarray) -> np.ndarray:
 
 
 def _tiled_matmul(
-    w: QTensor, x: np.ndarray, dequantize: Callable[[QTensor, np.ndarray], np.ndarray]
+    w: QTensor, x: np.ndarray, dequantize: Callable[[QTensor, int, int], np.ndarray]
 ) -> np.ndarray:
     out = np.empty((x.shape[0], w.rows), dtype=np.float32)
     tile_rows = max(1, TILE_ELEMENTS // w.cols)
-    for start in range(0, w.rows, tile_rows):
-        stop = min(start + tile_rows, w.rows)
-        tile = dequantize(w, np.arange(start, stop, dtype=np.int64))
-        np.matmul(x, tile.T, out=out[:, start:stop])
+    starts = range(0, w.rows, tile_rows)
+
+    def run(worker: int) -> None:
+        for start in starts[worker::_prefill_threads]:
+            stop = min(start + tile_rows, w.rows)
+            np.matmul(x, dequantize(w, start, stop).T, out=out[:, start:stop])
+
+    if _prefill_threads == 1 or len(starts) == 1:
+        run(0)
+    else:
+        list(_thread_pool().map(run, range(_prefill_threads)))
     return out
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers < _prefill_threads:  # noqa: SLF001
+        _pool = ThreadPoolExecutor(max_workers=_prefill_threads, thread_name_prefix="prima-prefill")
+    return _pool
+
+
+def _dequantize_tile(w: QTensor, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of W as float32 on the calling thread (numba, or numpy for floats)."""
+    if w.qtype in FLOAT_QTYPES:
+        return _float_rows(w, np.arange(start, stop, dtype=np.int64))
+    out = np.empty((stop - start, w.cols), dtype=np.float32)
+    drivers.dequantize_tile(int(w.qtype), w.raw, start, F16_TABLE, out)
+    return out
+
+
+def _reference_tile(w: QTensor, start: int, stop: int) -> np.ndarray:
+    return _reference_rows(w, np.arange(start, stop, dtype=np.int64))
 
 
 def _dequantize_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of W as float32, by numba kernel (quantized) or numpy (float formats)."""
     if w.qtype in FLOAT_QTYPES:
         return _float_rows(w, ids)
-    _, rows = _KERNELS[w.qtype]
     out = np.empty((ids.shape[0], w.cols), dtype=np.float32)
-    rows(w.raw, ids, F16_TABLE, out)
+    drivers.dequantize_rows(int(w.qtype), w.raw, ids, F16_TABLE, out)
     return out
 
 

@@ -46,14 +46,14 @@ def gelu(x: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=16)
-def _rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
+def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
     return base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, base: float, rope_dim: int, rope_type: str) -> np.ndarray:
     """Rotary position embedding on x (n, heads, head_dim) at `positions` (n,). NORM rotates
     adjacent pairs, NEOX rotates (i, i + rope_dim/2); dims past rope_dim pass through."""
-    angles = positions.astype(np.float64)[:, None] * _rope_inv_freq(rope_dim, base)[None, :]
+    angles = positions.astype(np.float64)[:, None] * rope_inv_freq(rope_dim, base)[None, :]
     cos = np.cos(angles).astype(np.float32)[:, None, :]  # (n, 1, rope_dim/2)
     sin = np.sin(angles).astype(np.float32)[:, None, :]
     out = x.copy()

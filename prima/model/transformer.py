@@ -9,13 +9,49 @@ the same computation either way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from prima.backends.base import Backend
-from prima.kernels import ops
+from prima.kernels import fused_ops, ops
+from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
 from prima.model.weights import LayerWeights, ModelWeights
 from prima.weights.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """What the fused layer needs beyond LayerWeights: projections grouped into merged launches
+    (consecutive weights of one format) and the small vectors as writable float32 arrays, with
+    fused_ops.NONE standing for an absent one."""
+
+    qkv_groups: tuple[tuple[QTensor, ...], ...]
+    gate_up_groups: tuple[tuple[QTensor, ...], ...]
+    q_bias: np.ndarray
+    k_bias: np.ndarray
+    v_bias: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    post_attention_norm: np.ndarray
+    post_ffw_norm: np.ndarray
+    inv_freq: np.ndarray  # (rope_dim / 2,) float64
+    window: int  # 0: attends to the whole context
+
+
+def _merge_groups(ws: tuple[QTensor, ...]) -> tuple[tuple[QTensor, ...], ...]:
+    groups: list[list[QTensor]] = []
+    for w in ws:
+        if groups and groups[-1][0].qtype == w.qtype:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return tuple(tuple(g) for g in groups)
+
+
+def _vec(v: np.ndarray | None) -> np.ndarray:
+    return fused_ops.NONE if v is None else np.array(v, dtype=np.float32)
 
 
 class Transformer:
@@ -25,6 +61,7 @@ class Transformer:
         self.weights = weights
         self.config: ModelConfig = weights.config
         self.backend = backend
+        self._plans: dict[int, _LayerPlan] = {}
 
     # -- head ----------------------------------------------------------------------------------
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
@@ -42,56 +79,73 @@ class Transformer:
         self, h: np.ndarray, positions: np.ndarray, start: int, end: int, cache: KVCache
     ) -> np.ndarray:
         """Run layers [start, end) on hidden states h (n, d) of tokens at `positions` (n,)."""
-        positions = np.asarray(positions, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        h = np.ascontiguousarray(h, dtype=np.float32)
         for i in range(start, end):
             h = self._layer(self.weights.layer(i), h, positions, cache)
         return h
 
+    def _plan(self, lw: LayerWeights) -> _LayerPlan:
+        plan = self._plans.get(lw.index)
+        if plan is None:
+            cfg = self.config
+            plan = _LayerPlan(
+                qkv_groups=_merge_groups((lw.attn_q, lw.attn_k, lw.attn_v)),
+                gate_up_groups=_merge_groups((lw.ffn_gate, lw.ffn_up)),
+                q_bias=_vec(lw.attn_q_bias),
+                k_bias=_vec(lw.attn_k_bias),
+                v_bias=_vec(lw.attn_v_bias),
+                q_norm=_vec(lw.attn_q_norm),
+                k_norm=_vec(lw.attn_k_norm),
+                post_attention_norm=_vec(lw.post_attention_norm),
+                post_ffw_norm=_vec(lw.post_ffw_norm),
+                inv_freq=fused_ops.rope_inv_freq(cfg.rope_dim, cfg.layer_rope_base(lw.index)),
+                window=cfg.sliding_window if cfg.is_sliding(lw.index) else 0,
+            )
+            self._plans[lw.index] = plan
+        return plan
+
+    def _project(self, groups: tuple[tuple[QTensor, ...], ...], x: np.ndarray) -> np.ndarray:
+        """x @ [W...].T over merged groups, (n, sum of rows)."""
+        outs = [self.backend.matmul_many(g, x) for g in groups]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
+
     def _layer(self, lw: LayerWeights, x: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg = self.config
-        mm = self.backend.matmul
-        n = x.shape[0]
+        plan = self._plan(lw)
+        eps = cfg.norm_eps
 
-        # Attention block: norm -> q, k, v -> (QK norm) -> RoPE -> cache -> attention -> out proj.
-        xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
-        q = mm(lw.attn_q, xn)
-        k = mm(lw.attn_k, xn)
-        v = mm(lw.attn_v, xn)
-        if lw.attn_q_bias is not None:
-            q += lw.attn_q_bias
-        if lw.attn_k_bias is not None:
-            k += lw.attn_k_bias
-        if lw.attn_v_bias is not None:
-            v += lw.attn_v_bias
-        q = q.reshape(n, cfg.n_heads, cfg.head_dim)
-        k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        if lw.attn_q_norm is not None:
-            q = ops.rms_norm(q, lw.attn_q_norm, cfg.norm_eps)
-        if lw.attn_k_norm is not None:
-            k = ops.rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
-        base = cfg.layer_rope_base(lw.index)
-        q = ops.rope(q, positions, base, cfg.rope_dim, cfg.rope_type)
-        k = ops.rope(k, positions, base, cfg.rope_dim, cfg.rope_type)
-        t = cache.store(lw.index, positions, k, v)
-        window = cfg.sliding_window if cfg.is_sliding(lw.index) else 0
-        attn = ops.attention(
-            q, cache.k[lw.index][:t], cache.v[lw.index][:t], positions, cfg.attn_scale, window
+        # Attention block: norm -> merged q|k|v -> bias, QK norm, RoPE -> cache -> attention -> out.
+        xn = fused_ops.rms_norm(x, lw.attn_norm, eps)
+        qkv = self._project(plan.qkv_groups, xn)  # (n, (H + 2 KVH) * hd)
+        q, k, v = fused_ops.qkv_rope(
+            qkv,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            plan.q_bias,
+            plan.k_bias,
+            plan.v_bias,
+            plan.q_norm,
+            plan.k_norm,
+            eps,
+            positions,
+            plan.inv_freq,
+            fused_ops.is_neox(cfg.rope_type),
         )
-        attn = mm(lw.attn_output, attn)
-        if lw.post_attention_norm is not None:
-            attn = ops.rms_norm(attn, lw.post_attention_norm, cfg.norm_eps)
-        x = x + attn
+        t = cache.store(lw.index, positions, k, v)
+        attn = fused_ops.attention(
+            q, cache.k[lw.index], cache.v[lw.index], t, positions, cfg.attn_scale, plan.window
+        )
+        attn = self.backend.matmul(lw.attn_output, attn)
+        # Residual (after Gemma's post-attention norm), then the FFN's input norm.
+        x, xn = fused_ops.residual_norm(x, attn, plan.post_attention_norm, lw.ffn_norm, eps)
 
-        # Feed-forward block: norm -> act(gate) * up -> down (-> post norm).
-        xn = ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps)
-        gate = mm(lw.ffn_gate, xn)
-        up = mm(lw.ffn_up, xn)
-        act = ops.gelu(gate) if cfg.activation == "gelu" else ops.silu(gate)
-        ffn = mm(lw.ffn_down, act * up)
-        if lw.post_ffw_norm is not None:
-            ffn = ops.rms_norm(ffn, lw.post_ffw_norm, cfg.norm_eps)
-        return x + ffn
+        # Feed-forward block: merged gate|up -> act(gate) * up -> down (-> post norm) -> residual.
+        gate_up = self._project(plan.gate_up_groups, xn)  # (n, 2 * ffn)
+        ffn = self.backend.matmul(lw.ffn_down, fused_ops.glu(gate_up, cfg.ffn_dim, cfg.activation))
+        x, _ = fused_ops.residual_norm(x, ffn, plan.post_ffw_norm, fused_ops.NONE, eps)
+        return x
 
     # -- tail ----------------------------------------------------------------------------------
     def output_logits(self, h: np.ndarray) -> np.ndarray:

@@ -1,0 +1,115 @@
+"""Parallel numba drivers over the per-row kernels of legacy_quants and k_quants.
+
+The weight format is a runtime argument (its GGML type id), so one compiled driver serves every
+format and one parallel launch can cover several weights of the same format (attn_q, attn_k and
+attn_v, or ffn_gate and ffn_up): at decode, launches and Python calls cost as much as the math.
+
+  matvec(fmt, a, b, c, x, lut, out)        out (n, ra + rb + rc) = x @ [A; B; C].T
+  dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
+  dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import njit, prange
+
+from prima.kernels import k_quants as kq
+from prima.kernels import legacy_quants as lq
+
+Q = GGMLQuantizationType
+
+# GGML type ids, as plain ints for numba.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(Q.Q4_0), int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.Q8_0)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(Q.Q2_K), int(Q.Q3_K), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
+QUANTIZED_IDS: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+
+# Rows per parallel work item: enough to amortize the scratch allocation, few enough to balance.
+CHUNK_ROWS = 16
+
+
+@njit(cache=True)
+def _dot(
+    fmt: int, row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
+) -> None:
+    if fmt == Q4_0:
+        lq.dot_q4_0(row, x, lut, out, r, acc)
+    elif fmt == Q4_1:
+        lq.dot_q4_1(row, x, lut, out, r, acc)
+    elif fmt == Q5_0:
+        lq.dot_q5_0(row, x, lut, out, r, acc)
+    elif fmt == Q5_1:
+        lq.dot_q5_1(row, x, lut, out, r, acc)
+    elif fmt == Q8_0:
+        lq.dot_q8_0(row, x, lut, out, r, acc)
+    elif fmt == Q2_K:
+        kq.dot_q2_k(row, x, lut, out, r, acc)
+    elif fmt == Q3_K:
+        kq.dot_q3_k(row, x, lut, out, r, acc)
+    elif fmt == Q4_K:
+        kq.dot_q4_k(row, x, lut, out, r, acc)
+    elif fmt == Q5_K:
+        kq.dot_q5_k(row, x, lut, out, r, acc)
+    else:
+        kq.dot_q6_k(row, x, lut, out, r, acc)
+
+
+@njit(cache=True)
+def _deq(fmt: int, row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    if fmt == Q4_0:
+        lq.deq_q4_0(row, lut, y)
+    elif fmt == Q4_1:
+        lq.deq_q4_1(row, lut, y)
+    elif fmt == Q5_0:
+        lq.deq_q5_0(row, lut, y)
+    elif fmt == Q5_1:
+        lq.deq_q5_1(row, lut, y)
+    elif fmt == Q8_0:
+        lq.deq_q8_0(row, lut, y)
+    elif fmt == Q2_K:
+        kq.deq_q2_k(row, lut, y)
+    elif fmt == Q3_K:
+        kq.deq_q3_k(row, lut, y)
+    elif fmt == Q4_K:
+        kq.deq_q4_k(row, lut, y)
+    elif fmt == Q5_K:
+        kq.deq_q5_k(row, lut, y)
+    else:
+        kq.deq_q6_k(row, lut, y)
+
+
+@njit(parallel=True, cache=True)
+def matvec(
+    fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray
+) -> None:
+    """out (n, ra + rb + rc) = x @ [A; B; C].T for raw weights A, B, C of format `fmt` sharing
+    the input dimension (pass empty row slices for unused slots)."""
+    ra = a.shape[0]
+    rab = ra + b.shape[0]
+    total = rab + c.shape[0]
+    n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for ch in prange(n_chunks):
+        acc = np.empty(32, np.float32)
+        for r in range(ch * CHUNK_ROWS, min(total, (ch + 1) * CHUNK_ROWS)):
+            if r < ra:
+                _dot(fmt, a[r], x, lut, out, r, acc)
+            elif r < rab:
+                _dot(fmt, b[r - ra], x, lut, out, r, acc)
+            else:
+                _dot(fmt, c[r - rab], x, lut, out, r, acc)
+
+
+@njit(parallel=True, cache=True)
+def dequantize_rows(fmt: int, a: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
+    """out (m, cols) = rows `ids` of A dequantized."""
+    for i in prange(ids.shape[0]):
+        _deq(fmt, a[ids[i]], lut, out[i])
+
+
+@njit(cache=True, nogil=True)
+def dequantize_tile(fmt: int, a: np.ndarray, start: int, lut: np.ndarray, out: np.ndarray) -> None:
+    """out (m, cols) = rows [start, start + m) of A dequantized, on the calling thread without
+    the GIL (prefill runs one such tile per Python worker thread, next to a BLAS call)."""
+    for i in range(out.shape[0]):
+        _deq(fmt, a[start + i], lut, out[i])

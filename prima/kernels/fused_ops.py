@@ -1,0 +1,206 @@
+"""The per-layer glue of the forward pass as numba kernels: each replaces a chain of numpy calls
+whose dispatch overhead, at decode (one token), costs more than the arithmetic.
+
+Each mirrors a float32 reference in prima.kernels.ops (the tests compare them); reductions may
+be summed in another order, so results agree to float32 rounding, not bit for bit. Optional
+weights are passed as empty arrays so that one compiled variant serves every architecture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from prima.kernels import ops
+from prima.model.config import ROPE_NEOX
+
+NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
+
+
+@njit(cache=True, inline="always")
+def _norm_row(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray) -> None:
+    ss = 0.0
+    for j in range(x.shape[0]):
+        ss += np.float64(x[j]) * np.float64(x[j])
+    scale = np.float32(1.0 / math.sqrt(ss / x.shape[0] + eps))
+    for j in range(x.shape[0]):
+        y[j] = (x[j] * scale) * w[j]
+
+
+@njit(cache=True)
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x (n, d) normalized over d (sum of squares in float64, as ops.rms_norm), times w (d,)."""
+    y = np.empty_like(x)
+    for i in range(x.shape[0]):
+        _norm_row(x[i], w, eps, y[i])
+    return y
+
+
+@njit(cache=True)
+def residual_norm(
+    x: np.ndarray, y: np.ndarray, post_w: np.ndarray, norm_w: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """h = x + post_norm(y) (post_norm skipped when post_w is empty); returns (h, norm(h) * norm_w)
+    (the second is empty when norm_w is): a block's residual add and the next block's input norm."""
+    n, d = x.shape
+    h = np.empty_like(x)
+    tmp = np.empty(d, dtype=np.float32)
+    hn = np.empty((n if norm_w.size else 0, d), dtype=np.float32)
+    for i in range(n):
+        if post_w.size:
+            _norm_row(y[i], post_w, eps, tmp)
+        else:
+            tmp[:] = y[i]
+        for j in range(d):
+            h[i, j] = x[i, j] + tmp[j]
+        if norm_w.size:
+            _norm_row(h[i], norm_w, eps, hn[i])
+    return h, hn
+
+
+@njit(cache=True)
+def qkv_rope(
+    qkv: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    q_bias: np.ndarray,
+    k_bias: np.ndarray,
+    v_bias: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    neox: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split the merged projection qkv (n, (H + 2 KVH) hd) into q (n, H, hd), k, v (n, KVH, hd),
+    add biases, apply the per-head QK norms, and rotate q and k by RoPE at `positions`."""
+    n = qkv.shape[0]
+    q = np.empty((n, n_heads, head_dim), dtype=np.float32)
+    k = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
+    v = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
+    half = inv_freq.shape[0]
+    cos = np.empty(half, dtype=np.float32)
+    sin = np.empty(half, dtype=np.float32)
+    kv0 = n_heads * head_dim
+    v0 = kv0 + n_kv_heads * head_dim
+    for i in range(n):
+        for f in range(half):
+            angle = np.float64(positions[i]) * inv_freq[f]
+            cos[f] = np.float32(math.cos(angle))
+            sin[f] = np.float32(math.sin(angle))
+        for h in range(n_heads + n_kv_heads):
+            if h < n_heads:
+                dst = q[i, h]
+                src = qkv[i, h * head_dim : (h + 1) * head_dim]
+                bias, norm, b0 = q_bias, q_norm, h * head_dim
+            else:
+                dst = k[i, h - n_heads]
+                src = qkv[i, kv0 + (h - n_heads) * head_dim : kv0 + (h - n_heads + 1) * head_dim]
+                bias, norm, b0 = k_bias, k_norm, (h - n_heads) * head_dim
+            for j in range(head_dim):
+                dst[j] = src[j] + bias[b0 + j] if bias.size else src[j]
+            if norm.size:
+                _norm_row(dst, norm, eps, dst)
+            _rope_row(dst, cos, sin, neox)
+        for h in range(n_kv_heads):
+            for j in range(head_dim):
+                val = qkv[i, v0 + h * head_dim + j]
+                v[i, h, j] = val + v_bias[h * head_dim + j] if v_bias.size else val
+    return q, k, v
+
+
+@njit(cache=True, inline="always")
+def _rope_row(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
+    half = cos.shape[0]
+    for f in range(half):
+        if neox:
+            a, b = f, f + half
+        else:
+            a, b = 2 * f, 2 * f + 1
+        x0 = x[a]
+        x1 = x[b]
+        x[a] = x0 * cos[f] - x1 * sin[f]
+        x[b] = x0 * sin[f] + x1 * cos[f]
+
+
+@njit(parallel=True, cache=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    t: int,
+    positions: np.ndarray,
+    scale: float,
+    window: int,
+) -> np.ndarray:
+    """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t) (as ops.attention,
+    parallel over (token, head) pairs). Returns (n, H * hd)."""
+    n, n_heads, hd = q.shape
+    group = n_heads // k_cache.shape[1]
+    out = np.empty((n, n_heads * hd), dtype=np.float32)
+    sc = np.float32(scale)
+    for item in prange(n * n_heads):
+        i = item // n_heads
+        h = item % n_heads
+        kvh = h // group
+        pos = positions[i]
+        lo = 0
+        if window > 0:
+            lo = max(0, pos - window + 1)
+        hi = min(t, pos + 1)
+        scores = np.empty(hi - lo, dtype=np.float32)
+        qh = q[i, h]
+        m = -np.inf
+        for s in range(lo, hi):
+            kr = k_cache[s, kvh]
+            acc = np.float32(0.0)
+            for j in range(hd):
+                acc += qh[j] * kr[j]
+            acc *= sc
+            scores[s - lo] = acc
+            m = max(m, acc)
+        total = np.float32(0.0)
+        for s in range(hi - lo):
+            e = np.float32(math.exp(scores[s] - m))
+            scores[s] = e
+            total += e
+        o = out[i, h * hd : (h + 1) * hd]
+        o[:] = 0.0
+        for s in range(lo, hi):
+            p = scores[s - lo] / total
+            vr = v_cache[s, kvh]
+            for j in range(hd):
+                o[j] += p * vr[j]
+    return out
+
+
+@njit(cache=True)
+def silu_mul(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
+    """gate_up (n, 2 ffn) = [gate | up] -> silu(gate) * up (n, ffn), as ops.silu."""
+    n = gate_up.shape[0]
+    out = np.empty((n, ffn_dim), dtype=np.float32)
+    for i in range(n):
+        for j in range(ffn_dim):
+            g = gate_up[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, ffn_dim + j]
+    return out
+
+
+def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
+    """act(gate) * up from the merged gate/up projection; GELU keeps ggml's fp16 table (numpy)."""
+    if activation == "gelu":
+        return ops.gelu(gate_up[:, :ffn_dim]) * gate_up[:, ffn_dim:]
+    return silu_mul(gate_up, ffn_dim)
+
+
+def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
+    """Inverse frequencies (rope_dim / 2,) float64, as ops.rope uses them."""
+    return ops.rope_inv_freq(rope_dim, base)
+
+
+def is_neox(rope_type: str) -> bool:
+    return rope_type == ROPE_NEOX
