@@ -11,7 +11,6 @@ import sys
 
 from prima.cli.cmd_run import add_sampling_args, sampler_from_args
 from prima.cli.engine_options import add_model_args, open_session
-from prima.engine.generate import generate
 from prima.engine.prompt import chat_prompt_ids
 from prima.errors import InputError
 
@@ -35,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"prima chat with {loaded.name} ({loaded.path.name}); /reset clears, /exit quits", file=sys.stderr)
+        print(
+            f"prima chat with {loaded.name} ({loaded.path.name}); /reset clears, /exit quits", file=sys.stderr
+        )
     try:
         while True:
             if interactive:
@@ -55,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
             history.append({"role": "user", "content": text})
             try:
                 ids = chat_prompt_ids(loaded.gguf.metadata, tok, history)
-                result = generate(
-                    session.engine,
+                result = session.generate(
                     ids,
                     max_tokens=args.n_predict,
                     sampler=sampler,

@@ -1,7 +1,9 @@
-"""`prima plan`: run Halda on a cluster described in a file and print the plan.
+"""`prima plan`: run Halda and print the plan, for the running daemons or a cluster in a file.
 
-Lets a user ask "what would this model do on these devices?" before starting any daemon: the
-devices file holds profiles (from `prima profile --json` on each device), head first.
+Without --devices it plans the daemons found over mDNS (or given with --nodes): each is asked for
+its profile and its link to the next node (Profile RPC); nothing is loaded on them. With
+--devices it answers "what would this model do on these devices?" before any daemon runs: the
+file holds profiles (from `prima profile --json` on each device, or `prima plan --save`), head first.
 """
 
 from __future__ import annotations
@@ -11,28 +13,44 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prima.errors import InputError
+from prima.cli.engine_options import add_discovery_args, discover_addresses, parse_nodes
+from prima.cluster.coordinator import connect_nodes
+from prima.cluster.daemon import model_fingerprint
+from prima.cluster.planner import HaldaOptions, plan_ring
+from prima.errors import InputError, PlanError
 from prima.model.gguf_file import GGUFFile
+from prima.model.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.scheduler import halda
 from prima.scheduler.cost_model import device_time_ms, ram_layers, ring_costs, streams
 from prima.scheduler.plan import Plan
-from prima.scheduler.profile import DeviceProfile, ModelProfile, load_cluster_file
+from prima.scheduler.profile import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
 
 _GIB = float(1 << 30)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("plan", help="plan a model over a cluster described by device profiles")
+    parser = subparsers.add_parser(
+        "plan", help="plan a model over the running daemons (discovered or --nodes) or a devices file"
+    )
     parser.add_argument(
         "-m",
         "--model",
         help="GGUF path, known model name, or model profile .json "
         f"(default: the devices file's model, else {DEFAULT_MODEL})",
     )
-    parser.add_argument(
-        "--devices", required=True, type=Path, help="JSON file of device profiles, head first"
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--devices", type=Path, help="JSON file of device profiles, head first (default: the running daemons)"
     )
+    where.add_argument(
+        "--nodes", metavar="HOST:PORT,...", help="running daemons in ring order instead of discovering them"
+    )
+    add_discovery_args(parser)
+    parser.add_argument(
+        "--reprofile", action="store_true", help="have the daemons measure themselves again first"
+    )
+    parser.add_argument("--save", type=Path, help="also write the devices and model to this JSON file")
     parser.add_argument("--ctx", type=int, help="context length to size the KV cache for (tokens)")
     parser.add_argument("--max-rounds", type=int, help="consider at most this many rounds k")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -40,9 +58,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    devices, file_model = load_cluster_file(args.devices)
-    model = _model_profile(args.model, file_model, args.ctx)
-    plan = halda.solve(devices, model, max_rounds=args.max_rounds)
+    if args.devices:
+        devices, file_model = load_cluster_file(args.devices)
+        model = _model_profile(args.model, file_model, args.ctx)
+        plan = halda.solve(devices, model, max_rounds=args.max_rounds)
+    else:
+        devices, model, plan = _plan_running(args)
+    if args.save:
+        args.save.write_text(devices_to_json(devices, model) + "\n")
     rows = _node_rows(plan, devices, model)
     if args.json:
         doc = {
@@ -73,6 +96,32 @@ def run(args: argparse.Namespace) -> int:
     for d in plan.dropped:
         print(f"dropped {d.node_id}: {d.reason}")
     return 0
+
+
+def _plan_running(args: argparse.Namespace) -> tuple[list[DeviceProfile], ModelProfile, Plan]:
+    """Profile the daemons (discovered, or --nodes) and solve; nothing is loaded on them."""
+    fingerprint = None
+    if args.model is None or not args.model.endswith(".json"):
+        loaded = load_model(args.model or DEFAULT_MODEL, layers=range(0))
+        fingerprint = model_fingerprint(loaded)
+    model = _model_profile(args.model, None, args.ctx)
+    if args.nodes:
+        addresses = parse_nodes(args.nodes)
+    else:
+        addresses = discover_addresses(args, fingerprint)
+        if not addresses:
+            raise PlanError(
+                f"no primad answered over mDNS within {args.discover_timeout:g} s; start primad on the "
+                "devices, pass --nodes host:port,..., or plan a file with --devices"
+            )
+    clients, _ = connect_nodes(addresses)
+    try:
+        options = HaldaOptions(model, args.max_rounds, args.reprofile, pick_head=not args.nodes)
+        view = plan_ring(clients, options, epoch=1)
+    finally:
+        for c in clients:
+            c.close()
+    return list(view.devices), model, view.plan
 
 
 def _model_profile(arg: str | None, from_file: ModelProfile | None, ctx: int | None) -> ModelProfile:

@@ -8,6 +8,7 @@ import json
 import math
 
 from prima.model.registry import resolve_model
+from prima.scheduler.kernel_bench import kernel_flops
 from prima.scheduler.profile import DeviceProfile
 from prima.scheduler.profiler import profile_device
 
@@ -27,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model, download=False) if args.model else None
-    dev = profile_device(args.node_id, args.address, model_path=model_path)
+    dev = profile_device(args.node_id, args.address, model_path=model_path, kernel_bench=kernel_flops)
     if args.json:
         print(json.dumps(dev.to_dict(), indent=2))
         return 0

@@ -1,6 +1,6 @@
 """`prima ring`: local rings and the state of running daemons.
 
-prima ring up -n 3            start 3 primad on 127.0.0.1 and stay until Ctrl-C
+prima ring up -n 3            start 3 primad on 127.0.0.1 (advertised over mDNS there) until Ctrl-C
 prima ring status --nodes h:p,h:p   what each daemon holds (plan, windows, residency)
 """
 
@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     budgets = [args.mem_budget] * args.nodes if args.mem_budget else None
-    with LocalRing.start(args.nodes, args.model, threads=args.threads, mem_budgets=budgets) as ring:
+    with LocalRing.start(
+        args.nodes, args.model, threads=args.threads, mem_budgets=budgets, mdns=True
+    ) as ring:
         if args.json:
             print(
                 json.dumps([{"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in ring.nodes])
@@ -46,7 +48,8 @@ def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> in
             for n in ring.nodes:
                 print(f"{n.node_id}  {n.address}  pid {n.pid}")
             print(
-                f"use with: prima run --nodes {','.join(ring.addresses)} -p '...'   (Ctrl-C stops the ring)"
+                "use with: prima run -p '...' (found over mDNS on 127.0.0.1) or "
+                f"prima run --nodes {','.join(ring.addresses)} -p '...'   (Ctrl-C stops the ring)"
             )
         (stop or threading.Event()).wait()
     return 0

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from prima.cli.engine_options import add_model_args, open_session
-from prima.engine.generate import generate
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
@@ -19,10 +18,16 @@ from prima.errors import InputError
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
-    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
+    g.add_argument(
+        "--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)"
+    )
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the best (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
+    g.add_argument(
+        "--min-p", type=float, default=0.05, help="drop tokens below min-p x the best (default 0.05)"
+    )
+    g.add_argument(
+        "--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)"
+    )
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
 
@@ -42,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text for a prompt", description=__doc__)
     add_model_args(p)
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument(
+        "-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--logits-out", type=Path, help="write the last prompt token's float32 logits (.npy)")
@@ -62,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             ids = prompt_ids(tok, args.prompt)
         stream_out = None if args.json else _write_stdout
-        result = generate(
-            session.engine,
+        result = session.generate(
             ids,
             max_tokens=args.n_predict,
             sampler=sampler_from_args(args),
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             stop_strings=args.stop,
             decoder=tok.stream_decoder(),
             on_text=stream_out,
+            need_logits=args.logits_out is not None,
         )
     finally:
         session.close()
@@ -85,9 +92,8 @@ def run(args: argparse.Namespace) -> int:
             "stop_reason": result.stop_reason,
             "timings": result.timings.as_dict(),
         }
-        plan = getattr(session.engine, "plan", None)
-        if plan is not None and hasattr(plan, "to_dict"):
-            out["plan"] = plan.to_dict()
+        if session.ring is not None:
+            out["plan"] = session.ring.plan.to_dict()
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")

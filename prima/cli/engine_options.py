@@ -1,24 +1,35 @@
 """Flags that choose where a model runs, shared by `prima run`, `prima chat` and `prima serve`.
 
-This device by default; `--local-ring N` starts N primad processes here for the command's
-lifetime, `--nodes host:port,...` uses daemons already running (the first is the head). Until
-the scheduler picks windows, the plan is an even split; `--windows` and `--rounds` set it by hand.
+By default the command looks for primad daemons over mDNS for a few seconds and runs on the ring
+they form; when none answers it runs on this device. `--local` skips the search, `--local-ring N`
+starts N primad processes here for the command's lifetime, `--nodes host:port,...` uses daemons
+already running (the first is the head). The plan comes from Halda over the daemons' profiles
+(Profile RPC); `--windows` (and `--rounds`) set it by hand instead.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import logging
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prima.cluster.coordinator import Ring
+from prima.cluster.daemon import model_fingerprint
 from prima.cluster.local_ring import LocalRing
-from prima.engine.generate import Engine
+from prima.cluster.planner import HaldaOptions
+from prima.engine.generate import Engine, GenerationResult, TextDecoder, generate
 from prima.engine.local import LocalEngine
-from prima.errors import InputError
+from prima.engine.sampling import SamplerConfig
+from prima.errors import InputError, PlanError
 from prima.model.loader import LoadedModel, load_model
 from prima.model.registry import DEFAULT_MODEL
+from prima.net import discovery
 from prima.net.codec import WireDType
+from prima.scheduler.profile import ModelProfile
+
+log = logging.getLogger("prima.cli")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -37,16 +48,29 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("ring (run the layers on primad daemons)")
     where = g.add_mutually_exclusive_group()
     where.add_argument(
+        "--local", action="store_true", help="run on this device only; do not look for daemons"
+    )
+    where.add_argument(
         "--local-ring", type=int, metavar="N", help="start N primad daemons on 127.0.0.1 for this command"
     )
     where.add_argument(
         "--nodes", metavar="HOST:PORT,...", help="running daemons in ring order; the first is the head"
     )
+    add_discovery_args(g)
     g.add_argument(
-        "--windows", metavar="W0,W1,...", help="layers per window for each node (default: even split)"
+        "--windows",
+        metavar="W0,W1,...",
+        help="layers per window for each node, by hand (default: Halda plans from the nodes' profiles)",
     )
     g.add_argument(
-        "--rounds", type=int, default=1, help="times the activations go round the ring (default 1)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="times the activations go round the ring; without --windows an even split (default: Halda)",
+    )
+    g.add_argument("--max-rounds", type=int, default=None, help="let Halda consider at most this many rounds")
+    g.add_argument(
+        "--reprofile", action="store_true", help="have the daemons measure themselves again before planning"
     )
     g.add_argument(
         "--wire-dtype",
@@ -56,13 +80,94 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--discover-timeout",
+        type=float,
+        default=discovery.DEFAULT_BROWSE_S,
+        help=f"seconds to look for daemons over mDNS (default {discovery.DEFAULT_BROWSE_S:g})",
+    )
+    parser.add_argument(
+        "--expect",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop looking once N daemons answered; fewer is an error instead of running here",
+    )
+    parser.add_argument(
+        "--mdns-interface",
+        action="append",
+        metavar="IP",
+        help=f"this device's address to look for daemons on (default: ${discovery.INTERFACES_ENV}, else all)",
+    )
+
+
+def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> list[str]:
+    """The addresses of the daemons that answered over mDNS, in node id order ([] if none did).
+    PlanError if fewer than --expect answered or they cannot form one ring (a shared node id,
+    another protocol version or model file)."""
+    adverts = discovery.browse(args.discover_timeout, interfaces=args.mdns_interface, expect=args.expect)
+    if args.expect and len(adverts) < args.expect:
+        found = ", ".join(f"{a.node_id} at {a.address}" for a in adverts)
+        raise PlanError(
+            f"{len(adverts)} daemon(s) answered within {args.discover_timeout:g} s ({found}), expected "
+            f"{args.expect}; start the others or pass --nodes host:port,... (multicast is often "
+            "blocked by Wi-Fi client isolation and in containers)"
+        )
+    discovery.require_consistent(adverts, model_fingerprint=fingerprint)
+    return [a.address for a in adverts]
+
+
 @dataclass
 class Session:
-    """What a text-generating command needs: the model (tokenizer, metadata) and an engine."""
+    """What a text-generating command needs: the model (tokenizer, metadata) and an engine;
+    `ring` when the layers run on daemons (its head can sample: Ring.stream)."""
 
     loaded: LoadedModel
     engine: Engine
     closers: list[Callable[[], None]] = field(default_factory=list)
+    ring: Ring | None = None
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        sampler: SamplerConfig,
+        stop_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        decoder: TextDecoder | None = None,
+        on_text: Callable[[str], None] | None = None,
+        need_logits: bool = False,
+    ) -> GenerationResult:
+        """Generate on the engine; on a ring the head samples (Generate RPC) so only token ids
+        cross the network, unless the prompt's logits are wanted (`need_logits`)."""
+        if self.ring is None or need_logits:
+            return generate(
+                self.engine,
+                prompt_ids,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                stop_ids=stop_ids,
+                stop_strings=stop_strings,
+                decoder=decoder,
+                on_text=on_text,
+            )
+        events = self.ring.stream(
+            prompt_ids,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            n_ctx=self.engine.n_ctx,
+            stop_ids=stop_ids,
+            stop_strings=stop_strings,
+            decoder=decoder,
+        )
+        for event in events:
+            if isinstance(event, GenerationResult):
+                return event
+            if on_text:
+                on_text(event)
+        raise AssertionError("Ring.stream always ends with a GenerationResult")
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)
@@ -91,30 +196,57 @@ def parse_nodes(text: str) -> list[str]:
 
 
 def open_session(args: argparse.Namespace) -> Session:
+    """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
-    if not local_ring and not nodes:
+    if args.local:
         loaded = load_model(args.model, backend=args.backend, threads=args.threads)
         return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
+    addresses: list[str] = []
+    if not local_ring and not nodes:
+        addresses = discover_addresses(args, model_fingerprint(loaded))
+        if not addresses:
+            print(
+                f"prima: no primad answered over mDNS within {args.discover_timeout:g} s; running on this "
+                "device (--local skips the search)",
+                file=sys.stderr,
+            )
+    if not local_ring and not addresses:
+        loaded = load_model(args.model, backend=args.backend, threads=args.threads)
+        return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
     closers: list[Callable[[], None]] = []
     try:
         if local_ring:
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads)
             closers.append(local.close)
             addresses = local.addresses
-        else:
+        elif nodes:
             addresses = parse_nodes(nodes)
-        ring = Ring.connect(
-            addresses,
-            window_sizes=parse_windows(args.windows),
-            rounds=args.rounds,
-            wire_dtype=WireDType.parse(args.wire_dtype),
-        )
+        ring = connect_ring(args, loaded, addresses, pick_head=not local_ring and not nodes)
         closers.append(ring.close)
-        return Session(loaded, ring.engine(args.ctx), closers)
+        return Session(loaded, ring.engine(args.ctx), closers, ring)
     except BaseException:
         for c in reversed(closers):
             c()
         raise
+
+
+def connect_ring(
+    args: argparse.Namespace, loaded: LoadedModel, addresses: list[str], *, pick_head: bool
+) -> Ring:
+    """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
+    (with `pick_head`, the node with the most memory becomes the head)."""
+    windows = parse_windows(args.windows)
+    halda = None
+    if windows is None and args.rounds is None:
+        model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
+        halda = HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
+    return Ring.connect(
+        addresses,
+        window_sizes=windows,
+        rounds=args.rounds or 1,
+        wire_dtype=WireDType.parse(args.wire_dtype),
+        halda=halda,
+    )

@@ -3,6 +3,9 @@ waits for a plan. With --port 0 it picks a free port; either way it prints one m
 line when it is ready to serve:
 
     PRIMAD_READY {"node_id": "...", "address": "127.0.0.1:40123", "pid": 1234, ...}
+
+Unless --no-mdns, it advertises itself over mDNS (_prima._tcp.local.) so `prima run`, `prima plan`
+and `prima nodes` find it without --nodes.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import psutil
 
 from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
-from prima.errors import InputError, PrimaError
+from prima.errors import InputError, NodeError, PrimaError
 from prima.model.loader import load_model
 from prima.model.registry import DEFAULT_MODEL
+from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.server import start_server
+
+log = logging.getLogger("prima.cli")
 
 READY_PREFIX = "PRIMAD_READY "
 # "auto" leaves this share of the available memory to the device's owner.
@@ -80,6 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_RING_TIMEOUT_S,
         help=f"seconds the head waits for activations to come back (default {DEFAULT_RING_TIMEOUT_S:.0f})",
     )
+    p.add_argument(
+        "--no-mdns", action="store_true", help="do not advertise over mDNS (coordinators then need --nodes)"
+    )
+    p.add_argument(
+        "--mdns-interface",
+        action="append",
+        metavar="IP",
+        help=f"this device's address to advertise on; repeat for several (default: ${INTERFACES_ENV}, "
+        "else all interfaces)",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure this device for the scheduler at start, replacing the cached profile",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     return p
 
@@ -108,26 +130,47 @@ def serve(args: argparse.Namespace) -> int:
         budget_bytes=budget,
         max_batch_tokens=args.max_batch,
         ring_timeout_s=args.ring_timeout,
+        threads=args.threads,
     )
     server, port = start_server(runtime, args.host, args.port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    ready = {
-        "node_id": runtime.node_id,
-        "address": f"{args.host}:{port}",
-        "port": port,
-        "pid": os.getpid(),
-        "model": str(loaded.path),
-        "n_layers": loaded.model.config.n_layers,
-        "mem_budget": budget,
-    }
-    print(READY_PREFIX + json.dumps(ready), flush=True)
-    stop.wait()
+    if args.reprofile:
+        runtime.profile(refresh=True)
+    with ExitStack() as stack:
+        if not args.no_mdns:
+            advert = NodeAdvert(
+                node_id=runtime.node_id,
+                host=args.host,
+                port=port,
+                model_fingerprint=runtime.fingerprint,
+                model_name=loaded.name,
+            )
+            try:
+                stack.enter_context(Advertiser(advert, interfaces=args.mdns_interface))
+            except NodeError as exc:
+                log.warning("%s; serving without mDNS", exc)
+        _announce_ready(runtime, args.host, port, budget)
+        stop.wait()
+        # Leaving the stack sends the mDNS goodbye before the server stops answering.
     server.stop(grace=2.0).wait(5.0)
     runtime.shutdown()
     return 0
+
+
+def _announce_ready(runtime: NodeRuntime, host: str, port: int, budget: int) -> None:
+    ready = {
+        "node_id": runtime.node_id,
+        "address": f"{host}:{port}",
+        "port": port,
+        "pid": os.getpid(),
+        "model": str(runtime.loaded.path),
+        "n_layers": runtime.model.config.n_layers,
+        "mem_budget": budget,
+    }
+    print(READY_PREFIX + json.dumps(ready), flush=True)
 
 
 if __name__ == "__main__":

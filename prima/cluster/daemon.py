@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -25,9 +26,12 @@ from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
 from prima.model.loader import LoadedModel
 from prima.net.client import NodeClient, RelayStream
-from prima.net.codec import PROTOCOL_VERSION, Activation, NodeStatus, WireDType
+from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
+from prima.scheduler.kernel_bench import kernel_flops
 from prima.scheduler.plan import Hop, Plan
+from prima.scheduler.profile_cache import load_or_measure
+from prima.scheduler.profiler import profile_device
 from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows
 
@@ -50,6 +54,18 @@ def model_fingerprint(loaded: LoadedModel) -> str:
         at = data.size * i // _FINGERPRINT_SAMPLES
         h.update(data[at : at + 4096].tobytes())
     return h.hexdigest()
+
+
+def use_threads(threads: int | None) -> None:
+    """Apply --threads to the calling thread: numba's thread count is per thread, so a count set
+    where the backend was built does not reach the daemon's compute and generate threads."""
+    if threads is None:
+        return
+    try:
+        import numba
+    except ImportError:
+        return
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
 
 @dataclass
@@ -91,8 +107,13 @@ class NodeRuntime:
         budget_bytes: int = 0,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         ring_timeout_s: float = DEFAULT_RING_TIMEOUT_S,
+        threads: int | None = None,
+        profile_cache_dir: Path | None = None,
     ) -> None:
         self.loaded = loaded
+        self.threads = threads
+        self.profile_cache_dir = profile_cache_dir
+        self._profile_lock = threading.Lock()
         self.model = loaded.model
         self.node_id = node_id
         self.d_model = loaded.model.config.d_model
@@ -125,6 +146,30 @@ class NodeRuntime:
             residency=layout.windows.residency() if layout else None,
             sessions=len(self._sessions),
         )
+
+    def profile(self, peer_address: str = "", refresh: bool = False) -> NodeProfile:
+        """This device measured for the scheduler (cached per model file; `refresh` measures
+        again), plus the link to `peer_address` when one is given."""
+        use_threads(self.threads)
+        with self._profile_lock:
+            found = load_or_measure(
+                self.node_id,
+                self.fingerprint,
+                lambda: profile_device(self.node_id, model_path=self.loaded.path, kernel_bench=kernel_flops),
+                refresh=refresh,
+                cache_dir=self.profile_cache_dir,
+            )
+        device = found.profile
+        if peer_address:
+            peer = NodeClient(peer_address)
+            try:
+                latency_ms, bandwidth = peer.measure_link()
+            finally:
+                peer.close()
+            device = dataclasses.replace(
+                device, net_latency_ms=latency_ms, net_bandwidth_bytes_per_s=bandwidth
+            )
+        return NodeProfile(device, self.budget_bytes, found.measured_unix_s)
 
     @property
     def plan(self) -> Plan:
@@ -238,6 +283,7 @@ class NodeRuntime:
             self._work.put(act)
 
     def _compute_loop(self) -> None:
+        use_threads(self.threads)
         while True:
             act = self._work.get()
             if act is None:
@@ -390,6 +436,7 @@ class NodeRuntime:
         events: queue.SimpleQueue[int | GenerationResult | PrimaError | None] = queue.SimpleQueue()
 
         def run() -> None:
+            use_threads(self.threads)
             try:
                 events.put(
                     generate(
@@ -417,7 +464,8 @@ class NodeRuntime:
             yield event
 
     def open_forward(self, n_ctx: int, ubatch: int = 0) -> ForwardAdapter:
-        return ForwardAdapter(RingEngine(self.model, self, n_ctx or 2048, ubatch or DEFAULT_UBATCH))
+        engine = RingEngine(self.model, self, n_ctx or 2048, ubatch or DEFAULT_UBATCH)
+        return ForwardAdapter(engine, self.threads)
 
     def shutdown(self) -> None:
         """Finish the batch in hand, then close sessions and channels (bounded wait)."""
@@ -455,10 +503,12 @@ class _TokenTap:
 class ForwardAdapter:
     """A RingEngine driven by the coordinator's Forward stream."""
 
-    def __init__(self, engine: RingEngine) -> None:
+    def __init__(self, engine: RingEngine, threads: int | None = None) -> None:
         self.engine = engine
+        self.threads = threads
 
     def forward(self, token_ids: list[int], reset: bool) -> np.ndarray:
+        use_threads(self.threads)  # each call may come on another gRPC thread
         if reset:
             self.engine.reset()
         return self.engine.forward(token_ids)

@@ -1,5 +1,7 @@
 """N primad processes on 127.0.0.1 (port 0 each), for `prima run --local-ring N`, `prima ring up`,
-tests and benchmarks. Each daemon's bound port is read from its ready line, never guessed."""
+tests and benchmarks. Each daemon's bound port is read from its ready line, never guessed.
+With `mdns=True` they advertise themselves on 127.0.0.1 only, so a coordinator on this machine
+finds them by discovery."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prima.errors import NodeError
+from prima.net.discovery import INTERFACES_ENV
 
 log = logging.getLogger("prima.cluster")
 
@@ -48,25 +51,34 @@ class LocalRing:
         extra_args: Sequence[str] = (),
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
         log_dir: Path | None = None,
+        names: Sequence[str] | None = None,
+        mdns: bool = False,
     ) -> LocalRing:
-        """Start `n` daemons named node0..node{n-1} and wait until each prints its ready line.
-        `models` and `mem_budgets` optionally give each node its own file or budget."""
+        """Start `n` daemons (named node0..node{n-1} unless `names`) and wait until each prints
+        its ready line. `models` and `mem_budgets` optionally give each node its own file or
+        budget; `mdns` lets them advertise on 127.0.0.1."""
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
+        names = list(names) if names else [f"node{i}" for i in range(n)]
+        if len(names) != n:
+            raise NodeError(f"{n} daemons but {len(names)} names")
         # Daemons on one machine share its cores: split them, and cap BLAS pools too, whose
         # spinning worker threads would otherwise starve the other daemons.
         threads = threads or max(1, (os.cpu_count() or 1) // n)
         env = dict(os.environ)
         for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
+        env[INTERFACES_ENV] = "127.0.0.1"
         procs: list[subprocess.Popen[str]] = []
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for i in range(n):
                 cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
-                cmd += ["--model", str(models[i] if models else model), "--name", f"node{i}", *extra_args]
+                cmd += ["--model", str(models[i] if models else model), "--name", names[i], *extra_args]
                 cmd += ["--threads", str(threads)]
+                if not mdns:
+                    cmd.append("--no-mdns")
                 if mem_budgets and mem_budgets[i]:
                     cmd += ["--mem-budget", mem_budgets[i]]
                 if log_dir:
@@ -80,7 +92,7 @@ class LocalRing:
                             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
                         )
                     )
-            nodes = [_wait_ready(p, f"node{i}", timeout_s) for i, p in enumerate(procs)]
+            nodes = [_wait_ready(p, names[i], timeout_s) for i, p in enumerate(procs)]
         except BaseException:
             _stop(procs)
             raise

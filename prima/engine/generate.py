@@ -153,13 +153,13 @@ def stream(
         history.append(token)
         if decoder is not None:
             text += decoder.feed(token)
-            hit = _find_stop(text, stop_strings)
+            hit = find_stop(text, stop_strings)
             if hit is not None:
                 text = text[:hit]
                 result.stop_reason = "stop_string"
                 break
             # Hold back a tail that might still grow into a stop string.
-            safe = len(text) - _stop_prefix_len(text, stop_strings)
+            safe = len(text) - stop_prefix_len(text, stop_strings)
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
@@ -176,12 +176,13 @@ def stream(
     yield result
 
 
-def _find_stop(text: str, stop_strings: Sequence[str]) -> int | None:
+def find_stop(text: str, stop_strings: Sequence[str]) -> int | None:
+    """Where the first stop string in `text` begins, or None."""
     hits = [text.find(s) for s in stop_strings if s and s in text]
     return min(hits) if hits else None
 
 
-def _stop_prefix_len(text: str, stop_strings: Sequence[str]) -> int:
+def stop_prefix_len(text: str, stop_strings: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
     best = 0
     for s in stop_strings:

@@ -8,8 +8,10 @@ status the peer chose, the peer's own message), so callers never see grpc except
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -17,9 +19,9 @@ import grpc
 import numpy as np
 
 from prima.engine.sampling import SamplerConfig
-from prima.errors import NodeError
+from prima.errors import NodeError, ProtocolError
 from prima.net import codec
-from prima.net.codec import Activation, NodeStatus, WireDType
+from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.scheduler.plan import Plan
@@ -27,6 +29,9 @@ from prima.scheduler.plan import Plan
 log = logging.getLogger("prima.net")
 
 DEFAULT_TIMEOUT_S = 10.0
+# Link measurement: a few empty pings for the latency, one payload for the bandwidth.
+LINK_PINGS = 5
+LINK_PAYLOAD_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -91,6 +96,35 @@ class NodeClient:
     def abort(self, session_id: str, node_id: str, message: str) -> None:
         req = pb.AbortRequest(session_id=session_id, node_id=node_id, message=message)
         self._call("Abort", self.stub.Abort, req)
+
+    def profile(self, peer_address: str = "", refresh: bool = False) -> NodeProfile:
+        """The node's DeviceProfile; with `peer_address` its link to that node is measured too.
+        A node may measure itself first (about a second), so this allows longer than other calls."""
+        req = pb.ProfileRequest(peer_address=peer_address, refresh=refresh)
+        reply = self._call("Profile", self.stub.Profile, req, self.timeout_s * 6)
+        try:
+            return codec.node_profile_from_proto(reply)
+        except ProtocolError as exc:
+            raise NodeError(f"node {self.name} at {self.address} sent an unusable profile: {exc}") from None
+
+    def ping(self, payload_bytes: int = 0) -> float:
+        """Seconds for one Ping round trip carrying `payload_bytes` to the node."""
+        req = pb.PingRequest(payload=bytes(payload_bytes))
+        t0 = time.perf_counter()
+        self._call("Ping", self.stub.Ping, req)
+        return time.perf_counter() - t0
+
+    def measure_link(
+        self, pings: int = LINK_PINGS, payload_bytes: int = LINK_PAYLOAD_BYTES
+    ) -> tuple[float, float]:
+        """(one-way latency ms, bytes/s) to this node: half the best of `pings` empty round trips,
+        and one `payload_bytes` ping less that round trip. Bandwidth is inf when the payload's
+        extra time is below the clock's resolution (loopback, fast LANs)."""
+        self.ping()  # the first call on a channel also connects: not a sample
+        rtt = min(self.ping() for _ in range(max(1, pings)))
+        extra = self.ping(payload_bytes) - rtt if payload_bytes else 0.0
+        bandwidth = payload_bytes / extra if extra > 1e-6 else math.inf
+        return rtt * 1e3 / 2, bandwidth
 
     def relay(
         self, on_error: Callable[[NodeError], None], wire_dtype: WireDType = WireDType.F32

@@ -11,15 +11,17 @@ one f16 scale, 34 bytes per 32 values) quarters them for slow links at ~0.4% rel
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from prima.engine.sampling import SamplerConfig
-from prima.errors import PlanError, ProtocolError
+from prima.errors import InputError, PlanError, ProtocolError
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
 from prima.scheduler.plan import NodeAssignment, Plan, Window
+from prima.scheduler.profile import DeviceProfile
 from prima.weights.window import Residency
 
 PROTOCOL_VERSION = 1
@@ -278,6 +280,40 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
         residency=residency,
         sessions=msg.sessions,
     )
+
+
+# -- device profiles -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeProfile:
+    """A node's answer to the Profile RPC: its hardware (with the link to the peer it was asked
+    about, if any), its --mem-budget, and when its speeds were measured."""
+
+    device: DeviceProfile
+    mem_budget_bytes: int = 0
+    measured_unix_s: float = 0.0
+
+
+def node_profile_to_proto(p: NodeProfile) -> pb.ProfileReply:
+    return pb.ProfileReply(
+        device_profile_json=json.dumps(p.device.to_dict()),
+        mem_budget_bytes=p.mem_budget_bytes,
+        measured_unix_s=p.measured_unix_s,
+    )
+
+
+def node_profile_from_proto(msg: pb.ProfileReply) -> NodeProfile:
+    """Decode a peer's profile; ProtocolError naming the problem if it is not a valid one."""
+    try:
+        raw = json.loads(msg.device_profile_json)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"device profile is not JSON ({exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("device profile is not a JSON object")
+    try:
+        device = DeviceProfile.from_dict(raw)
+    except InputError as exc:
+        raise ProtocolError(str(exc)) from None
+    return NodeProfile(device, int(msg.mem_budget_bytes), float(msg.measured_unix_s))
 
 
 # -- sampling ------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ log = logging.getLogger("prima.net")
 
 SERVICE_TYPE = "_prima._tcp.local."
 INTERFACES_ENV = "PRIMA_MDNS_INTERFACES"
+# A private service type (e.g. "_prima-t1._tcp.local.") keeps test rings apart from each other.
+SERVICE_TYPE_ENV = "PRIMA_MDNS_SERVICE"
 DEFAULT_BROWSE_S = 3.0
 SHORT_FINGERPRINT = 12  # hex digits shown to people, as the coordinator's messages do
 
@@ -296,6 +298,11 @@ def advertised_addresses(host: str, interfaces: InterfacesType) -> list[str]:
 
 
 # -- the zeroconf half ---------------------------------------------------------------------------
+def resolve_service_type(service_type: str | None = None) -> str:
+    """The DNS-SD type to use: the argument, else $PRIMA_MDNS_SERVICE, else SERVICE_TYPE."""
+    return service_type or os.environ.get(SERVICE_TYPE_ENV) or SERVICE_TYPE
+
+
 _warned: set[str] = set()
 _WARNED_MAX = 1024
 
@@ -336,7 +343,7 @@ class Advertiser:
     ) -> None:
         self.advert = advert
         self.interfaces = resolve_interfaces(interfaces)
-        self.service_type = service_type or SERVICE_TYPE
+        self.service_type = resolve_service_type(service_type)
         self._zc: Zeroconf | None = None
         self._info: ServiceInfo | None = None
 
@@ -410,7 +417,7 @@ def browse(
     """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
     `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning.
     `service_type` (default SERVICE_TYPE) lets tests browse a private type."""
-    service_type = service_type or SERVICE_TYPE
+    service_type = resolve_service_type(service_type)
     deadline = time.monotonic() + timeout_s
     events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
     found: dict[str, NodeAdvert] = {}
@@ -486,10 +493,11 @@ def discover(
     interfaces: Sequence[str] | str | None = None,
     expect: int | None = None,
     model_fingerprint: str | None = None,
+    service_type: str | None = None,
 ) -> list[NodeAdvert]:
     """Browse, then insist the nodes can form one ring: the coordinator's entry point. Raises
     PlanError when nothing answered (naming the --nodes fallback) or on any Problem."""
-    adverts = browse(timeout_s, interfaces=interfaces, expect=expect)
+    adverts = browse(timeout_s, interfaces=interfaces, expect=expect, service_type=service_type)
     if not adverts:
         raise PlanError(
             f"no primad answered over mDNS within {timeout_s:g} s; check the daemons run (without "

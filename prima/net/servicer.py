@@ -19,7 +19,7 @@ from prima.engine.generate import GenerationResult
 from prima.engine.sampling import SamplerConfig
 from prima.errors import PrimaError
 from prima.net import codec
-from prima.net.codec import Activation, NodeStatus, WireDType
+from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.status import status_for
@@ -66,6 +66,8 @@ class NodeHandler(Protocol):
 
     def open_forward(self, n_ctx: int, ubatch: int = 0) -> ForwardSession: ...
 
+    def profile(self, peer_address: str, refresh: bool) -> NodeProfile: ...
+
 
 class NodeServicer(pb_grpc.NodeServicer):
     def __init__(self, handler: NodeHandler) -> None:
@@ -103,6 +105,14 @@ class NodeServicer(pb_grpc.NodeServicer):
         h = self.handler
         self._guard(context, lambda: h.abort(request.session_id, request.node_id, request.message))
         return pb.Empty()
+
+    def Profile(self, request: pb.ProfileRequest, context: grpc.ServicerContext) -> pb.ProfileReply:
+        h = self.handler
+        found = self._guard(context, lambda: h.profile(request.peer_address, request.refresh))
+        return codec.node_profile_to_proto(found)
+
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingReply:
+        return pb.PingReply(received_bytes=len(request.payload))
 
     def Relay(self, request_iterator: Iterator[pb.Activation], context: grpc.ServicerContext) -> pb.Empty:
         h = self.handler

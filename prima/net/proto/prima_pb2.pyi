@@ -242,3 +242,33 @@ class ForwardReply(_message.Message):
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
     def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ProfileRequest(_message.Message):
+    __slots__ = ("peer_address", "refresh")
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    peer_address: str
+    refresh: bool
+    def __init__(self, peer_address: _Optional[str] = ..., refresh: _Optional[bool] = ...) -> None: ...
+
+class ProfileReply(_message.Message):
+    __slots__ = ("device_profile_json", "mem_budget_bytes", "measured_unix_s")
+    DEVICE_PROFILE_JSON_FIELD_NUMBER: _ClassVar[int]
+    MEM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    device_profile_json: str
+    mem_budget_bytes: int
+    measured_unix_s: float
+    def __init__(self, device_profile_json: _Optional[str] = ..., mem_budget_bytes: _Optional[int] = ..., measured_unix_s: _Optional[float] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...

@@ -65,6 +65,16 @@ class NodeStub:
                 request_serializer=prima_dot_v1_dot_prima__pb2.AbortRequest.SerializeToString,
                 response_deserializer=prima_dot_v1_dot_prima__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/prima.v1.Node/Profile',
+                request_serializer=prima_dot_v1_dot_prima__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=prima_dot_v1_dot_prima__pb2.ProfileReply.FromString,
+                _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/prima.v1.Node/Ping',
+                request_serializer=prima_dot_v1_dot_prima__pb2.PingRequest.SerializeToString,
+                response_deserializer=prima_dot_v1_dot_prima__pb2.PingReply.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/prima.v1.Node/Generate',
                 request_serializer=prima_dot_v1_dot_prima__pb2.GenerateRequest.SerializeToString,
@@ -116,6 +126,18 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Head only.
         """
@@ -161,6 +183,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=prima_dot_v1_dot_prima__pb2.AbortRequest.FromString,
                     response_serializer=prima_dot_v1_dot_prima__pb2.Empty.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=prima_dot_v1_dot_prima__pb2.ProfileRequest.FromString,
+                    response_serializer=prima_dot_v1_dot_prima__pb2.ProfileReply.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=prima_dot_v1_dot_prima__pb2.PingRequest.FromString,
+                    response_serializer=prima_dot_v1_dot_prima__pb2.PingReply.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -335,6 +367,60 @@ class Node:
             '/prima.v1.Node/Abort',
             prima_dot_v1_dot_prima__pb2.AbortRequest.SerializeToString,
             prima_dot_v1_dot_prima__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prima.v1.Node/Profile',
+            prima_dot_v1_dot_prima__pb2.ProfileRequest.SerializeToString,
+            prima_dot_v1_dot_prima__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prima.v1.Node/Ping',
+            prima_dot_v1_dot_prima__pb2.PingRequest.SerializeToString,
+            prima_dot_v1_dot_prima__pb2.PingReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,90 @@
+"""From running daemons to a plan: ask each for its profile and its link to the next ring member
+(Profile RPC), fold its --mem-budget into the memory Halda sees, and let Halda choose the
+windows. The Halda side stays pure; this module only gathers its inputs over the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prima.net.client import NodeClient
+from prima.net.codec import NodeProfile
+from prima.scheduler import halda
+from prima.scheduler.plan import Plan
+from prima.scheduler.profile import DeviceProfile, ModelProfile
+
+log = logging.getLogger("prima.cluster")
+
+
+@dataclass(frozen=True)
+class HaldaOptions:
+    """How the coordinator plans a ring it did not get --windows for."""
+
+    model: ModelProfile
+    max_rounds: int | None = None
+    refresh: bool = False  # nodes measure themselves again instead of answering from their cache
+    pick_head: bool = False  # reorder: the node with the most memory heads the ring
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The devices as Halda saw them (ring order, head first) and the plan it chose."""
+
+    devices: tuple[DeviceProfile, ...]
+    plan: Plan
+
+
+def budgeted_device(profile: NodeProfile, model: ModelProfile, *, is_head: bool) -> DeviceProfile:
+    """The device with its --mem-budget folded into `ram_available_bytes`.
+
+    primad's budget caps the resident bytes of layer weights only; Halda's RAM budget also holds
+    each layer's KV cache and, on the head, the embedding and output head. Scaling the budget by
+    (layer + KV) / layer and adding the head's fixed bytes makes Halda's memory rule
+    `k*u*(layer + KV) + fixed <= RAM` the same as the daemon's `k*u*layer <= budget`."""
+    dev = profile.device
+    budget = profile.mem_budget_bytes
+    if budget <= 0 or model.layer_bytes <= 0:
+        return dev
+    per_layer = model.layer_bytes + model.kv_bytes_per_layer
+    ram = budget * per_layer // model.layer_bytes
+    if is_head:
+        ram += model.input_bytes + model.output_bytes
+    return dataclasses.replace(dev, ram_available_bytes=min(dev.ram_available_bytes, ram))
+
+
+def ring_order(profiles: Sequence[NodeProfile], model: ModelProfile) -> list[int]:
+    """Indices of `profiles` in ring order: the node with the most memory for layers first (the
+    head also holds the embedding and output head), the rest as given."""
+    room = [budgeted_device(p, model, is_head=False).ram_available_bytes for p in profiles]
+    head = max(range(len(profiles)), key=lambda i: (room[i], -i))
+    return [head, *(i for i in range(len(profiles)) if i != head)]
+
+
+def plan_ring(clients: Sequence[NodeClient], options: HaldaOptions, *, epoch: int) -> ClusterView:
+    """Profile `clients` (ring order unless `options.pick_head`), measure each link to the next
+    member, and solve. The plan lists a subset of the clients' addresses (Halda may drop nodes
+    whose hop costs more than they save), head first."""
+    model = options.model
+    order = list(range(len(clients)))
+    if options.pick_head and len(clients) > 1:
+        first = [c.profile(refresh=options.refresh) for c in clients]
+        order = ring_order(first, model)
+    ring = [clients[i] for i in order]
+    devices = []
+    for m, client in enumerate(ring):
+        # Node m sends to node m+1; the last sends back to the head.
+        peer = ring[(m + 1) % len(ring)].address if len(ring) > 1 else ""
+        found = client.profile(peer, refresh=options.refresh and not options.pick_head)
+        device = budgeted_device(found, model, is_head=m == 0)
+        devices.append(dataclasses.replace(device, node_id=client.name, address=client.address))
+        log.info(
+            "profile of %s: %.2f GiB for layers, hop %.2f ms",
+            client.name,
+            device.ram_available_bytes / (1 << 30),
+            device.net_latency_ms,
+        )
+    plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
+    return ClusterView(tuple(devices), plan)

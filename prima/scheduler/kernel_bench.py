@@ -1,0 +1,65 @@
+"""GEMV throughput of prima's own kernels, per weight format: the `kernel_bench` the profiler takes.
+
+Each format is timed on one synthetic weight matrix in that format, one activation row (decode),
+through `prima.kernels.matmul.matmul`, the call the forward pass makes. The weight bytes are a
+fixed small pattern (normal f16/f32 values, no NaNs), since kernels do the same work whatever
+the values. The whole bench is short: a few repeats per format, bounded in time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from prima.errors import InputError
+from prima.kernels.matmul import matmul
+from prima.kernels.quants import SUPPORTED_QTYPES, row_bytes
+from prima.kernels.tensor import QTensor
+
+# 1024 x 1024 weights: about a layer's GEMV in a small model (256 divides it, as K-quants need).
+BENCH_ROWS = 1024
+BENCH_COLS = 1024
+BENCH_REPEATS = 8
+BENCH_BUDGET_S = 0.05  # per format, after the warm-up call
+# 0x11 in every byte: f16 0x1111 and f32 0x11111111 are small normal numbers.
+_FILL = 0x11
+
+
+def synthetic_weight(fmt: str, rows: int = BENCH_ROWS, cols: int = BENCH_COLS) -> QTensor:
+    """A (rows, cols) weight stored as `fmt` (a ggml type name such as Q4_K)."""
+    try:
+        qtype = GGMLQuantizationType[fmt]
+    except KeyError:
+        raise InputError(f"unknown weight format {fmt!r}; use a ggml type name such as Q4_K") from None
+    if qtype not in SUPPORTED_QTYPES:
+        raise InputError(f"prima has no kernel for {fmt}; nothing to measure")
+    raw = np.full((rows, row_bytes(qtype, cols)), _FILL, dtype=np.uint8)
+    return QTensor(f"bench.{fmt}", qtype, (rows, cols), raw)
+
+
+def kernel_flops(
+    fmt: str,
+    *,
+    rows: int = BENCH_ROWS,
+    cols: int = BENCH_COLS,
+    repeats: int = BENCH_REPEATS,
+    budget_s: float = BENCH_BUDGET_S,
+) -> float:
+    """FLOP/s of one-row matmul on a `fmt` weight (2 FLOPs per weight), best of up to `repeats`
+    calls within `budget_s`. The first call is not timed: it may compile or load the kernel."""
+    w = synthetic_weight(fmt, rows, cols)
+    x = np.ones((1, cols), dtype=np.float32)
+    matmul(w, x)
+    best = math.inf
+    deadline = time.perf_counter() + budget_s
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        matmul(w, x)
+        t1 = time.perf_counter()
+        best = min(best, t1 - t0)
+        if t1 > deadline:
+            break
+    return 2.0 * rows * cols / max(best, 1e-9)
