@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from importlib import import_module
 
+# First prima import: sets the thread-pool environment before numpy or numba load.
+import prima.kernels.thread_env  # noqa: F401
 from prima.errors import PrimaError
 
 # One module per subcommand; each defines register(subparsers) -> None and sets `func`.
@@ -23,6 +25,7 @@ COMMAND_MODULES = [
     "prima.cli.cmd_profile",
     "prima.cli.cmd_nodes",
     "prima.cli.cmd_ring",
+    "prima.cli.cmd_bench",
 ]
 
 

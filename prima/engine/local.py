@@ -7,7 +7,7 @@ import numpy as np
 from prima.errors import ContextFullError, InputError
 from prima.model.transformer import Transformer
 
-DEFAULT_UBATCH = 64
+DEFAULT_UBATCH = 128  # prefill dequantizes each weight tile once per micro-batch
 
 
 class LocalEngine:

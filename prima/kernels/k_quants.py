@@ -9,9 +9,9 @@ format splits a super-block into 16 or 32-element sub-blocks, each with its own 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
-from prima.kernels.legacy_quants import _f16
+from prima.kernels.legacy_quants import _f16, lane_sum, nibbles, stack_f32
 
 _FASTMATH = {"contract"}
 QK = 256
@@ -44,14 +44,14 @@ def _scale_q3_k(row: np.ndarray, o: int, k: int) -> np.float32:
 # elements), qs[64] (2-bit values), d f16, dmin f16. Element h*128 + s*32 + j (h < 2, s < 4,
 # j < 32) is bits 2s of qs[h*32 + j]; its sub-block (scale index) is element // 16.
 @njit(cache=True, fastmath=_FASTMATH)
-def dot_q2_k(
-    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
-) -> None:
-    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
+def dot_q2_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
     n_super = x.shape[1] // QK
     for k in range(x.shape[0]):
         xk = x[k]
-        acc[:] = 0.0
+        for j in range(32):
+            acc[j] = 0.0
         for sb in range(n_super):
             o = sb * 84
             d = _f16(lut, row, o + 80)
@@ -72,7 +72,7 @@ def dot_q2_k(
                     for j in range(16):
                         q = (row[qo + 16 + j] >> np.uint8(2 * s)) & np.uint8(3)
                         acc[16 + j] += xk[xb + 16 + j] * (dl1 * np.float32(q) - ml1)
-        out[k, r] = acc.sum()
+        out[k, r] = lane_sum(acc)
 
 
 @njit(cache=True)
@@ -96,14 +96,14 @@ def deq_q2_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # (16 packed 6-bit scales, see _scale_q3_k), d f16. Element h*128 + s*32 + j takes bits 2s of
 # qs[h*32 + j] and bit 4h + s of hmask[j]; a clear high bit means "subtract 4".
 @njit(cache=True, fastmath=_FASTMATH)
-def dot_q3_k(
-    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
-) -> None:
-    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
+def dot_q3_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
     n_super = x.shape[1] // QK
     for k in range(x.shape[0]):
         xk = x[k]
-        acc[:] = 0.0
+        for j in range(32):
+            acc[j] = 0.0
         for sb in range(n_super):
             o = sb * 110
             d = _f16(lut, row, o + 108)
@@ -121,7 +121,7 @@ def dot_q3_k(
                         q = (row[qo + 16 + j] >> np.uint8(2 * s)) & np.uint8(3)
                         hb = ((row[o + 16 + j] >> np.uint8(4 * h + s)) & np.uint8(1)) << np.uint8(2)
                         acc[16 + j] += xk[xb + 16 + j] * (dl1 * (np.float32(q | hb) - np.float32(4)))
-        out[k, r] = acc.sum()
+        out[k, r] = lane_sum(acc)
 
 
 @njit(cache=True)
@@ -145,14 +145,14 @@ def deq_q3_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # of 32), 128 bytes of nibbles. Byte g*32 + j holds element g*64 + j (low nibble, sub-block 2g)
 # and element g*64 + 32 + j (high nibble, sub-block 2g + 1).
 @njit(cache=True, fastmath=_FASTMATH)
-def dot_q4_k(
-    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
-) -> None:
-    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
+def dot_q4_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
     n_super = x.shape[1] // QK
     for k in range(x.shape[0]):
         xk = x[k]
-        acc[:] = 0.0
+        for j in range(32):
+            acc[j] = 0.0
         for sb in range(n_super):
             o = sb * 144
             d = _f16(lut, row, o)
@@ -167,10 +167,9 @@ def dot_q4_k(
                 xb = sb * QK + g * 64
                 qo = o + 16 + g * 32
                 for j in range(32):
-                    acc[j] += xk[xb + j] * (d0 * np.float32(row[qo + j] & np.uint8(15)) - dm0)
-                for j in range(32):
-                    acc[j] += xk[xb + 32 + j] * (d1 * np.float32(row[qo + j] >> np.uint8(4)) - dm1)
-        out[k, r] = acc.sum()
+                    lo, hi = nibbles(row[qo + j])
+                    acc[j] += xk[xb + j] * (d0 * lo - dm0) + xk[xb + 32 + j] * (d1 * hi - dm1)
+        out[k, r] = lane_sum(acc)
 
 
 @njit(cache=True)
@@ -195,14 +194,14 @@ def deq_q4_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # qs[128] (nibbles as Q4_K). Element g*64 + j takes bit 2g of qh[j] as its fifth bit; element
 # g*64 + 32 + j takes bit 2g + 1.
 @njit(cache=True, fastmath=_FASTMATH)
-def dot_q5_k(
-    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
-) -> None:
-    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
+def dot_q5_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
     n_super = x.shape[1] // QK
     for k in range(x.shape[0]):
         xk = x[k]
-        acc[:] = 0.0
+        for j in range(32):
+            acc[j] = 0.0
         for sb in range(n_super):
             o = sb * 176
             d = _f16(lut, row, o)
@@ -224,7 +223,7 @@ def dot_q5_k(
                     hb = ((row[o + 16 + j] >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4)
                     q = (row[qo + j] >> np.uint8(4)) | hb
                     acc[j] += xk[xb + 32 + j] * (d1 * np.float32(q) - dm1)
-        out[k, r] = acc.sum()
+        out[k, r] = lane_sum(acc)
 
 
 @njit(cache=True)
@@ -252,15 +251,15 @@ def deq_q5_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # int8 (one per 16 elements), d f16; value = d * scale * (q - 32). Within half h (128 elements),
 # chunk c (32 elements) takes nibble c // 2 of ql[64h + 32 (c % 2) + j] and bits 2c of qh[32h + j].
 @njit(cache=True, fastmath=_FASTMATH)
-def dot_q6_k(
-    row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int, acc: np.ndarray
-) -> None:
-    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r (acc: 32 float32 scratch lanes)."""
+def dot_q6_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
     n_super = x.shape[1] // QK
     scales = row.view(np.int8)
     for k in range(x.shape[0]):
         xk = x[k]
-        acc[:] = 0.0
+        for j in range(32):
+            acc[j] = 0.0
         for sb in range(n_super):
             o = sb * 210
             d = _f16(lut, row, o + 208)
@@ -281,7 +280,7 @@ def dot_q6_k(
                             ((row[ho + 16 + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
                         )
                         acc[16 + j] += xk[xb + 16 + j] * (dl1 * (np.float32(q) - np.float32(32)))
-        out[k, r] = acc.sum()
+        out[k, r] = lane_sum(acc)
 
 
 @njit(cache=True)

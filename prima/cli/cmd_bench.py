@@ -1,0 +1,251 @@
+"""`prima bench`: prompt processing and generation speed, and peak memory, of prima on this device
+and, when llama-cpp-python is installed, of llama.cpp on the same GGUF in the same run.
+
+Each engine runs in its own worker process (so each one's peak RSS is its own); the parent
+alternates repetitions between them, so both see the same machine load, and reports medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from prima.errors import InputError
+from prima.model.registry import DEFAULT_MODEL, resolve_model
+
+PROMPT_TEXT = (
+    "The history of computing is a story of machines that got smaller, cheaper and faster, and of "
+    "people who found new things to do with each generation of them. "
+)
+
+
+@dataclass
+class EngineResult:
+    """Medians over the repetitions; `runs` keeps every repetition's (pp tok/s, tg tok/s)."""
+
+    engine: str
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    ms_per_token: float = 0.0
+    peak_rss_mib: float = 0.0
+    rss_anon_mib: float = 0.0  # private memory at the end: weights served from the mmap stay out
+    rss_file_mib: float = 0.0  # file-backed pages mapped (the GGUF in the page cache)
+    runs: list[tuple[float, float]] = field(default_factory=list)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="measure prima (and llama.cpp, if installed) on a model", description=__doc__
+    )
+    p.add_argument(
+        "-m",
+        "--model",
+        action="append",
+        help=f"model name or GGUF path, repeatable (default {DEFAULT_MODEL})",
+    )
+    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
+    p.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per repetition (default 32)")
+    p.add_argument("--reps", type=int, default=5, help="alternating repetitions per engine (default 5)")
+    p.add_argument("--no-llama", action="store_true", help="measure prima only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    threads = args.threads or os.cpu_count() or 1
+    if args.reps < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
+        raise InputError("--reps, --prompt-tokens and --gen-tokens must be positive")
+    have_llama = not args.no_llama and _llama_cpp_available()
+    report: dict = {"machine": _machine(), "threads": threads, "models": []}
+    if not have_llama and not args.no_llama:
+        report["note"] = "llama-cpp-python is not installed (pip install 'prima[bench]'): prima numbers only"
+    for name in args.model or [DEFAULT_MODEL]:
+        path = resolve_model(name)
+        engines = ["prima", "llama.cpp"] if have_llama else ["prima"]
+        results = _bench_model(path, engines, threads, args.prompt_tokens, args.gen_tokens, args.reps)
+        entry: dict = {"model": path.name, "results": [asdict(r) for r in results]}
+        if have_llama:
+            p, ll = results
+            entry["ratios"] = {
+                "decode": p.decode_tok_s / ll.decode_tok_s,
+                "prefill": p.prefill_tok_s / ll.prefill_tok_s,
+                "peak_rss": p.peak_rss_mib / ll.peak_rss_mib,
+            }
+        report["models"].append(entry)
+        if not args.json:
+            _print_model(entry, threads, args.prompt_tokens)
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif "note" in report:
+        print(f"note: {report['note']}")
+    return 0
+
+
+def _bench_model(
+    path: Path, engines: list[str], threads: int, n_prompt: int, n_gen: int, reps: int
+) -> list[EngineResult]:
+    ctx = get_context("spawn")
+    workers = []
+    for engine in engines:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(engine, str(path), threads, n_prompt + n_gen + 8, child))
+        proc.start()
+        workers.append((engine, proc, parent))
+    try:
+        prompt = _recv(workers[0][2])  # prima's worker tokenizes the prompt; llama.cpp reuses the ids
+        for _, _, conn in workers[1:]:
+            _recv(conn)
+        ids = prompt[:n_prompt]
+        for _, _, conn in workers:  # warm-up: numba compile / load, page cache
+            conn.send(("run", ids, 4))
+            _recv(conn)
+        runs: dict[str, list[tuple[float, float]]] = {e: [] for e in engines}
+        for _ in range(reps):
+            for engine, _, conn in workers:
+                conn.send(("run", ids, n_gen))
+                runs[engine].append(_recv(conn))
+        results = []
+        for engine, proc, conn in workers:
+            conn.send(("stop",))
+            peak, anon, file_ = _recv(conn)
+            proc.join()
+            pp = statistics.median(r[0] for r in runs[engine])
+            tg = statistics.median(r[1] for r in runs[engine])
+            results.append(EngineResult(engine, pp, tg, 1000.0 / tg, peak, anon, file_, runs[engine]))
+        return results
+    finally:
+        for _, proc, _ in workers:
+            if proc.is_alive():
+                proc.kill()
+
+
+def _recv(conn: Connection):  # noqa: ANN202 - whatever the worker sent
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise InputError(f"benchmark worker failed: {msg[1]}")
+    return msg
+
+
+def _worker(engine: str, path: str, threads: int, n_ctx: int, conn: Connection) -> None:
+    """One engine in its own process: answers ("run", ids, n_gen) with (pp tok/s, tg tok/s)."""
+    try:
+        if engine == "prima":
+            step = _prima_engine(path, threads, n_ctx, conn)
+        else:
+            step = _llama_engine(path, threads, n_ctx, conn)
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                conn.send(_memory())
+                return
+            _, ids, n_gen = msg
+            conn.send(step(ids, n_gen))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", f"{engine}: {type(exc).__name__}: {exc}"))
+
+
+def _prima_engine(path: str, threads: int, n_ctx: int, conn: Connection):  # noqa: ANN202
+    import numpy as np
+
+    from prima.engine.local import LocalEngine
+    from prima.model.loader import load_model
+
+    loaded = load_model(path, threads=threads)
+    text_ids = loaded.tokenizer.encode(PROMPT_TEXT * 40)
+    conn.send([int(t) for t in text_ids])
+    engine = LocalEngine(loaded.model, n_ctx=n_ctx)
+
+    def step(ids: list[int], n_gen: int) -> tuple[float, float]:
+        engine.reset()
+        t0 = time.perf_counter()
+        logits = engine.forward(ids)
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            logits = engine.forward([int(np.argmax(logits))])
+        t2 = time.perf_counter()
+        return len(ids) / (t1 - t0), n_gen / (t2 - t1)
+
+    return step
+
+
+def _llama_engine(path: str, threads: int, n_ctx: int, conn: Connection):  # noqa: ANN202
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False
+    )
+    conn.send([])
+
+    def step(ids: list[int], n_gen: int) -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        t2 = time.perf_counter()
+        return len(ids) / (t1 - t0), n_gen / (t2 - t1)
+
+    return step
+
+
+def _memory() -> tuple[float, float, float]:
+    """(peak RSS, RssAnon, RssFile) of this process in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    fields = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) / 1024.0
+    except OSError:
+        pass
+    return peak, fields.get("RssAnon", 0.0), fields.get("RssFile", 0.0)
+
+
+def _llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": os.getloadavg()}
+
+
+def _print_model(entry: dict, threads: int, n_prompt: int) -> None:
+    print(f"{entry['model']}  ({threads} threads, prompt {n_prompt} tokens)")
+    print(f"  {'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>9} {'peak RSS MiB':>12}")
+    for r in entry["results"]:
+        print(
+            f"  {r['engine']:<10} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
+            f"{r['ms_per_token']:>9.2f} {r['peak_rss_mib']:>12.0f}"
+        )
+    if "ratios" in entry:
+        ra = entry["ratios"]
+        print(
+            f"  prima/llama.cpp: decode {ra['decode']:.2f}x, prefill {ra['prefill']:.2f}x, "
+            f"peak RSS {ra['peak_rss']:.2f}x"
+        )

@@ -1,0 +1,77 @@
+"""The numba layer glue (prima.kernels.fused_ops) against the numpy references in ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prima.kernels import fused_ops, ops
+from prima.model.config import ROPE_NEOX, ROPE_NORM
+
+RNG = np.random.default_rng(7)
+
+
+def _f32(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def test_rms_norm_matches_reference() -> None:
+    x, w = _f32(3, 64), _f32(64)
+    np.testing.assert_allclose(fused_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("post", [True, False])
+def test_residual_norm_matches_reference(post: bool) -> None:
+    x, y, pw, nw = _f32(2, 32), _f32(2, 32), _f32(32), _f32(32)
+    h, hn = fused_ops.residual_norm(x, y, pw if post else fused_ops.NONE, nw, 1e-6)
+    want = x + (ops.rms_norm(y, pw, 1e-6) if post else y)
+    np.testing.assert_allclose(h, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(hn, ops.rms_norm(want, nw, 1e-6), rtol=1e-5, atol=1e-5)
+    _, none = fused_ops.residual_norm(x, y, fused_ops.NONE, fused_ops.NONE, 1e-6)
+    assert none.shape == (0, 32)
+
+
+@pytest.mark.parametrize("rope_type", [ROPE_NORM, ROPE_NEOX])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool) -> None:
+    n, heads, kv_heads, hd = 3, 4, 2, 16
+    qkv = _f32(n, (heads + 2 * kv_heads) * hd)
+    qb, kb, vb = _f32(heads * hd), _f32(kv_heads * hd), _f32(kv_heads * hd)
+    qn, kn = (_f32(hd), _f32(hd)) if qk_norm else (fused_ops.NONE, fused_ops.NONE)
+    positions = np.array([5, 6, 7])
+    base = 10000.0
+    q, k, v = fused_ops.qkv_rope(
+        qkv, heads, kv_heads, hd, qb, kb, vb, qn, kn, 1e-6, positions,
+        fused_ops.rope_inv_freq(hd, base), fused_ops.is_neox(rope_type),
+    )  # fmt: skip
+    rq = (qkv[:, : heads * hd] + qb).reshape(n, heads, hd)
+    rk = (qkv[:, heads * hd : (heads + kv_heads) * hd] + kb).reshape(n, kv_heads, hd)
+    rv = (qkv[:, (heads + kv_heads) * hd :] + vb).reshape(n, kv_heads, hd)
+    if qk_norm:
+        rq, rk = ops.rms_norm(rq, qn, 1e-6), ops.rms_norm(rk, kn, 1e-6)
+    rq = ops.rope(rq, positions, base, hd, rope_type)
+    rk = ops.rope(rk, positions, base, hd, rope_type)
+    np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(v, rv)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_matches_reference(window: int) -> None:
+    t, heads, kv_heads, hd = 9, 4, 2, 16
+    kc, vc = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd)
+    positions = np.array([6, 7, 8])
+    q = _f32(3, heads, hd)
+    got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
+    want = ops.attention(q, kc, vc, positions, 0.25, window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_glu_matches_reference() -> None:
+    gate_up = _f32(2, 48)
+    np.testing.assert_allclose(
+        fused_ops.glu(gate_up, 24, "silu"), ops.silu(gate_up[:, :24]) * gate_up[:, 24:], rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_array_equal(
+        fused_ops.glu(gate_up, 24, "gelu"), ops.gelu(gate_up[:, :24]) * gate_up[:, 24:]
+    )
