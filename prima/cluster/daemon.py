@@ -28,13 +28,12 @@ from prima.model.loader import LoadedModel
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
-from prima.scheduler.kernel_bench import kernel_flops
 from prima.scheduler.plan import Hop, Plan
 from prima.scheduler.profile_cache import load_or_measure
-from prima.scheduler.profiler import profile_device
 from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows
 
+from .node_profile import measure_node
 from .ring_engine import RingEngine
 
 log = logging.getLogger("prima.cluster")
@@ -155,7 +154,7 @@ class NodeRuntime:
             found = load_or_measure(
                 self.node_id,
                 self.fingerprint,
-                lambda: profile_device(self.node_id, model_path=self.loaded.path, kernel_bench=kernel_flops),
+                lambda: measure_node(self.loaded, self.node_id),
                 refresh=refresh,
                 cache_dir=self.profile_cache_dir,
             )

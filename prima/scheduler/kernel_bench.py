@@ -4,10 +4,15 @@ Each format is timed on one synthetic weight matrix in that format, one activati
 through `prima.kernels.matmul.matmul`, the call the forward pass makes. The weight bytes are a
 fixed small pattern (normal f16/f32 values, no NaNs), since kernels do the same work whatever
 the values. The whole bench is short: a few repeats per format, bounded in time.
+
+A layer is more than its GEMVs (norms, attention, kernel dispatch). `calibrate_to_layer` scales
+the measured throughputs by how much of a real layer's time the GEMVs account for, so the cost
+model's per-layer time is the measured one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -18,6 +23,8 @@ from prima.errors import InputError
 from prima.kernels.matmul import matmul
 from prima.kernels.quants import SUPPORTED_QTYPES, row_bytes
 from prima.kernels.tensor import QTensor
+from prima.scheduler.cost_model import gemv_ms
+from prima.scheduler.profile import DeviceProfile, ModelProfile
 
 # 1024 x 1024 weights: about a layer's GEMV in a small model (256 divides it, as K-quants need).
 BENCH_ROWS = 1024
@@ -63,3 +70,15 @@ def kernel_flops(
         if t1 > deadline:
             break
     return 2.0 * rows * cols / max(best, 1e-9)
+
+
+def calibrate_to_layer(device: DeviceProfile, model: ModelProfile, layer_ms: float) -> DeviceProfile:
+    """Scale every format's throughput by the share of a real layer's time its GEMVs take, so
+    that the cost model's per-layer time (GEMV FLOPs / throughput) equals `layer_ms`, the time
+    this device measured for one decode step of one layer (norms, attention and dispatch
+    included). Relative speeds of the formats are kept; without a usable time, unchanged."""
+    gemv = gemv_ms(model.layer_flops, device.cpu_flops)
+    if not (layer_ms > 0 and 0 < gemv < math.inf):
+        return device
+    scale = gemv / layer_ms
+    return dataclasses.replace(device, cpu_flops={k: v * scale for k, v in device.cpu_flops.items()})

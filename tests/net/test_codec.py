@@ -12,6 +12,7 @@ from prima.net.codec import Activation, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
 from prima.scheduler.plan import plan_from_window_sizes
+from prima.scheduler.profile import DeviceProfile
 
 
 def _hidden(n: int = 5, d: int = 64, seed: int = 0) -> np.ndarray:
@@ -110,3 +111,14 @@ def test_invalid_plan_is_a_protocol_error() -> None:
 def test_sampler_roundtrip() -> None:
     for cfg in (SamplerConfig(), SamplerConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=42)):
         assert codec.sampler_from_proto(codec.sampler_to_proto(cfg)) == cfg
+
+
+def test_node_profile_round_trips_and_bad_json_is_a_protocol_error() -> None:
+    dev = DeviceProfile(
+        "n0", "127.0.0.1:7600", ram_total_bytes=8, ram_available_bytes=4, cpu_flops={"F32": 1e9}
+    )
+    back = codec.node_profile_from_proto(codec.node_profile_to_proto(codec.NodeProfile(dev, 123, 4.5)))
+    assert back == codec.NodeProfile(dev, 123, 4.5)
+    for bad, words in [("{", "not JSON"), ("[1]", "not a JSON object"), ('{"node_id": 3}', "node_id")]:
+        with pytest.raises(ProtocolError, match=words):
+            codec.node_profile_from_proto(pb.ProfileReply(device_profile_json=bad))

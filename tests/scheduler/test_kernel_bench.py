@@ -6,7 +6,8 @@ import pytest
 
 from prima.errors import InputError
 from prima.kernels.quants import row_bytes
-from prima.scheduler.kernel_bench import kernel_flops, synthetic_weight
+from prima.scheduler.cost_model import gemv_ms
+from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops, synthetic_weight
 
 
 @pytest.mark.parametrize("fmt", ["F32", "Q4_1", "Q4_K"])
@@ -24,3 +25,12 @@ def test_synthetic_weight_has_the_format_geometry() -> None:
 def test_kernel_bench_refuses_what_it_cannot_run(fmt: str, words: str) -> None:
     with pytest.raises(InputError, match=words):
         synthetic_weight(fmt)
+
+
+def test_calibration_makes_the_cost_model_layer_time_the_measured_one(make_device, make_model) -> None:
+    model = make_model()
+    dev = make_device("n", gflops=20.0)
+    before = gemv_ms(model.layer_flops, dev.cpu_flops)
+    after = calibrate_to_layer(dev, model, layer_ms=before * 3)
+    assert gemv_ms(model.layer_flops, after.cpu_flops) == pytest.approx(before * 3)
+    assert calibrate_to_layer(dev, model, layer_ms=0.0) == dev
