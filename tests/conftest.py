@@ -4,6 +4,7 @@ llama.cpp's reference outputs in ../shared/oracle."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -13,6 +14,9 @@ import pytest
 
 from prima.errors import ModelFetchError
 from prima.model.registry import resolve_model
+
+# Tests send traffic only to loopback: mDNS discovery binds 127.0.0.1 (daemons inherit this).
+os.environ.setdefault("PRIMA_MDNS_INTERFACES", "127.0.0.1")
 
 ORACLE_DIR = Path(__file__).resolve().parents[2] / "shared" / "oracle"
 ORACLE_TAGS = ("smollm2-135m", "gemma3-270m")
