@@ -101,6 +101,7 @@ def _bench_model(
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(engine, str(path), threads, n_prompt + n_gen + 8, child))
         proc.start()
+        child.close()  # so that a worker that dies shows up as EOF here, not as a hang
         workers.append((engine, proc, parent))
     try:
         prompt = _recv(workers[0][2])  # prima's worker tokenizes the prompt; llama.cpp reuses the ids
@@ -131,7 +132,13 @@ def _bench_model(
 
 
 def _recv(conn: Connection):  # noqa: ANN202 - whatever the worker sent
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise InputError(
+            "a benchmark worker died without an answer (crashed? a llama.cpp built for another CPU "
+            "dies with SIGILL); rerun with --no-llama to measure prima alone"
+        ) from None
     if isinstance(msg, tuple) and msg and msg[0] == "error":
         raise InputError(f"benchmark worker failed: {msg[1]}")
     return msg

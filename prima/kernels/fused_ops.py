@@ -127,7 +127,75 @@ def _rope_row(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> No
         x[b] = x0 * sin[f] + x1 * cos[f]
 
 
-@njit(parallel=True, cache=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
+_ATTN_FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
+
+
+@njit(cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+def _attend(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    t: int,
+    positions: np.ndarray,
+    scale: float,
+    window: int,
+    item: int,
+    out: np.ndarray,
+) -> None:
+    """Attention of one (token, head) pair `item` = token * H + head, written into out."""
+    n_heads, hd = q.shape[1], q.shape[2]
+    i = item // n_heads
+    h = item % n_heads
+    kvh = h // (n_heads // k_cache.shape[1])
+    pos = positions[i]
+    lo = max(0, pos - window + 1) if window > 0 else 0
+    hi = min(t, pos + 1)
+    scores = np.empty(hi - lo, dtype=np.float32)
+    qh = q[i, h]
+    sc = np.float32(scale)
+    m = np.float32(-np.inf)
+    for s in range(lo, hi):
+        kr = k_cache[s, kvh]
+        acc = np.float32(0.0)
+        for j in range(hd):
+            acc += qh[j] * kr[j]
+        acc *= sc
+        scores[s - lo] = acc
+        m = max(m, acc)
+    total = np.float32(0.0)
+    for s in range(hi - lo):
+        e = np.float32(math.exp(scores[s] - m))
+        scores[s] = e
+        total += e
+    o = out[i, h * hd : (h + 1) * hd]
+    o[:] = 0.0
+    for s in range(lo, hi):
+        p = scores[s - lo] / total
+        vr = v_cache[s, kvh]
+        for j in range(hd):
+            o[j] += p * vr[j]
+
+
+@njit(parallel=True, cache=True, fastmath=_ATTN_FASTMATH)
+def _attention_parallel(q, k_cache, v_cache, t, positions, scale, window):  # noqa: ANN001, ANN202
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    for item in prange(q.shape[0] * q.shape[1]):
+        _attend(q, k_cache, v_cache, t, positions, scale, window, item, out)
+    return out
+
+
+@njit(cache=True, fastmath=_ATTN_FASTMATH)
+def _attention_serial(q, k_cache, v_cache, t, positions, scale, window):  # noqa: ANN001, ANN202
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    for item in range(q.shape[0] * q.shape[1]):
+        _attend(q, k_cache, v_cache, t, positions, scale, window, item, out)
+    return out
+
+
+# Below this many (query, key) pairs per head a parallel launch costs more than it saves.
+ATTENTION_PARALLEL_MIN = 4096
+
+
 def attention(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -137,45 +205,10 @@ def attention(
     scale: float,
     window: int,
 ) -> np.ndarray:
-    """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t) (as ops.attention,
-    parallel over (token, head) pairs). Returns (n, H * hd)."""
-    n, n_heads, hd = q.shape
-    group = n_heads // k_cache.shape[1]
-    out = np.empty((n, n_heads * hd), dtype=np.float32)
-    sc = np.float32(scale)
-    for item in prange(n * n_heads):
-        i = item // n_heads
-        h = item % n_heads
-        kvh = h // group
-        pos = positions[i]
-        lo = 0
-        if window > 0:
-            lo = max(0, pos - window + 1)
-        hi = min(t, pos + 1)
-        scores = np.empty(hi - lo, dtype=np.float32)
-        qh = q[i, h]
-        m = -np.inf
-        for s in range(lo, hi):
-            kr = k_cache[s, kvh]
-            acc = np.float32(0.0)
-            for j in range(hd):
-                acc += qh[j] * kr[j]
-            acc *= sc
-            scores[s - lo] = acc
-            m = max(m, acc)
-        total = np.float32(0.0)
-        for s in range(hi - lo):
-            e = np.float32(math.exp(scores[s] - m))
-            scores[s] = e
-            total += e
-        o = out[i, h * hd : (h + 1) * hd]
-        o[:] = 0.0
-        for s in range(lo, hi):
-            p = scores[s - lo] / total
-            vr = v_cache[s, kvh]
-            for j in range(hd):
-                o[j] += p * vr[j]
-    return out
+    """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t), as ops.attention.
+    Returns (n, H * hd). Parallel over (token, head) pairs when the work is large enough."""
+    run = _attention_parallel if q.shape[0] * t >= ATTENTION_PARALLEL_MIN else _attention_serial
+    return run(q, k_cache, v_cache, t, positions, scale, window)
 
 
 @njit(cache=True)

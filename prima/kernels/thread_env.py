@@ -14,9 +14,11 @@ DEFAULTS: dict[str, str] = {
     # Prefill parallelism comes from prima's tile threads, so BLAS itself stays single-threaded.
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
-    # libgomp's workers spin this many iterations (~1 ms) before sleeping: enough to catch the
-    # next decode launch, short enough not to starve other work when a token is done.
-    "GOMP_SPINCOUNT": "20000",
+    # libgomp's workers sleep between launches instead of spinning. On a loaded machine a
+    # spinning worker burns the time slice the other one needs to reach the barrier: SmolLM2
+    # decode at 2 threads took 383 ms/token spinning (GOMP_SPINCOUNT=20000), 57-120 passive, with
+    # the load average at 4.6 on 2 cores. A dedicated machine may prefer OMP_WAIT_POLICY=active.
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 

@@ -57,7 +57,9 @@ def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool) -> None:
 
 
 @pytest.mark.parametrize("window", [0, 3])
-def test_attention_matches_reference(window: int) -> None:
+@pytest.mark.parametrize("parallel_min", [0, 1 << 30])
+def test_attention_matches_reference(window: int, parallel_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_ops, "ATTENTION_PARALLEL_MIN", parallel_min)
     t, heads, kv_heads, hd = 9, 4, 2, 16
     kc, vc = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd)
     positions = np.array([6, 7, 8])
