@@ -14,12 +14,15 @@ import platform
 import resource
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from prima.errors import InputError
+from prima.kernels import thread_env
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 
 PROMPT_TEXT = (
@@ -100,7 +103,10 @@ def _bench_model(
     for engine in engines:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(engine, str(path), threads, n_prompt + n_gen + 8, child))
-        proc.start()
+        # llama.cpp runs with the user's environment, not prima's thread-pool defaults (a passive
+        # OpenMP wait would slow its per-node barriers and bias the comparison).
+        with _without(thread_env.APPLIED if engine != "prima" else set()):
+            proc.start()
         child.close()  # so that a worker that dies shows up as EOF here, not as a hang
         workers.append((engine, proc, parent))
     try:
@@ -129,6 +135,21 @@ def _bench_model(
         for _, proc, _ in workers:
             if proc.is_alive():
                 proc.kill()
+
+
+@contextmanager
+def _without(keys: set[str]) -> Iterator[None]:
+    """os.environ without `keys` (and with prima's defaults off) while a worker is spawned."""
+    if not keys:
+        yield
+        return
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    os.environ["PRIMA_THREAD_ENV"] = "off"
+    try:
+        yield
+    finally:
+        del os.environ["PRIMA_THREAD_ENV"]
+        os.environ.update(saved)
 
 
 def _recv(conn: Connection):  # noqa: ANN202 - whatever the worker sent

@@ -22,11 +22,21 @@ DEFAULTS: dict[str, str] = {
 }
 
 
+# The keys configure() set itself (not the user), so that other engines started from prima
+# (the llama.cpp worker of `prima bench`) can run with the user's environment instead.
+APPLIED: set[str] = set()
+
+
 def configure() -> None:
     """Set the defaults above where the environment does not already choose. Has effect only if
-    called before numpy (BLAS) and numba's OpenMP layer are first loaded."""
+    called before numpy (BLAS) and numba's OpenMP layer are first loaded. PRIMA_THREAD_ENV=off
+    in the environment turns it off."""
+    if os.environ.get("PRIMA_THREAD_ENV") == "off":
+        return
     for key, value in DEFAULTS.items():
-        os.environ.setdefault(key, value)
+        if key not in os.environ:
+            os.environ[key] = value
+            APPLIED.add(key)
 
 
 configure()
