@@ -204,9 +204,10 @@ class CompletionService:
         if self.closing:
             raise GenerationCancelled("the server is stopping")
         self.queue.acquire(stop, self.defaults.queue_timeout_s)
+        released = False
         try:
             tok = self.loaded.tokenizer
-            yield from stream(
+            for event in stream(
                 _CancellableEngine(self.engine, stop),
                 prep.prompt_ids,
                 max_tokens=prep.max_tokens,
@@ -214,9 +215,16 @@ class CompletionService:
                 stop_ids=sorted(tok.stop_ids),
                 stop_strings=prep.stop_strings,
                 decoder=tok.stream_decoder(),
-            )
+            ):
+                if isinstance(event, GenerationResult):
+                    # Free the engine before the reply is written, so the next request (or a
+                    # /health check right after this reply) finds it idle.
+                    self.queue.release()
+                    released = True
+                yield event
         finally:
-            self.queue.release()
+            if not released:
+                self.queue.release()
 
 
 def _merge_sampler(base: SamplerConfig, req: GenerationRequest) -> SamplerConfig:
