@@ -23,6 +23,8 @@ from contextlib import ExitStack
 
 import psutil
 
+# First prima import: sets the thread-pool environment before numpy or numba load.
+import prima.kernels.thread_env  # noqa: F401
 from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.loader import load_model
