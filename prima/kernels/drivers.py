@@ -5,6 +5,7 @@ format and one parallel launch can cover several weights of the same format (att
 attn_v, or ffn_gate and ffn_up): at decode, launches and Python calls cost as much as the math.
 
   matvec(fmt, a, b, c, x, lut, out)        out (n, ra + rb + rc) = x @ [A; B; C].T
+  matvec_q8(fmt, a, b, c, xq, xd, xs, lut, out)  the same with int8 activations (int8_dots)
   dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
   dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
 """
@@ -15,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit, prange
 
+from prima.kernels import int8_dots as i8
 from prima.kernels import k_quants as kq
 from prima.kernels import legacy_quants as lq
 
@@ -24,6 +26,10 @@ Q = GGMLQuantizationType
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(Q.Q4_0), int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.Q8_0)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(Q.Q2_K), int(Q.Q3_K), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 QUANTIZED_IDS: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+# Formats with an int8-activation kernel (the others run the exact float kernels in q8 mode).
+INT8_IDS: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K})
+
+quantize_rows = i8.quantize_rows
 
 # Rows per parallel work item: fewer scheduling steps, still enough items to balance 2-8 threads.
 CHUNK_ROWS = 16
@@ -51,6 +57,35 @@ def _dot(fmt: int, row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndar
         kq.dot_q5_k(row, x, lut, out, r)
     else:
         kq.dot_q6_k(row, x, lut, out, r)
+
+
+@njit(cache=True)
+def _qdot_rows(
+    fmt: int,
+    w: np.ndarray,
+    r0: int,
+    r1: int,
+    xq: np.ndarray,
+    xd: np.ndarray,
+    xs: np.ndarray,
+    lut: np.ndarray,
+    out: np.ndarray,
+    c0: int,
+) -> None:
+    if fmt == Q8_0:
+        i8.qdot_q8_0(w, r0, r1, xq, xd, xs, lut, out, c0)
+    elif fmt == Q4_1:
+        i8.qdot_q4_1(w, r0, r1, xq, xd, xs, lut, out, c0)
+    elif fmt == Q5_0:
+        i8.qdot_q5_0(w, r0, r1, xq, xd, xs, lut, out, c0)
+    elif fmt == Q4_K:
+        i8.qdot_q4_k(w, r0, r1, xq, xd, xs, lut, out, c0)
+    elif fmt == Q6_K:
+        i8.qdot_q6_k(w, r0, r1, xq, xd, xs, lut, out, c0)
+    elif fmt == Q4_0:
+        i8.qdot_q4_0(w, r0, r1, xq, xd, xs, lut, out, c0)
+    else:
+        i8.qdot_q5_1(w, r0, r1, xq, xd, xs, lut, out, c0)
 
 
 @njit(cache=True)
@@ -95,6 +130,38 @@ def matvec(
                 _dot(fmt, b[r - ra], x, lut, out, r)
             else:
                 _dot(fmt, c[r - rab], x, lut, out, r)
+
+
+@njit(parallel=True, cache=True)
+def matvec_q8(
+    fmt: int,
+    a: np.ndarray,
+    b: np.ndarray,
+    c: np.ndarray,
+    xq: np.ndarray,
+    xd: np.ndarray,
+    xs: np.ndarray,
+    lut: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """matvec for a format in INT8_IDS, with the activations quantized by
+    int8_dots.quantize_rows (xq int8 (n, cols), xd and xs float32 (n, cols / 32))."""
+    ra = a.shape[0]
+    rab = ra + b.shape[0]
+    total = rab + c.shape[0]
+    n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for ch in prange(n_chunks):
+        start = ch * CHUNK_ROWS
+        stop = min(total, start + CHUNK_ROWS)
+        # The chunk's rows, split where it crosses from A to B or B to C.
+        if start < ra:
+            _qdot_rows(fmt, a, start, min(stop, ra), xq, xd, xs, lut, out, start)
+        if start < rab and stop > ra:
+            lo = max(start, ra)
+            _qdot_rows(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, lut, out, lo)
+        if stop > rab:
+            lo = max(start, rab)
+            _qdot_rows(fmt, c, lo - rab, stop - rab, xq, xd, xs, lut, out, lo)
 
 
 @njit(parallel=True, cache=True)

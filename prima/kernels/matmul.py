@@ -43,14 +43,16 @@ def set_threads(threads: int) -> None:
     _prefill_threads = max(1, threads)
 
 
-def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
+def matmul(w: QTensor, x: np.ndarray, int8: bool = False) -> np.ndarray:
     """x (n, cols) -> float32 (n, rows) = x @ dequantize(W).T."""
-    return matmul_many((w,), x)
+    return matmul_many((w,), x, int8)
 
 
-def matmul_many(ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
+def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.ndarray:
     """x (n, cols) -> float32 (n, sum of rows) = x @ [W0; W1; ...].T for weights sharing `cols`.
-    Up to three weights of one quantized format run as a single fused launch (q/k/v, gate/up)."""
+    Up to three weights of one quantized format run as a single fused launch (q/k/v, gate/up).
+    With `int8`, fused launches of formats in drivers.INT8_IDS quantize x to int8 blocks first
+    (llama.cpp's decode arithmetic: faster, within activation-quantization error of exact)."""
     x = _activations(ws[0], x)
     for w in ws[1:]:
         _activations(w, x)
@@ -67,11 +69,27 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
         a = raws[0]
         b = raws[1] if len(raws) > 1 else a[:0]
         c = raws[2] if len(raws) > 2 else a[:0]
-        drivers.matvec(int(ws[0].qtype), a, b, c, x, F16_TABLE, out)
+        fmt = int(ws[0].qtype)
+        if int8 and fmt in drivers.INT8_IDS:
+            xq, xd, xs = quantize_activations(x)
+            drivers.matvec_q8(fmt, a, b, c, xq, xd, xs, F16_TABLE, out)
+        else:
+            drivers.matvec(fmt, a, b, c, x, F16_TABLE, out)
         return out
     if len(ws) == 1:
         return _matmul_one(ws[0], x)
     return np.concatenate([_matmul_one(w, x) for w in ws], axis=1)
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 (n, cols), cols a multiple of 32 -> (int8 (n, cols), scales (n, cols / 32),
+    block sums (n, cols / 32)): x ~ scale * int8 per 32-element block."""
+    n, cols = x.shape
+    xq = np.empty((n, cols), dtype=np.int8)
+    xd = np.empty((n, cols // 32), dtype=np.float32)
+    xs = np.empty((n, cols // 32), dtype=np.float32)
+    drivers.quantize_rows(x, xq, xd, xs)
+    return xq, xd, xs
 
 
 def _matmul_one(w: QTensor, x: np.ndarray) -> np.ndarray:
