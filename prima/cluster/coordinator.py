@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from prima.engine.generate import GenerationResult, TextDecoder, find_stop, stop_prefix_len
+from prima.engine.generate import GenerationResult, StopText, TextDecoder, check_prompt
 from prima.engine.sampling import SamplerConfig
-from prima.errors import InputError, NodeError, PlanError
+from prima.errors import NodeError, PlanError
 from prima.net.client import ForwardStream, GenerateDone, NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.scheduler.plan import Plan, even_window_sizes, plan_from_window_sizes
@@ -135,19 +135,9 @@ class Ring:
         """Like prima.engine.generate.stream, with the sampling done on the head (Generate RPC):
         only token ids cross the network. Text pieces as they become valid UTF-8, then the
         GenerationResult (no prompt logits). A stop string ends the call on the head."""
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise InputError("the prompt is empty: give some text with -p")
-        if max_tokens < 0:
-            raise InputError(f"-n must be >= 0, got {max_tokens}")
-        if len(prompt) >= n_ctx:
-            raise InputError(
-                f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}; "
-                "shorten the prompt or raise --ctx"
-            )
-        max_tokens = min(max_tokens, n_ctx - len(prompt))
+        prompt, max_tokens = check_prompt(prompt_ids, max_tokens, n_ctx)
         result = GenerationResult(prompt_token_ids=prompt, stop_reason="length")
-        text, emitted = "", 0
+        text = StopText(decoder, stop_strings)
         t0 = clock()
         t1 = None
         events = self.generate(
@@ -161,28 +151,20 @@ class Ring:
                     result.stop_reason = event.stop_reason or result.stop_reason
                     break
                 result.token_ids.append(int(event))
-                if decoder is None:
-                    continue
-                text += decoder.feed(int(event))
-                hit = find_stop(text, stop_strings)
-                if hit is not None:
-                    text = text[:hit]
+                piece = text.feed(int(event))
+                if piece:
+                    yield piece
+                if text.stopped:
                     result.stop_reason = "stop_string"
                     break
-                safe = len(text) - stop_prefix_len(text, stop_strings)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
         finally:
             events.close()  # cancels the head's generation if it is still going
-        if decoder is not None:
-            if result.stop_reason != "stop_string":
-                text += decoder.flush()
-            if len(text) > emitted:
-                yield text[emitted:]
+        tail = text.finish()
+        if tail:
+            yield tail
         t2 = clock()
         t1 = t2 if t1 is None else t1
-        result.text = text
+        result.text = text.text
         result.timings.prompt_tokens = len(prompt)
         result.timings.prompt_ms = (t1 - t0) * 1000
         result.timings.generated_tokens = len(result.token_ids)

@@ -118,17 +118,7 @@ def stream(
     clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[str | GenerationResult]:
     """Yield text pieces as they become valid UTF-8, then the GenerationResult last."""
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise InputError("the prompt is empty: give some text with -p")
-    if max_tokens < 0:
-        raise InputError(f"-n must be >= 0, got {max_tokens}")
-    if len(prompt) >= engine.n_ctx:
-        raise InputError(
-            f"the prompt has {len(prompt)} tokens but the context holds {engine.n_ctx}; "
-            "shorten the prompt or raise --ctx"
-        )
-    max_tokens = min(max_tokens, engine.n_ctx - len(prompt))
+    prompt, max_tokens = check_prompt(prompt_ids, max_tokens, engine.n_ctx)
     result = GenerationResult(prompt_token_ids=prompt)
     sample = Sampler(sampler)
     stops = set(int(t) for t in stop_ids)
@@ -141,8 +131,7 @@ def stream(
     result.prompt_logits = logits
     result.timings.prompt_tokens = len(prompt)
     result.timings.prompt_ms = (t1 - t0) * 1000
-    text = ""
-    emitted = 0  # characters of `text` already yielded
+    text = StopText(decoder, stop_strings)
     result.stop_reason = "length"
     for step in range(max_tokens):
         token = sample.sample(logits, history)
@@ -151,29 +140,74 @@ def stream(
             break
         result.token_ids.append(token)
         history.append(token)
-        if decoder is not None:
-            text += decoder.feed(token)
-            hit = find_stop(text, stop_strings)
-            if hit is not None:
-                text = text[:hit]
-                result.stop_reason = "stop_string"
-                break
-            # Hold back a tail that might still grow into a stop string.
-            safe = len(text) - stop_prefix_len(text, stop_strings)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
+        piece = text.feed(token)
+        if piece:
+            yield piece
+        if text.stopped:
+            result.stop_reason = "stop_string"
+            break
         if step + 1 < max_tokens:
             logits = engine.forward([token])
-    if decoder is not None:
-        if result.stop_reason != "stop_string":
-            text += decoder.flush()
-        if len(text) > emitted:
-            yield text[emitted:]
-    result.text = text
+    tail = text.finish()
+    if tail:
+        yield tail
+    result.text = text.text
     result.timings.generated_tokens = len(result.token_ids)
     result.timings.generate_ms = (clock() - t1) * 1000
     yield result
+
+
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int, n_ctx: int) -> tuple[list[int], int]:
+    """Validate a prompt against the context; returns it as ints and the tokens that fit after it."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InputError("the prompt is empty: give some text with -p")
+    if max_tokens < 0:
+        raise InputError(f"-n must be >= 0, got {max_tokens}")
+    if len(prompt) >= n_ctx:
+        raise InputError(
+            f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}; "
+            "shorten the prompt or raise --ctx"
+        )
+    return prompt, min(max_tokens, n_ctx - len(prompt))
+
+
+class StopText:
+    """Decoded text of a generation, cut at the first stop string. `feed` returns only text that
+    can no longer turn into a stop string, so a stop string is never streamed to the user."""
+
+    def __init__(self, decoder: TextDecoder | None, stop_strings: Sequence[str]) -> None:
+        self.decoder = decoder
+        self.stop_strings = stop_strings
+        self.text = ""
+        self.emitted = 0  # characters of `text` already returned
+        self.stopped = False
+
+    def feed(self, token: int) -> str:
+        if self.decoder is None or self.stopped:
+            return ""
+        self.text += self.decoder.feed(token)
+        hit = find_stop(self.text, self.stop_strings)
+        if hit is not None:
+            self.text = self.text[:hit]
+            self.stopped = True
+            return self._release(len(self.text))
+        return self._release(len(self.text) - stop_prefix_len(self.text, self.stop_strings))
+
+    def finish(self) -> str:
+        """The rest of the text, once generation has ended."""
+        if self.decoder is None:
+            return ""
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        piece = self.text[self.emitted : upto]
+        self.emitted = upto
+        return piece
 
 
 def find_stop(text: str, stop_strings: Sequence[str]) -> int | None:
