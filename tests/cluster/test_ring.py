@@ -20,9 +20,9 @@ from .conftest import GREEDY, MAX_TOKENS, N_CTX, UBATCH, reference_tokens, start
 
 pytestmark = pytest.mark.slow
 
-# (nodes, rounds) per model; rounds divide the layer count (smollm2: 30, gemma3: 18).
-CASES = [(2, 1), (3, 2), (4, 3)]
-PROMPTS = ("capital", "code")
+# (nodes, rounds) per model: every ring size with one round and with several; rounds divide the
+# layer count (smollm2: 30, gemma3: 18). Every oracle prompt of the model is run on each.
+CASES = [(2, 1), (2, 2), (3, 1), (3, 2), (4, 1), (4, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +53,13 @@ def _check_model(
     local_ring: LocalRing, model_path: Path, tag: str, oracle: Callable[[str], dict[str, Any]]
 ) -> None:
     stops = sorted(load_model(model_path, layers=range(0)).tokenizer.stop_ids)
-    expected = {name: reference_tokens(model_path, _prompt_ids(oracle, tag, name)) for name in PROMPTS}
+    names = [p["name"] for p in oracle(tag)["prompts"]]
+    expected = {name: reference_tokens(model_path, _prompt_ids(oracle, tag, name)) for name in names}
     for n_nodes, rounds in CASES:
         ring = Ring.connect(local_ring.addresses[:n_nodes], rounds=rounds)
         try:
             assert len(ring.plan.hops()) == n_nodes * rounds
-            for name in PROMPTS:
+            for name in names:
                 got = _ring_tokens(ring, _prompt_ids(oracle, tag, name), stops)
                 assert got == expected[name], f"{n_nodes} nodes, {rounds} round(s), prompt {name}"
         finally:
