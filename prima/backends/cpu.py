@@ -8,21 +8,31 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prima.errors import InputError
 from prima.kernels import matmul as kernels
 from prima.kernels.tensor import QTensor
 
 log = logging.getLogger("prima.backends")
 
 
+MODES: tuple[str, ...] = ("q8", "exact")
+
+
 class CpuBackend:
     """Runs every supported weight format on the host CPU with at most `threads` workers (None:
-    one per core): numba's pool for decode kernels, as many Python threads for prefill tiles."""
+    one per core): numba's pool for decode kernels, as many Python threads for prefill tiles.
+    `mode` "q8" quantizes decode activations to int8 blocks for the integer kernels (llama.cpp's
+    arithmetic, logits within ~1e-3 of exact); "exact" keeps float32 activations throughout."""
 
     name = "cpu"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, mode: str = "q8") -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if mode not in MODES:
+            raise InputError(f"unknown cpu mode {mode!r}; available: {', '.join(MODES)}")
+        self.mode = mode
+        self._int8 = mode == "q8"
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         if kernels.HAVE_NUMBA:
             import numba
@@ -34,11 +44,11 @@ class CpuBackend:
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
-        return kernels.matmul(w, x)
+        return kernels.matmul(w, x, self._int8)
 
     def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
         """y = x @ [W0; W1; ...].T (n, sum of rows): one launch for weights of one format."""
-        return kernels.matmul_many(ws, x)
+        return kernels.matmul_many(ws, x, self._int8)
 
     def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""

@@ -41,8 +41,12 @@ def _load(context, builder, aryty, ary, off, n):  # noqa: ANN001, ANN202
 def _splat(builder, value, n):  # noqa: ANN001, ANN202
     """<n x i8> with every lane `value` (an LLVM integer, truncated to i8)."""
     vty = ir.VectorType(_I8, n)
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), builder.trunc(value, _I8), ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+    v = builder.insert_element(
+        ir.Constant(vty, ir.Undefined), builder.trunc(value, _I8), ir.Constant(_I32, 0)
+    )
+    return builder.shuffle_vector(
+        v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n)
+    )
 
 
 def _const(n, value):  # noqa: ANN001, ANN202
@@ -67,7 +71,9 @@ def _accumulate(builder, acc, scale, w, x, n):  # noqa: ANN001, ANN202
     fty = ir.VectorType(ir.FloatType(), 16)
     pf = builder.sitofp(prod, fty)
     sv = builder.insert_element(ir.Constant(fty, ir.Undefined), scale, ir.Constant(_I32, 0))
-    sv = builder.shuffle_vector(sv, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+    sv = builder.shuffle_vector(
+        sv, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
+    )
     ptr = builder.bitcast(acc, fty.as_pointer())
     total = builder.fadd(builder.load(ptr, align=4), builder.fmul(pf, sv))
     builder.store(total, ptr, align=4)
@@ -170,22 +176,24 @@ def hsum16(typingctx, acc):  # noqa: ANN001, ANN201, ARG001
 
 @njit(cache=True)
 def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> None:
-    """x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/32) scales, xs (n, cols/32) block sums
-    of x: per block, xd = max|x| / 127 and xq = round(x / xd), so x ~ xd * xq."""
+    """x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/32) scales, xs (n, cols/32) block sums:
+    per block, xd = max|x| / 127, xq = round(x / xd), so x ~ xd * xq, and xs = xd * sum(xq).
+    xs sums the quantized values, not x: a weight d * q + m then meets one consistent activation
+    (the m term cancels d * q's error instead of adding to it; Q4_1's mins are ~|d * q|)."""
     for k in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             amax = np.float32(0.0)
-            s = np.float32(0.0)
             for j in range(32):
-                v = x[k, b * 32 + j]
-                amax = max(amax, abs(v))
-                s += v
+                amax = max(amax, abs(x[k, b * 32 + j]))
             d = amax / np.float32(127.0)
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            s = 0
             for j in range(32):
-                xq[k, b * 32 + j] = np.int8(np.rint(x[k, b * 32 + j] * inv))
+                q = np.int8(np.rint(x[k, b * 32 + j] * inv))
+                xq[k, b * 32 + j] = q
+                s += q
             xd[k, b] = d
-            xs[k, b] = s
+            xs[k, b] = d * np.float32(s)
 
 
 # ---- row-range kernels ----------------------------------------------------------------------

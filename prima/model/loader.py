@@ -35,17 +35,19 @@ def load_model(
     *,
     backend: str = "cpu",
     threads: int | None = None,
+    mode: str = "q8",
     layers: range | None = None,
     download: bool = True,
 ) -> LoadedModel:
     """Resolve, open and validate a model. `layers` limits validation to the layers this node
-    will run, so a node never touches pages of layers it does not own."""
+    will run, so a node never touches pages of layers it does not own. `mode` is the backend's
+    arithmetic: "q8" (int8 decode activations, fast) or "exact"."""
     path = resolve_model(name_or_path, download=download)
     gguf = GGUFFile(path)
     weights = ModelWeights(gguf)
     weights.validate(layers)
     tokenizer = Tokenizer.from_gguf(gguf.metadata)
-    model = Transformer(weights, get_backend(backend, threads=threads))
+    model = Transformer(weights, get_backend(backend, threads=threads, mode=mode))
     cfg = weights.config
     log.info("loaded %s: %s, %d layers, d=%d, vocab %d", path.name, cfg.arch, cfg.n_layers, cfg.d_model, cfg.vocab_size)
     return LoadedModel(path, gguf, weights, model, tokenizer)
