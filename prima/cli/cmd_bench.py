@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per repetition (default 32)")
     p.add_argument("--reps", type=int, default=5, help="alternating repetitions per engine (default 5)")
     p.add_argument("--no-llama", action="store_true", help="measure prima only")
+    p.add_argument(
+        "--exact", action="store_true", help="run prima in exact mode (float32 activations; default q8)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -69,13 +72,14 @@ def run(args: argparse.Namespace) -> int:
     if args.reps < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
         raise InputError("--reps, --prompt-tokens and --gen-tokens must be positive")
     have_llama = not args.no_llama and _llama_cpp_available()
-    report: dict = {"machine": _machine(), "threads": threads, "models": []}
+    mode = "exact" if args.exact else "q8"
+    report: dict = {"machine": _machine(), "threads": threads, "prima_mode": mode, "models": []}
     if not have_llama and not args.no_llama:
         report["note"] = "llama-cpp-python is not installed (pip install 'prima[bench]'): prima numbers only"
     for name in args.model or [DEFAULT_MODEL]:
         path = resolve_model(name)
         engines = ["prima", "llama.cpp"] if have_llama else ["prima"]
-        results = _bench_model(path, engines, threads, args.prompt_tokens, args.gen_tokens, args.reps)
+        results = _bench_model(path, engines, threads, mode, args.prompt_tokens, args.gen_tokens, args.reps)
         entry: dict = {"model": path.name, "results": [asdict(r) for r in results]}
         if have_llama:
             p, ll = results
@@ -96,13 +100,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench_model(
-    path: Path, engines: list[str], threads: int, n_prompt: int, n_gen: int, reps: int
+    path: Path, engines: list[str], threads: int, mode: str, n_prompt: int, n_gen: int, reps: int
 ) -> list[EngineResult]:
     ctx = get_context("spawn")
     workers = []
     for engine in engines:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(engine, str(path), threads, n_prompt + n_gen + 8, child))
+        proc = ctx.Process(
+            target=_worker, args=(engine, str(path), threads, mode, n_prompt + n_gen + 8, child)
+        )
         # llama.cpp runs with the user's environment, not prima's thread-pool defaults (a passive
         # OpenMP wait would slow its per-node barriers and bias the comparison).
         with _without(thread_env.APPLIED if engine != "prima" else set()):
@@ -165,11 +171,11 @@ def _recv(conn: Connection):  # noqa: ANN202 - whatever the worker sent
     return msg
 
 
-def _worker(engine: str, path: str, threads: int, n_ctx: int, conn: Connection) -> None:
+def _worker(engine: str, path: str, threads: int, mode: str, n_ctx: int, conn: Connection) -> None:
     """One engine in its own process: answers ("run", ids, n_gen) with (pp tok/s, tg tok/s)."""
     try:
         if engine == "prima":
-            step = _prima_engine(path, threads, n_ctx, conn)
+            step = _prima_engine(path, threads, mode, n_ctx, conn)
         else:
             step = _llama_engine(path, threads, n_ctx, conn)
         while True:
@@ -183,13 +189,13 @@ def _worker(engine: str, path: str, threads: int, n_ctx: int, conn: Connection) 
         conn.send(("error", f"{engine}: {type(exc).__name__}: {exc}"))
 
 
-def _prima_engine(path: str, threads: int, n_ctx: int, conn: Connection):  # noqa: ANN202
+def _prima_engine(path: str, threads: int, mode: str, n_ctx: int, conn: Connection):  # noqa: ANN202
     import numpy as np
 
     from prima.engine.local import LocalEngine
     from prima.model.loader import load_model
 
-    loaded = load_model(path, threads=threads)
+    loaded = load_model(path, threads=threads, mode=mode)
     text_ids = loaded.tokenizer.encode(PROMPT_TEXT * 40)
     conn.send([int(t) for t in text_ids])
     engine = LocalEngine(loaded.model, n_ctx=n_ctx)

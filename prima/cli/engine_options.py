@@ -41,6 +41,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "-t", "--threads", type=int, default=None, help="compute threads (default: all cores)"
     )
     parser.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="float32 activations at decode (default: int8 activations, as llama.cpp; faster, logits within ~1e-3)",
+    )
     add_ring_args(parser)
 
 
@@ -195,12 +200,17 @@ def parse_nodes(text: str) -> list[str]:
     return nodes
 
 
+def _mode(args: argparse.Namespace) -> str:
+    """The cpu backend's arithmetic: --exact, or int8 decode activations (q8)."""
+    return "exact" if getattr(args, "exact", False) else "q8"
+
+
 def open_session(args: argparse.Namespace) -> Session:
     """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
     if args.local:
-        loaded = load_model(args.model, backend=args.backend, threads=args.threads)
+        loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
         return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
@@ -214,7 +224,7 @@ def open_session(args: argparse.Namespace) -> Session:
                 file=sys.stderr,
             )
     if not local_ring and not addresses:
-        loaded = load_model(args.model, backend=args.backend, threads=args.threads)
+        loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
         return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
     closers: list[Callable[[], None]] = []
     try:
