@@ -5,7 +5,7 @@ format and one parallel launch can cover several weights of the same format (att
 attn_v, or ffn_gate and ffn_up): at decode, launches and Python calls cost as much as the math.
 
   matvec(fmt, a, b, c, x, lut, out)        out (n, ra + rb + rc) = x @ [A; B; C].T
-  matvec_q8(fmt, a, b, c, xq, xd, xs, lut, out)  the same with int8 activations (int8_dots)
+  matvec_q8(fmt, a, b, c, x, lut, out)     the same with x quantized to int8 blocks (int8_dots)
   dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
   dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
 """
@@ -134,18 +134,15 @@ def matvec(
 
 @njit(parallel=True, cache=True)
 def matvec_q8(
-    fmt: int,
-    a: np.ndarray,
-    b: np.ndarray,
-    c: np.ndarray,
-    xq: np.ndarray,
-    xd: np.ndarray,
-    xs: np.ndarray,
-    lut: np.ndarray,
-    out: np.ndarray,
+    fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray
 ) -> None:
-    """matvec for a format in INT8_IDS, with the activations quantized by
-    int8_dots.quantize_rows (xq int8 (n, cols), xd and xs float32 (n, cols / 32))."""
+    """matvec for a format in INT8_IDS with x quantized to int8 blocks first (int8_dots): the
+    quantization runs here, in the same call, because at decode a call costs as much as the math."""
+    n, cols = x.shape
+    xq = np.empty((n, cols), dtype=np.int8)
+    xd = np.empty((n, cols // 32), dtype=np.float32)
+    xs = np.empty((n, cols // 32), dtype=np.float32)
+    i8.quantize_rows(x, xq, xd, xs)
     ra = a.shape[0]
     rab = ra + b.shape[0]
     total = rab + c.shape[0]

@@ -83,6 +83,19 @@ def _i64(builder, value, ty):  # noqa: ANN001, ANN202
     return builder.sext(value, ir.IntType(64)) if ty.bitwidth < 64 else value
 
 
+@intrinsic
+def f16_at(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
+    """The little-endian IEEE half at byte `off` of the array `w`, as float32."""
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.gep(builder.bitcast(data, _I8.as_pointer()), [_i64(builder, args[1], sig.args[1])])
+        half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=1)
+        return builder.fpext(half, ir.FloatType())
+
+    return types.float32(w, off), codegen
+
+
 # ---- integer block dots ---------------------------------------------------------------------
 # Each takes the weight row with byte offsets and the int8 activation row with an element offset.
 
@@ -210,9 +223,10 @@ def _zero(acc: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
-def _f16(lut: np.ndarray, w: np.ndarray, r: int, o: int) -> np.float32:
-    """The little-endian f16 at byte `o` of row r of `w`, as float32."""
-    return lut[np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)]
+def _f16(lut: np.ndarray, w: np.ndarray, r: int, o: int) -> np.float32:  # noqa: ARG001
+    """The little-endian f16 at byte `o` of row r of `w`, as float32 (converted by the CPU; the
+    256 KiB lookup table the exact kernels use competes with the weights for cache)."""
+    return f16_at(w, r * w.strides[0] + o)
 
 
 @njit(cache=True, inline="always")
