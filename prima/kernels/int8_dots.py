@@ -134,18 +134,27 @@ def dot_nib16(typingctx, acc, scale, w, wo, qh, bias, x, xo):  # noqa: ANN001, A
     return types.void(acc, types.float32, w, wo, qh, bias, x, xo), codegen
 
 
-@intrinsic
-def dot_nib32(typingctx, acc, scale, w, wo, shift, x, xo):  # noqa: ANN001, ANN201, ARG001
-    """acc += scale * ((w[wo + j] >> shift) & 15) * x[xo + j], j < 32 (one Q4_K sub-block)."""
+def _nib32(high: bool):  # noqa: ANN202
+    """An intrinsic for one Q4_K sub-block: acc += scale * q_j * x[xo + j], j < 32, where q_j is
+    the low (or, with `high`, the high) nibble of w[wo + j]; the shift is a constant, so it
+    compiles to one vector shift instead of a per-lane variable one."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        a = sig.args
-        raw = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 32)
-        v = builder.and_(builder.lshr(raw, _splat(builder, args[4], 32)), _const(32, 15))
-        xv = _load(context, builder, a[5], args[5], _i64(builder, args[6], a[6]), 32)
-        _accumulate(builder, args[0], args[1], v, xv, 32)
+    @intrinsic
+    def dot(typingctx, acc, scale, w, wo, x, xo):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            a = sig.args
+            raw = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 32)
+            v = builder.lshr(raw, _const(32, 4)) if high else builder.and_(raw, _const(32, 15))
+            xv = _load(context, builder, a[4], args[4], _i64(builder, args[5], a[5]), 32)
+            _accumulate(builder, args[0], args[1], v, xv, 32)
 
-    return types.void(acc, types.float32, w, wo, shift, x, xo), codegen
+        return types.void(acc, types.float32, w, wo, x, xo), codegen
+
+    return dot
+
+
+dot_lo32 = _nib32(high=False)
+dot_hi32 = _nib32(high=True)
 
 
 @intrinsic
@@ -325,11 +334,11 @@ def qdot_q5_1(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
 def _scale_min_k4(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np.float32]:
     """Q4_K's 6-bit scale and min of sub-block j from its 12 packed bytes at `o` (as k_quants)."""
     if j < 4:
-        sc = w[r, o + j] & 63
-        m = w[r, o + j + 4] & 63
+        sc = np.int32(w[r, o + j] & 63)
+        m = np.int32(w[r, o + j + 4] & 63)
     else:
-        sc = (w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4)
-        m = (w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4)
+        sc = np.int32((w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4))
+        m = np.int32((w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4))
     return np.float32(sc), np.float32(m)
 
 
@@ -347,12 +356,15 @@ def qdot_q4_k(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
                 o = sb * 144
                 d = _f16(lut, w, r, o)
                 dmin = _f16(lut, w, r, o + 2)
-                for s in range(8):
-                    sc, m = _scale_min_k4(w, r, o + 4, s)
-                    b = sb * 8 + s
-                    qo = wr + o + 16 + (s >> 1) * 32
-                    dot_nib32(accp, d * sc * xd[k, b], w, qo, (s & 1) * 4, xq, xk + b * 32)
-                    mins += dmin * m * xs[k, b]
+                # Byte g * 32 + j holds sub-block 2g (low nibble) and 2g + 1 (high nibble).
+                for g in range(4):
+                    sc0, m0 = _scale_min_k4(w, r, o + 4, 2 * g)
+                    sc1, m1 = _scale_min_k4(w, r, o + 4, 2 * g + 1)
+                    b = sb * 8 + 2 * g
+                    qo = wr + o + 16 + g * 32
+                    dot_lo32(accp, d * sc0 * xd[k, b], w, qo, xq, xk + b * 32)
+                    dot_hi32(accp, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * 32 + 32)
+                    mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
             out[k, c0 + r - r0] = hsum16(accp) - mins
 
 
