@@ -30,8 +30,21 @@ def test_cpu_backend_rejects_zero_threads() -> None:
         CpuBackend(threads=0)
 
 
+def test_cpu_backend_defaults_to_q8_and_rejects_unknown_modes() -> None:
+    assert CpuBackend(threads=1).mode == "q8"
+    assert get_backend("cpu", threads=1, mode="exact").mode == "exact"
+    with pytest.raises(InputError, match="unknown cpu mode 'fast'; available: q8, exact"):
+        CpuBackend(mode="fast")
+
+
+def test_cpu_backend_q8_matmul_is_close_to_exact() -> None:
+    w = random_qtensor(GGMLQuantizationType.Q4_K, rows=9, cols=256)
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    assert relative_error(CpuBackend(mode="q8").matmul(w, x), x, reference(w)) < 5e-3
+
+
 def test_cpu_backend_matmul_and_get_rows() -> None:
-    backend: Backend = CpuBackend()
+    backend: Backend = CpuBackend(mode="exact")
     w = random_qtensor(GGMLQuantizationType.Q4_K, rows=9, cols=256)
     x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
     assert relative_error(backend.matmul(w, x), x, reference(w)) < 1e-5
