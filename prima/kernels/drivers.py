@@ -5,7 +5,7 @@ format and one parallel launch can cover several weights of the same format (att
 attn_v, or ffn_gate and ffn_up): at decode, launches and Python calls cost as much as the math.
 
   matvec(fmt, a, b, c, x, lut, out)        out (n, ra + rb + rc) = x @ [A; B; C].T
-  matvec_q8(fmt, a, b, c, x, lut, out)     the same with x quantized to int8 blocks (int8_dots)
+  matvec_q8(fmt, a, b, c, x, out)          the same with x quantized to int8 blocks (int8_dots)
   dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
   dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
 """
@@ -68,24 +68,23 @@ def _qdot_rows(
     xq: np.ndarray,
     xd: np.ndarray,
     xs: np.ndarray,
-    lut: np.ndarray,
     out: np.ndarray,
     c0: int,
 ) -> None:
     if fmt == Q8_0:
-        i8.qdot_q8_0(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q8_0(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q4_1:
-        i8.qdot_q4_1(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q4_1(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q5_0:
-        i8.qdot_q5_0(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q5_0(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q4_K:
-        i8.qdot_q4_k(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q6_K:
-        i8.qdot_q6_k(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q4_0:
-        i8.qdot_q4_0(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q4_0(w, r0, r1, xq, xd, xs, out, c0)
     else:
-        i8.qdot_q5_1(w, r0, r1, xq, xd, xs, lut, out, c0)
+        i8.qdot_q5_1(w, r0, r1, xq, xd, xs, out, c0)
 
 
 @njit(cache=True)
@@ -133,9 +132,7 @@ def matvec(
 
 
 @njit(parallel=True, cache=True)
-def matvec_q8(
-    fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray
-) -> None:
+def matvec_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """matvec for a format in INT8_IDS with x quantized to int8 blocks first (int8_dots): the
     quantization runs here, in the same call, because at decode a call costs as much as the math."""
     n, cols = x.shape
@@ -152,13 +149,13 @@ def matvec_q8(
         stop = min(total, start + CHUNK_ROWS)
         # The chunk's rows, split where it crosses from A to B or B to C.
         if start < ra:
-            _qdot_rows(fmt, a, start, min(stop, ra), xq, xd, xs, lut, out, start)
+            _qdot_rows(fmt, a, start, min(stop, ra), xq, xd, xs, out, start)
         if start < rab and stop > ra:
             lo = max(start, ra)
-            _qdot_rows(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, lut, out, lo)
+            _qdot_rows(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, out, lo)
         if stop > rab:
             lo = max(start, rab)
-            _qdot_rows(fmt, c, lo - rab, stop - rab, xq, xd, xs, lut, out, lo)
+            _qdot_rows(fmt, c, lo - rab, stop - rab, xq, xd, xs, out, lo)
 
 
 @njit(parallel=True, cache=True)

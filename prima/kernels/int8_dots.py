@@ -3,12 +3,12 @@
 
 This is llama.cpp's decode scheme (its vec_dot_q*_q8 kernels), written fresh for numba: the
 integer dots are LLVM intrinsics built here (load the bytes as <n x i8>, unpack nibbles or high
-bits as vector ops, sign-extend, multiply, reduce), because numba widens small-integer arithmetic
-to int64 lanes, which vectorizes badly. Results differ from the exact float path by the activation
+bits as vector ops, sign-extend, multiply, add neighbouring pairs, scale into 16 float lanes),
+because numba widens small-integer arithmetic to int64 lanes, which vectorizes badly. Results differ from the exact float path by the activation
 quantization error (relative ~1e-3 per dot); prima's exact mode keeps the float kernels.
 
   quantize_rows(x, xq, xd, xs)                       x (n, cols) f32 -> int8 blocks, scales, sums
-  qdot_<fmt>(w, r0, r1, xq, xd, xs, lut, out, c0)    out[:, c0 + i] = x @ w[r0 + i], for the drivers
+  qdot_<fmt>(w, r0, r1, xq, xd, xs, out, c0)    out[:, c0 + i] = x @ w[r0 + i], for the drivers
 Supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; other formats run the exact kernels.
 """
 
@@ -30,7 +30,7 @@ _I32 = ir.IntType(32)
 
 
 def _load(context, builder, aryty, ary, off, n):  # noqa: ANN001, ANN202
-    """<n x i8> loaded (unaligned) from byte `off` of the 1-D array `ary`."""
+    """<n x i8> loaded (unaligned) from byte `off` of the contiguous array `ary`."""
     data = context.make_array(aryty)(context, builder, ary).data
     base = builder.bitcast(data, _I8.as_pointer())
     ptr = builder.gep(base, [off])
@@ -232,7 +232,7 @@ def _zero(acc: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
-def _f16(lut: np.ndarray, w: np.ndarray, r: int, o: int) -> np.float32:  # noqa: ARG001
+def _f16(w: np.ndarray, r: int, o: int) -> np.float32:
     """The little-endian f16 at byte `o` of row r of `w`, as float32 (converted by the CPU; the
     256 KiB lookup table the exact kernels use competes with the weights for cache)."""
     return f16_at(w, r * w.strides[0] + o)
@@ -250,7 +250,7 @@ def _u32(w: np.ndarray, r: int, o: int) -> np.uint32:
 
 
 @njit(cache=True)
-def qdot_q8_0(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG001
+def qdot_q8_0(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -260,12 +260,12 @@ def qdot_q8_0(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG
             _zero(acc)
             for b in range(xq.shape[1] // 32):
                 o = b * 34
-                dot_i8x32(accp, _f16(lut, w, r, o) * xd[k, b], w, wr + o + 2, xq, xk + b * 32)
+                dot_i8x32(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 2, xq, xk + b * 32)
             out[k, c0 + r - r0] = hsum16(accp)
 
 
 @njit(cache=True)
-def qdot_q4_0(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG001
+def qdot_q4_0(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -275,12 +275,12 @@ def qdot_q4_0(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG
             _zero(acc)
             for b in range(xq.shape[1] // 32):
                 o = b * 18
-                dot_nib16(accp, _f16(lut, w, r, o) * xd[k, b], w, wr + o + 2, 0, 8, xq, xk + b * 32)
+                dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 2, 0, 8, xq, xk + b * 32)
             out[k, c0 + r - r0] = hsum16(accp)
 
 
 @njit(cache=True)
-def qdot_q4_1(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
+def qdot_q4_1(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -291,13 +291,13 @@ def qdot_q4_1(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
             mins = np.float32(0.0)
             for b in range(xq.shape[1] // 32):
                 o = b * 20
-                dot_nib16(accp, _f16(lut, w, r, o) * xd[k, b], w, wr + o + 4, 0, 0, xq, xk + b * 32)
-                mins += _f16(lut, w, r, o + 2) * xs[k, b]
+                dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 4, 0, 0, xq, xk + b * 32)
+                mins += _f16(w, r, o + 2) * xs[k, b]
             out[k, c0 + r - r0] = hsum16(accp) + mins
 
 
 @njit(cache=True)
-def qdot_q5_0(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG001
+def qdot_q5_0(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -307,13 +307,13 @@ def qdot_q5_0(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG
             _zero(acc)
             for b in range(xq.shape[1] // 32):
                 o = b * 22
-                d = _f16(lut, w, r, o) * xd[k, b]
+                d = _f16(w, r, o) * xd[k, b]
                 dot_nib16(accp, d, w, wr + o + 6, _u32(w, r, o + 2), 16, xq, xk + b * 32)
             out[k, c0 + r - r0] = hsum16(accp)
 
 
 @njit(cache=True)
-def qdot_q5_1(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
+def qdot_q5_1(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -324,9 +324,9 @@ def qdot_q5_1(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
             mins = np.float32(0.0)
             for b in range(xq.shape[1] // 32):
                 o = b * 24
-                d = _f16(lut, w, r, o) * xd[k, b]
+                d = _f16(w, r, o) * xd[k, b]
                 dot_nib16(accp, d, w, wr + o + 8, _u32(w, r, o + 4), 0, xq, xk + b * 32)
-                mins += _f16(lut, w, r, o + 2) * xs[k, b]
+                mins += _f16(w, r, o + 2) * xs[k, b]
             out[k, c0 + r - r0] = hsum16(accp) + mins
 
 
@@ -343,7 +343,7 @@ def _scale_min_k4(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np
 
 
 @njit(cache=True)
-def qdot_q4_k(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
+def qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -354,8 +354,8 @@ def qdot_q4_k(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
             mins = np.float32(0.0)
             for sb in range(xq.shape[1] // QK):
                 o = sb * 144
-                d = _f16(lut, w, r, o)
-                dmin = _f16(lut, w, r, o + 2)
+                d = _f16(w, r, o)
+                dmin = _f16(w, r, o + 2)
                 # Byte g * 32 + j holds sub-block 2g (low nibble) and 2g + 1 (high nibble).
                 for g in range(4):
                     sc0, m0 = _scale_min_k4(w, r, o + 4, 2 * g)
@@ -369,7 +369,7 @@ def qdot_q4_k(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201
 
 
 @njit(cache=True)
-def qdot_q6_k(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG001
+def qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
     accp = stack_f32(16)
     acc = carray(accp, 16)
     for r in range(r0, r1):
@@ -379,7 +379,7 @@ def qdot_q6_k(w, r0, r1, xq, xd, xs, lut, out, c0):  # noqa: ANN001, ANN201, ARG
             _zero(acc)
             for sb in range(xq.shape[1] // QK):
                 o = sb * 210
-                d = _f16(lut, w, r, o + 208)
+                d = _f16(w, r, o + 208)
                 for h in range(2):
                     for c in range(4):
                         lo = wr + o + h * 64 + (c & 1) * 32

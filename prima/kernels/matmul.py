@@ -71,7 +71,7 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
         c = raws[2] if len(raws) > 2 else a[:0]
         fmt = int(ws[0].qtype)
         if int8 and fmt in drivers.INT8_IDS:
-            drivers.matvec_q8(fmt, a, b, c, x, F16_TABLE, out)
+            drivers.matvec_q8(fmt, a, b, c, x, out)
         else:
             drivers.matvec(fmt, a, b, c, x, F16_TABLE, out)
         return out
