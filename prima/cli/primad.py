@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
     p.add_argument(
+        "--exact",
+        action="store_true",
+        help="float32 activations in every matmul (llama.cpp's f32 numerics; slower than the int8 default)",
+    )
+    p.add_argument(
         "--max-batch",
         type=int,
         default=DEFAULT_MAX_BATCH_TOKENS,
@@ -124,7 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.mem_budget)
     # Map the file and check the model; a node validates its layers only when a plan names them.
-    loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
+    loaded = load_model(
+        args.model,
+        backend=args.backend,
+        threads=args.threads,
+        layers=range(0),
+        mode="exact" if args.exact else "q8",
+    )
     stop = threading.Event()
     runtime = NodeRuntime(
         loaded,

@@ -21,7 +21,7 @@ GREEDY = SamplerConfig()
 
 def reference_tokens(model_path: Path, prompt_ids: Sequence[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     """Greedy tokens from the single-device engine with the ring's micro-batch size."""
-    loaded = load_model(model_path)
+    loaded = load_model(model_path, mode="exact")
     engine = LocalEngine(loaded.model, n_ctx=N_CTX, ubatch=UBATCH)
     stops = sorted(loaded.tokenizer.stop_ids)
     return generate(engine, prompt_ids, max_tokens=max_tokens, sampler=GREEDY, stop_ids=stops).token_ids
@@ -33,6 +33,8 @@ def ring_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_ring(n: int, model: Path, log_dir: Path, **kwargs: object) -> Iterator[LocalRing]:
+    # Exact mode on both sides: the ring must reproduce llama.cpp's float32 numerics.
+    kwargs.setdefault("extra_args", ("--exact",))
     ring = LocalRing.start(n, model, threads=1, log_dir=log_dir, **kwargs)  # type: ignore[arg-type]
     try:
         yield ring

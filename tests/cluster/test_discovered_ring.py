@@ -52,7 +52,7 @@ def ring(mdns_env: None, smollm2_path: Path, ring_logs: Path) -> Iterator[LocalR
 
 def _reference(model_path: Path) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) from the single-device engine, as `prima run --local` makes them."""
-    loaded = load_model(model_path)
+    loaded = load_model(model_path, mode="exact")
     tok = loaded.tokenizer
     engine = LocalEngine(loaded.model, n_ctx=N_CTX)
     ids = prompt_ids(tok, PROMPT)
