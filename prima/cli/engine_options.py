@@ -229,7 +229,8 @@ def open_session(args: argparse.Namespace) -> Session:
     closers: list[Callable[[], None]] = []
     try:
         if local_ring:
-            local = LocalRing.start(local_ring, loaded.path, threads=args.threads)
+            exact = ("--exact",) if _mode(args) == "exact" else ()
+            local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
             closers.append(local.close)
             addresses = local.addresses
         elif nodes:
