@@ -214,7 +214,9 @@ def open_session(args: argparse.Namespace) -> Session:
         return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
-    addresses: list[str] = []
+    if local_ring is not None and local_ring < 1:
+        raise InputError(f"--local-ring needs at least 1 daemon, got {local_ring}")
+    addresses = parse_nodes(nodes) if nodes else []
     if not local_ring and not nodes:
         addresses = discover_addresses(args, model_fingerprint(loaded))
         if not addresses:
@@ -233,8 +235,6 @@ def open_session(args: argparse.Namespace) -> Session:
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
             closers.append(local.close)
             addresses = local.addresses
-        elif nodes:
-            addresses = parse_nodes(nodes)
         ring = connect_ring(args, loaded, addresses, pick_head=not local_ring and not nodes)
         closers.append(ring.close)
         return Session(loaded, ring.engine(args.ctx), closers, ring)

@@ -74,6 +74,19 @@ def test_run_discovers_plans_and_matches_the_single_engine(
     assert (out["prompt_token_ids"], out["token_ids"]) == _reference(smollm2_path)
 
 
+def test_run_on_named_nodes_uses_them(
+    ring: LocalRing, smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--nodes (the multicast-free fallback) runs on exactly those daemons, never locally."""
+    nodes = ",".join(ring.addresses)
+    argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
+    assert main([*argv, "--json", "--nodes", nodes]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "plan" in out
+    assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
+    assert (out["prompt_token_ids"], out["token_ids"]) == _reference(smollm2_path)
+
+
 def test_profile_rpc_returns_a_valid_device_profile(ring: LocalRing) -> None:
     client = NodeClient(ring.addresses[0])
     try:
