@@ -14,16 +14,51 @@ Supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; other formats run the exact
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import carray, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from prima.kernels.legacy_quants import stack_f32
 
 QK = 256
 _I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
+
+
+def _host_has_avx2() -> bool:
+    """True when numba compiles for this host and the host has AVX2: the block dots then use
+    pmaddubsw/pmaddwd (u8 x s8 pairs -> i16 -> i32), llama.cpp's instructions, instead of widening
+    every byte to a 32-bit lane. numba keys its cache on the CPU, so a cache built here is not
+    reused elsewhere; NUMBA_CPU_NAME (a portable build) selects the generic vector IR."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    if not llvm.get_host_cpu_name() or "x86" not in llvm.get_default_triple():
+        return False
+    return bool(llvm.get_host_cpu_features().get("avx2"))
+
+
+def _native_half() -> bool:
+    """True when the target converts IEEE halves in hardware (x86 F16C, any AArch64); elsewhere
+    LLVM would call a runtime helper that numba's JIT does not provide, so f16_at converts by bits."""
+    if "aarch64" in llvm.get_default_triple() or "arm64" in llvm.get_default_triple():
+        return True
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    return bool(llvm.get_host_cpu_features().get("f16c"))
+
+
+AVX2 = _host_has_avx2()
+NATIVE_HALF = _native_half()
+# Float lanes a row's accumulator uses: the AVX2 dots give 8 int32 partial sums per block, the
+# generic ones 16.
+LANES = 8 if AVX2 else 16
 
 
 # ---- LLVM building blocks -------------------------------------------------------------------
@@ -59,24 +94,63 @@ def _concat(builder, lo, hi, n):  # noqa: ANN001, ANN202
 
 
 def _accumulate(builder, acc, scale, w, x, n):  # noqa: ANN001, ANN202
-    """acc[0:16] += scale * (partial sums of w[j] * x[j]) for two <n x i8> (signed), n = 16 or
-    32: neighbouring products are added in int32 (vpmaddwd), converted and scaled as 16 float
-    lanes, so the horizontal sum happens once per row, not once per block."""
+    """acc[0:LANES] += scale * (partial sums of w[j] * x[j]) for two <n x i8> (signed), n = 16 or
+    32. Generic: neighbouring products are added in int32 (vpmaddwd), converted and scaled as 16
+    float lanes, so the horizontal sum happens once per row, not once per block. AVX2 (n = 32):
+    |w| and x with w's sign go through pmaddubsw, as for unsigned weights."""
+    if AVX2 and n == 32:
+        _accumulate_unsigned(builder, acc, scale, _psign(builder, w, w), _psign(builder, x, w))
+        return
     vty = ir.VectorType(_I32, n)
     prod = builder.mul(builder.sext(w, vty), builder.sext(x, vty))
     if n == 32:
         even = ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2)))
         odd = ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2)))
         prod = builder.add(builder.shuffle_vector(prod, prod, even), builder.shuffle_vector(prod, prod, odd))
-    fty = ir.VectorType(ir.FloatType(), 16)
-    pf = builder.sitofp(prod, fty)
+    _scaled_add(builder, acc, scale, prod)
+
+
+def _accumulate_unsigned(builder, acc, scale, u, x):  # noqa: ANN001, ANN202
+    """acc += scale * (partial sums of u[j] * x[j]) for <32 x i8> u (unsigned, < 256) and x
+    (signed, |x| <= 127). AVX2: pmaddubsw adds neighbouring u8 x s8 products into 16 int16, which
+    cannot saturate for u <= 128 (2 * 128 * 127 < 32768; callers pass nibbles, 5- and 6-bit values
+    and |int8|), and pmaddwd sums pairs into 8 int32. Generic: zero-extended multiply."""
+    if not AVX2:
+        vty = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(u, vty), builder.sext(x, vty))
+        even = ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2)))
+        odd = ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2)))
+        prod = builder.add(builder.shuffle_vector(prod, prod, even), builder.shuffle_vector(prod, prod, odd))
+        _scaled_add(builder, acc, scale, prod)
+        return
+    pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), u, x)
+    ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+    _scaled_add(builder, acc, scale, _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones))
+
+
+def _x86(builder, name, ret, *args):  # noqa: ANN001, ANN202
+    """A call of the x86 intrinsic `name` (only reached when AVX2 is true)."""
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+def _psign(builder, v, s):  # noqa: ANN001, ANN202
+    """v with each lane negated where s < 0 and zeroed where s == 0 (psignb)."""
+    return _x86(builder, "llvm.x86.avx2.psign.b", v.type, v, s)
+
+
+def _scaled_add(builder, acc, scale, lanes):  # noqa: ANN001, ANN202
+    """acc[0:len(lanes)] += scale * float(lanes) for an <n x i32> of partial sums."""
+    n = lanes.type.count
+    fty = ir.VectorType(ir.FloatType(), n)
+    pf = builder.sitofp(lanes, fty)
     sv = builder.insert_element(ir.Constant(fty, ir.Undefined), scale, ir.Constant(_I32, 0))
-    sv = builder.shuffle_vector(
-        sv, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
-    )
+    sv = builder.shuffle_vector(sv, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
     ptr = builder.bitcast(acc, fty.as_pointer())
-    total = builder.fadd(builder.load(ptr, align=4), builder.fmul(pf, sv))
-    builder.store(total, ptr, align=4)
+    fmuladd = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(fty, [fty, fty, fty]), f"llvm.fmuladd.v{n}f32"
+    )
+    builder.store(builder.call(fmuladd, [pf, sv, builder.load(ptr, align=4)]), ptr, align=4)
 
 
 def _i64(builder, value, ty):  # noqa: ANN001, ANN202
@@ -90,10 +164,48 @@ def f16_at(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.gep(builder.bitcast(data, _I8.as_pointer()), [_i64(builder, args[1], sig.args[1])])
-        half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=1)
-        return builder.fpext(half, ir.FloatType())
+        if NATIVE_HALF:
+            half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=1)
+            return builder.fpext(half, ir.FloatType())
+        return _half_bits_to_float(builder, builder.load(builder.bitcast(ptr, _I16.as_pointer()), align=1))
 
     return types.float32(w, off), codegen
+
+
+# Bytes ahead of the current block that the kernels ask the CPU to fetch. Weights come from
+# page-cache pages, 4 KiB each and scattered in physical memory, where the hardware prefetcher
+# stops at every page boundary; a software prefetch crosses it.
+PREFETCH_AHEAD = int(os.environ.get("PRIMA_PREFETCH", "1024"))
+
+
+@intrinsic
+def prefetch(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
+    """Hint the CPU to load the cache line at byte `off` of the array `w` (never faults)."""
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.gep(builder.bitcast(data, _I8.as_pointer()), [_i64(builder, args[1], sig.args[1])])
+        fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+    return types.void(w, off), codegen
+
+
+def _half_bits_to_float(builder, h):  # noqa: ANN001, ANN202
+    """float32 of the IEEE half with bits h (i16), by integer ops: the exponent and mantissa move
+    up 13 bits, a multiply by 2^112 rebiases the exponent (and normalizes subnormals), and
+    infinities and NaNs get the float32 all-ones exponent."""
+    h32 = builder.zext(h, _I32)
+    magnitude = builder.shl(builder.and_(h32, ir.Constant(_I32, 0x7FFF)), ir.Constant(_I32, 13))
+    f = builder.fmul(builder.bitcast(magnitude, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0**112))
+    bits = builder.bitcast(f, _I32)
+    is_special = builder.icmp_unsigned(
+        "==", builder.and_(h32, ir.Constant(_I32, 0x7C00)), ir.Constant(_I32, 0x7C00)
+    )
+    bits = builder.select(is_special, builder.or_(bits, ir.Constant(_I32, 0x7F800000)), bits)
+    sign = builder.shl(builder.and_(h32, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 16))
+    return builder.bitcast(builder.or_(bits, sign), ir.FloatType())
 
 
 # ---- integer block dots ---------------------------------------------------------------------
@@ -114,10 +226,11 @@ def dot_i8x32(typingctx, acc, scale, w, wo, x, xo):  # noqa: ANN001, ANN201, ARG
 
 
 @intrinsic
-def dot_nib16(typingctx, acc, scale, w, wo, qh, bias, x, xo):  # noqa: ANN001, ANN201, ARG001
-    """acc += scale * (v_j - bias) * x[xo + j], j < 32, for a legacy 4/5-bit block: 16 bytes at
-    wo hold v_j's low nibble (j < 16) and v_{j+16}'s (high nibble); bit j of the u32 `qh` is v_j's
-    bit 4 (pass 0 for 4-bit formats)."""
+def dot_nib16(typingctx, acc, scale, w, wo, qh, x, xo):  # noqa: ANN001, ANN201, ARG001
+    """acc += scale * v_j * x[xo + j], j < 32, for a legacy 4/5-bit block (v_j unsigned; the
+    caller subtracts Q4_0's and Q5_0's offset through the block sum of x): 16 bytes at wo hold
+    v_j's low nibble (j < 16) and v_{j+16}'s (high nibble); bit j of the u32 `qh` is v_j's bit 4
+    (pass 0 for 4-bit formats)."""
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
         a = sig.args
@@ -127,11 +240,10 @@ def dot_nib16(typingctx, acc, scale, w, wo, qh, bias, x, xo):  # noqa: ANN001, A
         v = _concat(builder, lo, hi, 16)
         bits = builder.bitcast(builder.trunc(args[4], _I32), ir.VectorType(ir.IntType(1), 32))
         v = builder.or_(v, builder.shl(builder.zext(bits, ir.VectorType(_I8, 32)), _const(32, 4)))
-        v = builder.sub(v, _splat(builder, args[5], 32))
-        xv = _load(context, builder, a[6], args[6], _i64(builder, args[7], a[7]), 32)
-        _accumulate(builder, args[0], args[1], v, xv, 32)
+        xv = _load(context, builder, a[5], args[5], _i64(builder, args[6], a[6]), 32)
+        _accumulate_unsigned(builder, args[0], args[1], v, xv)
 
-    return types.void(acc, types.float32, w, wo, qh, bias, x, xo), codegen
+    return types.void(acc, types.float32, w, wo, qh, x, xo), codegen
 
 
 def _nib32(high: bool):  # noqa: ANN202
@@ -146,7 +258,7 @@ def _nib32(high: bool):  # noqa: ANN202
             raw = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 32)
             v = builder.lshr(raw, _const(32, 4)) if high else builder.and_(raw, _const(32, 15))
             xv = _load(context, builder, a[4], args[4], _i64(builder, args[5], a[5]), 32)
-            _accumulate(builder, args[0], args[1], v, xv, 32)
+            _accumulate_unsigned(builder, args[0], args[1], v, xv)
 
         return types.void(acc, types.float32, w, wo, x, xo), codegen
 
@@ -158,31 +270,51 @@ dot_hi32 = _nib32(high=True)
 
 
 @intrinsic
-def dot_q6x16(typingctx, acc, scale, w, lo, hi, lshift, hshift, x, xo):  # noqa: ANN001, ANN201, ARG001
-    """acc += scale * (q_j - 32) * x[xo + j], j < 16, for 16 Q6_K values:
-    q_j = ((w[lo + j] >> lshift) & 15) | (((w[hi + j] >> hshift) & 3) << 4)."""
+def dot_q6x32(typingctx, acc, dx, s0, s1, w, lo, hi, lshift, hshift, x, xo):  # noqa: ANN001, ANN201, ARG001
+    """acc += dx * s_j * (q_j - 32) * x[xo + j], j < 32, for 32 Q6_K values with the int8 scale
+    s0 for j < 16 and s1 above: q_j = ((w[lo + j] >> lshift) & 15) | (((w[hi + j] >> hshift) & 3)
+    << 4). AVX2 applies both scales in one pmaddwd (int16 pair sums times int16 scales)."""
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
         a = sig.args
-        lv = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 16)
-        hv = _load(context, builder, a[2], args[2], _i64(builder, args[4], a[4]), 16)
-        lv = builder.and_(builder.lshr(lv, _splat(builder, args[5], 16)), _const(16, 15))
-        hv = builder.and_(builder.lshr(hv, _splat(builder, args[6], 16)), _const(16, 3))
-        v = builder.sub(builder.or_(lv, builder.shl(hv, _const(16, 4))), _const(16, 32))
-        xv = _load(context, builder, a[7], args[7], _i64(builder, args[8], a[8]), 16)
-        _accumulate(builder, args[0], args[1], v, xv, 16)
+        lv = _load(context, builder, a[4], args[4], _i64(builder, args[5], a[5]), 32)
+        hv = _load(context, builder, a[4], args[4], _i64(builder, args[6], a[6]), 32)
+        lv = builder.and_(builder.lshr(lv, _splat(builder, args[7], 32)), _const(32, 15))
+        hv = builder.and_(builder.lshr(hv, _splat(builder, args[8], 32)), _const(32, 3))
+        v = builder.sub(builder.or_(lv, builder.shl(hv, _const(32, 4))), _const(32, 32))
+        xv = _load(context, builder, a[9], args[9], _i64(builder, args[10], a[10]), 32)
+        s0 = builder.trunc(args[2], _I16) if a[2].bitwidth > 16 else builder.sext(args[2], _I16)
+        s1 = builder.trunc(args[3], _I16) if a[3].bitwidth > 16 else builder.sext(args[3], _I16)
+        if AVX2:
+            pairs = _x86(
+                builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), _psign(builder, v, v),
+                _psign(builder, xv, v),
+            )
+            scales = ir.Constant(ir.VectorType(_I16, 16), ir.Undefined)
+            for j in range(16):
+                scales = builder.insert_element(scales, s0 if j < 8 else s1, ir.Constant(_I32, j))
+            lanes = _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, scales)
+            _scaled_add(builder, args[0], args[1], lanes)
+            return
+        half = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+        upper = ir.Constant(ir.VectorType(_I32, 16), list(range(16, 32)))
+        for s, sel in ((s0, half), (s1, upper)):
+            scale = builder.fmul(args[1], builder.sitofp(s, ir.FloatType()))
+            vh = builder.shuffle_vector(v, v, sel)
+            xh = builder.shuffle_vector(xv, xv, sel)
+            _accumulate(builder, args[0], scale, vh, xh, 16)
 
-    return types.void(acc, types.float32, w, lo, hi, lshift, hshift, x, xo), codegen
+    return types.void(acc, types.float32, s0, s1, w, lo, hi, lshift, hshift, x, xo), codegen
 
 
 @intrinsic
-def hsum16(typingctx, acc):  # noqa: ANN001, ANN201, ARG001
-    """The sum of the 16 float lanes at `acc`, added as a tree (4 dependent adds, not 16)."""
+def hsum(typingctx, acc):  # noqa: ANN001, ANN201, ARG001
+    """The sum of the LANES float lanes at `acc`, added as a tree (log2 dependent adds)."""
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        fty = ir.VectorType(ir.FloatType(), 16)
+        fty = ir.VectorType(ir.FloatType(), LANES)
         v = builder.load(builder.bitcast(args[0], fty.as_pointer()), align=4)
-        n = 16
+        n = LANES
         while n > 1:
             n //= 2
             lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
@@ -227,7 +359,7 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray)
 
 @njit(cache=True, inline="always")
 def _zero(acc: np.ndarray) -> None:
-    for j in range(16):
+    for j in range(LANES):
         acc[j] = 0.0
 
 
@@ -249,85 +381,83 @@ def _u32(w: np.ndarray, r: int, o: int) -> np.uint32:
     )
 
 
-@njit(cache=True)
-def qdot_q8_0(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc)
-            for b in range(xq.shape[1] // 32):
-                o = b * 34
-                dot_i8x32(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 2, xq, xk + b * 32)
-            out[k, c0 + r - r0] = hsum16(accp)
+# Legacy formats: each block's scales come from its own header; blocks alternate between two
+# accumulators so that consecutive blocks' adds do not wait on each other (a single chain of
+# dependent adds capped the nibble kernels at one block per add latency).
 
 
-@njit(cache=True)
-def qdot_q4_0(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc)
-            for b in range(xq.shape[1] // 32):
-                o = b * 18
-                dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 2, 0, 8, xq, xk + b * 32)
-            out[k, c0 + r - r0] = hsum16(accp)
+@njit(cache=True, inline="always")
+def _blk_q8_0(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202, ARG001
+    o = b * 34
+    dot_i8x32(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 2, xq, xk + b * 32)
+    return np.float32(0.0)
 
 
-@njit(cache=True)
-def qdot_q4_1(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc)
-            mins = np.float32(0.0)
-            for b in range(xq.shape[1] // 32):
-                o = b * 20
-                dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 4, 0, 0, xq, xk + b * 32)
-                mins += _f16(w, r, o + 2) * xs[k, b]
-            out[k, c0 + r - r0] = hsum16(accp) + mins
+@njit(cache=True, inline="always")
+def _blk_q4_0(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+    o = b * 18
+    d = _f16(w, r, o)
+    dot_nib16(accp, d * xd[k, b], w, wr + o + 2, 0, xq, xk + b * 32)
+    return np.float32(-8.0) * d * xs[k, b]  # q - 8, the offset through the block sum of x
 
 
-@njit(cache=True)
-def qdot_q5_0(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc)
-            for b in range(xq.shape[1] // 32):
-                o = b * 22
-                d = _f16(w, r, o) * xd[k, b]
-                dot_nib16(accp, d, w, wr + o + 6, _u32(w, r, o + 2), 16, xq, xk + b * 32)
-            out[k, c0 + r - r0] = hsum16(accp)
+@njit(cache=True, inline="always")
+def _blk_q4_1(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+    o = b * 20
+    dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 4, 0, xq, xk + b * 32)
+    return _f16(w, r, o + 2) * xs[k, b]
 
 
-@njit(cache=True)
-def qdot_q5_1(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc)
-            mins = np.float32(0.0)
-            for b in range(xq.shape[1] // 32):
-                o = b * 24
-                d = _f16(w, r, o) * xd[k, b]
-                dot_nib16(accp, d, w, wr + o + 8, _u32(w, r, o + 4), 0, xq, xk + b * 32)
-                mins += _f16(w, r, o + 2) * xs[k, b]
-            out[k, c0 + r - r0] = hsum16(accp) + mins
+@njit(cache=True, inline="always")
+def _blk_q5_0(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+    o = b * 22
+    d = _f16(w, r, o)
+    dot_nib16(accp, d * xd[k, b], w, wr + o + 6, _u32(w, r, o + 2), xq, xk + b * 32)
+    return np.float32(-16.0) * d * xs[k, b]
+
+
+@njit(cache=True, inline="always")
+def _blk_q5_1(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+    o = b * 24
+    dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 8, _u32(w, r, o + 4), xq, xk + b * 32)
+    return _f16(w, r, o + 2) * xs[k, b]
+
+
+def _legacy_kernel(block):  # noqa: ANN001, ANN202
+    """The row-range kernel of a legacy format from its per-block step `block` (which adds the
+    block's integer dot to an accumulator and returns its scalar term: min or offset)."""
+
+    def kernel(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN202
+        acc0p = stack_f32(16)
+        acc1p = stack_f32(16)
+        acc0 = carray(acc0p, 16)
+        acc1 = carray(acc1p, 16)
+        nb = xq.shape[1] // 32
+        for r in range(r0, r1):
+            wr = r * w.strides[0]
+            for k in range(xq.shape[0]):
+                xk = k * xq.strides[0]
+                _zero(acc0)
+                _zero(acc1)
+                t0 = np.float32(0.0)
+                t1 = np.float32(0.0)
+                for b in range(0, nb - 1, 2):
+                    if PREFETCH_AHEAD:
+                        prefetch(w, wr + b * w.shape[1] // nb + PREFETCH_AHEAD)
+                    t0 += block(acc0p, w, r, wr, b, xq, xd, xs, k, xk)
+                    t1 += block(acc1p, w, r, wr, b + 1, xq, xd, xs, k, xk)
+                if nb % 2:
+                    t0 += block(acc0p, w, r, wr, nb - 1, xq, xd, xs, k, xk)
+                out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) + (t0 + t1)
+
+    return kernel
+
+
+qdot_q8_0 = njit(cache=True)(_legacy_kernel(_blk_q8_0))
+qdot_q4_0 = njit(cache=True)(_legacy_kernel(_blk_q4_0))
+qdot_q4_1 = njit(cache=True)(_legacy_kernel(_blk_q4_1))
+qdot_q5_0 = njit(cache=True)(_legacy_kernel(_blk_q5_0))
+qdot_q5_1 = njit(cache=True)(_legacy_kernel(_blk_q5_1))
 
 
 @njit(cache=True, inline="always")
@@ -344,13 +474,16 @@ def _scale_min_k4(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np
 
 @njit(cache=True)
 def qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
+    acc0p = stack_f32(16)
+    acc1p = stack_f32(16)
+    acc0 = carray(acc0p, 16)
+    acc1 = carray(acc1p, 16)
     for r in range(r0, r1):
         wr = r * w.strides[0]
         for k in range(xq.shape[0]):
             xk = k * xq.strides[0]
-            _zero(acc)
+            _zero(acc0)
+            _zero(acc1)
             mins = np.float32(0.0)
             for sb in range(xq.shape[1] // QK):
                 o = sb * 144
@@ -362,36 +495,42 @@ def qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
                     sc1, m1 = _scale_min_k4(w, r, o + 4, 2 * g + 1)
                     b = sb * 8 + 2 * g
                     qo = wr + o + 16 + g * 32
-                    dot_lo32(accp, d * sc0 * xd[k, b], w, qo, xq, xk + b * 32)
-                    dot_hi32(accp, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * 32 + 32)
+                    dot_lo32(acc0p, d * sc0 * xd[k, b], w, qo, xq, xk + b * 32)
+                    dot_hi32(acc1p, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * 32 + 32)
                     mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
-            out[k, c0 + r - r0] = hsum16(accp) - mins
+            out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) - mins
 
 
 @njit(cache=True)
 def qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
-    accp = stack_f32(16)
-    acc = carray(accp, 16)
+    acc0p = stack_f32(16)
+    acc1p = stack_f32(16)
+    acc0 = carray(acc0p, 16)
+    acc1 = carray(acc1p, 16)
     for r in range(r0, r1):
         wr = r * w.strides[0]
         for k in range(xq.shape[0]):
             xk = k * xq.strides[0]
-            _zero(acc)
+            _zero(acc0)
+            _zero(acc1)
             for sb in range(xq.shape[1] // QK):
                 o = sb * 210
                 d = _f16(w, r, o + 208)
                 for h in range(2):
-                    for c in range(4):
-                        lo = wr + o + h * 64 + (c & 1) * 32
-                        ho = wr + o + 128 + h * 32
+                    ho = wr + o + 128 + h * 32
+                    for c in range(0, 4, 2):  # c and c + 1 share the shift of the low bits
                         b = sb * 8 + h * 4 + c
                         s = o + 192 + h * 8 + c * 2
-                        dx = d * xd[k, b]
-                        # The scales are int8: reinterpret the unsigned bytes.
-                        s0 = np.float32((np.int32(w[r, s]) ^ 128) - 128)
-                        s1 = np.float32((np.int32(w[r, s + 1]) ^ 128) - 128)
                         ls = 4 * (c >> 1)
-                        xo = xk + b * 32
-                        dot_q6x16(accp, dx * s0, w, lo, ho, ls, 2 * c, xq, xo)
-                        dot_q6x16(accp, dx * s1, w, lo + 16, ho + 16, ls, 2 * c, xq, xo + 16)
-            out[k, c0 + r - r0] = hsum16(accp)
+                        # The scales are int8: reinterpret the unsigned bytes.
+                        dot_q6x32(
+                            acc0p, d * xd[k, b], (np.int32(w[r, s]) ^ 128) - 128,
+                            (np.int32(w[r, s + 1]) ^ 128) - 128, w, wr + o + h * 64, ho, ls, 2 * c,
+                            xq, xk + b * 32,
+                        )
+                        dot_q6x32(
+                            acc1p, d * xd[k, b + 1], (np.int32(w[r, s + 2]) ^ 128) - 128,
+                            (np.int32(w[r, s + 3]) ^ 128) - 128, w, wr + o + h * 64 + 32, ho, ls,
+                            2 * c + 2, xq, xk + b * 32 + 32,
+                        )
+            out[k, c0 + r - r0] = hsum(acc0p) + hsum(acc1p)

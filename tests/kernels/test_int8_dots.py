@@ -3,11 +3,18 @@ activation-quantization error of the float product."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from llvmlite import binding as llvm
+from numba import njit
 
-from prima.kernels import drivers
+from prima.kernels import drivers, int8_dots
 from prima.kernels import matmul as mm
 
 from .weights import ALL_QTYPES, random_qtensor, reference, relative_error
@@ -26,6 +33,52 @@ def _cols(qtype: GGMLQuantizationType) -> int:
 
 def test_int8_formats_are_the_test_models_formats() -> None:
     assert {Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K} <= set(INT8_QTYPES)
+
+
+def test_instruction_set_follows_numba_target() -> None:
+    """pmaddubsw only where numba compiles for this host and it has AVX2; a portable target
+    (NUMBA_CPU_NAME) gets the generic vector code, whatever the host has."""
+    if os.environ.get("NUMBA_CPU_NAME"):
+        assert not int8_dots.AVX2
+    else:
+        host_avx2 = "x86" in llvm.get_default_triple() and bool(llvm.get_host_cpu_features().get("avx2"))
+        assert int8_dots.AVX2 == host_avx2
+    assert int8_dots.LANES == (8 if int8_dots.AVX2 else 16)
+
+
+@pytest.mark.slow
+def test_generic_kernels_pass_the_same_tests(tmp_path: Path) -> None:
+    """The generic (non-AVX2) dots, which ARM boards and phones run, compiled here for a portable
+    target in a fresh numba cache and put through this file's tests."""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
+
+
+@njit(cache=False)
+def _halves_to_float(raw: np.ndarray, out: np.ndarray) -> None:
+    for i in range(out.shape[0]):
+        out[i] = int8_dots.f16_at(raw, 2 * i)
+
+
+def test_f16_scales_convert_exactly() -> None:
+    """Every one of the 65536 halves (normals, subnormals, zeros, infinities; NaN stays NaN)
+    converts as numpy does, on the hardware path and on the by-bits one of the generic build."""
+    halves = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(65536, dtype=np.float32)
+    _halves_to_float(halves.view(np.uint8), out)
+    expected = halves.view(np.float16).astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(out), nan)
+    assert np.array_equal(out[~nan].view(np.uint32), expected[~nan].view(np.uint32))
 
 
 def test_quantize_activations_round_trip() -> None:
