@@ -5,12 +5,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prima.errors import InputError
 from prima.kernels import matmul as kernels
 from prima.kernels.tensor import QTensor
+
+if TYPE_CHECKING:
+    from prima.kernels.decode_layer import FusedBlock
+    from prima.model.config import ModelConfig
+    from prima.model.weights import LayerWeights
 
 log = logging.getLogger("prima.backends")
 
@@ -49,6 +55,33 @@ class CpuBackend:
     def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
         """y = x @ [W0; W1; ...].T (n, sum of rows): one launch for weights of one format."""
         return kernels.matmul_many(ws, x, self._int8)
+
+    # Blocks of up to this many tokens run as one compiled call (prima.kernels.decode_layer).
+    fused_max_tokens = kernels.FUSED_MAX_N
+
+    def fused_block(
+        self, layer: LayerWeights, config: ModelConfig, inv_freq: np.ndarray, window: int
+    ) -> FusedBlock | None:
+        """The one-call form of block `layer` for decode, or None (no numba, or a projection in
+        a float format): the model then runs the block step by step through matmul_many."""
+        if not kernels.HAVE_NUMBA:
+            return None
+        from prima.kernels.decode_layer import FusedBlock
+
+        return FusedBlock.build(layer, config, inv_freq, window)
+
+    def run_block(
+        self,
+        block: FusedBlock,
+        x: np.ndarray,
+        positions: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        t: int,
+    ) -> np.ndarray:
+        """Hidden states x (n <= fused_max_tokens, d) through `block`, writing its keys and values
+        into the cache rows at `positions` (already reserved); t valid rows afterwards."""
+        return block.run(x, positions, k_cache, v_cache, t, self._int8)
 
     def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""

@@ -24,7 +24,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=1)
-def _gelu_fp16_table() -> np.ndarray:
+def gelu_fp16_table() -> np.ndarray:
     # ggml evaluates GELU (tanh approximation) once per fp16 value and looks results up; we do
     # the same so that Gemma's activations round exactly as llama.cpp's do.
     x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -39,7 +39,7 @@ def _gelu_fp16_table() -> np.ndarray:
 
 def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation, evaluated through an fp16 lookup as ggml's CPU backend does."""
-    table = _gelu_fp16_table()
+    table = gelu_fp16_table()
     y = table[x.astype(np.float16).view(np.uint16)]
     y = np.where(x <= -10.0, np.float32(0.0), y)
     return np.where(x >= 10.0, x, y).astype(np.float32)

@@ -38,6 +38,7 @@ class _LayerPlan:
     post_ffw_norm: np.ndarray
     inv_freq: np.ndarray  # (rope_dim / 2,) float64
     window: int  # 0: attends to the whole context
+    fused: object | None  # the backend's one-call block for decode (None: step by step)
 
 
 def _merge_groups(ws: tuple[QTensor, ...]) -> tuple[tuple[QTensor, ...], ...]:
@@ -89,6 +90,9 @@ class Transformer:
         plan = self._plans.get(lw.index)
         if plan is None:
             cfg = self.config
+            inv_freq = fused_ops.rope_inv_freq(cfg.rope_dim, cfg.layer_rope_base(lw.index))
+            window = cfg.sliding_window if cfg.is_sliding(lw.index) else 0
+            build = getattr(self.backend, "fused_block", None)
             plan = _LayerPlan(
                 qkv_groups=_merge_groups((lw.attn_q, lw.attn_k, lw.attn_v)),
                 gate_up_groups=_merge_groups((lw.ffn_gate, lw.ffn_up)),
@@ -99,8 +103,9 @@ class Transformer:
                 k_norm=_vec(lw.attn_k_norm),
                 post_attention_norm=_vec(lw.post_attention_norm),
                 post_ffw_norm=_vec(lw.post_ffw_norm),
-                inv_freq=fused_ops.rope_inv_freq(cfg.rope_dim, cfg.layer_rope_base(lw.index)),
-                window=cfg.sliding_window if cfg.is_sliding(lw.index) else 0,
+                inv_freq=inv_freq,
+                window=window,
+                fused=build(lw, cfg, inv_freq, window) if build is not None else None,
             )
             self._plans[lw.index] = plan
         return plan
@@ -113,6 +118,9 @@ class Transformer:
     def _layer(self, lw: LayerWeights, x: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg = self.config
         plan = self._plan(lw)
+        if plan.fused is not None and x.shape[0] <= self.backend.fused_max_tokens:
+            t = cache.reserve(lw.index, positions)
+            return self.backend.run_block(plan.fused, x, positions, cache.k[lw.index], cache.v[lw.index], t)
         eps = cfg.norm_eps
 
         # Attention block: norm -> merged q|k|v -> bias, QK norm, RoPE -> cache -> attention -> out.

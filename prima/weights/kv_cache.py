@@ -33,6 +33,14 @@ class KVCache:
 
     def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
         """Write k, v (n, KVH, hd) at `positions` and return the number of valid positions."""
+        end = self.reserve(layer, positions)
+        self.k[layer][int(positions[0]) : end] = k
+        self.v[layer][int(positions[0]) : end] = v
+        return end
+
+    def reserve(self, layer: int, positions: np.ndarray) -> int:
+        """Check that `positions` (contiguous) can be written next, count them as written, and
+        return the number of valid positions: for a kernel that writes the rows itself."""
         start, end = int(positions[0]), int(positions[-1]) + 1
         if end > self.n_ctx:
             raise ContextFullError(
@@ -41,8 +49,6 @@ class KVCache:
             )
         if start > self._length[layer]:
             raise ValueError(f"layer {layer}: write at {start} leaves a gap after {self._length[layer]}")
-        self.k[layer][start:end] = k
-        self.v[layer][start:end] = v
         self._length[layer] = end
         return end
 

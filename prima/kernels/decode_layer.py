@@ -1,0 +1,248 @@
+"""One transformer block at decode as a single compiled call.
+
+At decode a block is a dozen small steps (norm, merged q/k/v, RoPE, cache write, attention,
+output projection, residual, gate/up, activation, down, residual); run from Python, each step's
+call and argument checks cost about as much as its arithmetic, ~50 us per block. Here the whole
+block is one numba function that calls the same kernels (prima.kernels.drivers, fused_ops)
+directly, so Python is crossed once per block. The arithmetic, and so the result, is that of the
+step-by-step path in prima.model.transformer, which prefill and other backends keep using.
+
+  decode_layer(x, ws, fmts, int8, lut, vecs, k_cache, v_cache, t, positions, inv_freq, neox,
+               n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table)
+
+`ws` holds the seven projections (q, k, v, output, gate, up, down) as raw uint8 rows, `fmts`
+their GGML type ids, `vecs` the block's small vectors (see VECTORS; empty where absent). The
+caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from prima.kernels import drivers, fused_ops, ops
+from prima.kernels.quants import F16_TABLE
+from prima.kernels.tensor import QTensor
+from prima.model.config import ModelConfig
+
+PROJECTIONS: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+VECTORS: tuple[str, ...] = (
+    "attn_norm",
+    "ffn_norm",
+    "attn_q_bias",
+    "attn_k_bias",
+    "attn_v_bias",
+    "attn_q_norm",
+    "attn_k_norm",
+    "post_attention_norm",
+    "post_ffw_norm",
+)
+@njit(cache=True, inline="always")
+def _int8_kernel(fmt: int) -> bool:
+    return (
+        fmt == drivers.Q8_0
+        or fmt == drivers.Q4_0
+        or fmt == drivers.Q4_1
+        or fmt == drivers.Q5_0
+        or fmt == drivers.Q5_1
+        or fmt == drivers.Q4_K
+        or fmt == drivers.Q6_K
+    )
+
+
+@njit(cache=True)
+def _project(fmt, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
+    """x @ [A; B; C].T of one format, as matmul_many's fused launch."""
+    out = np.empty((x.shape[0], a.shape[0] + b.shape[0] + c.shape[0]), dtype=np.float32)
+    if int8 and _int8_kernel(fmt):
+        drivers.matvec_q8(fmt, a, b, c, x, out)
+    else:
+        drivers.matvec(fmt, a, b, c, x, lut, out)
+    return out
+
+
+@njit(cache=True)
+def _project3(fa, fb, fc, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
+    """x @ [A; B; C].T where consecutive weights of one format share a launch (Transformer's
+    grouping of q/k/v and gate/up: A|B|C, A|B + C, A + B|C, or three launches)."""
+    n = x.shape[0]
+    ra, rb = a.shape[0], b.shape[0]
+    if fa == fb and fb == fc:
+        return _project(fa, a, b, c, x, int8, lut)
+    out = np.empty((n, ra + rb + c.shape[0]), dtype=np.float32)
+    if fa == fb:
+        out[:, : ra + rb] = _project(fa, a, b, c[:0], x, int8, lut)
+        out[:, ra + rb :] = _project(fc, c, c[:0], c[:0], x, int8, lut)
+    elif fb == fc:
+        out[:, :ra] = _project(fa, a, a[:0], a[:0], x, int8, lut)
+        out[:, ra:] = _project(fb, b, c, c[:0], x, int8, lut)
+    else:
+        out[:, :ra] = _project(fa, a, a[:0], a[:0], x, int8, lut)
+        out[:, ra : ra + rb] = _project(fb, b, b[:0], b[:0], x, int8, lut)
+        out[:, ra + rb :] = _project(fc, c, c[:0], c[:0], x, int8, lut)
+    return out
+
+
+@intrinsic
+def _f32_bits(typingctx, v):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@njit(cache=True)
+def f16_bits(v: np.float32) -> np.uint16:
+    """The IEEE half nearest to v (ties to even, as numpy's astype(float16)), as its bits."""
+    u = _f32_bits(np.float32(v))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    u &= np.uint32(0x7FFFFFFF)
+    if u > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
+        return np.uint16(sign | np.uint32(0x7E00))
+    if u >= np.uint32(0x477FF000):  # 65520 and above, and infinity, round to infinity
+        return np.uint16(sign | np.uint32(0x7C00))
+    if u < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero), in units of 2^-24
+        return np.uint16(sign | np.uint32(np.rint(_bits_f32(u) * np.float32(16777216.0))))
+    r = u - np.uint32(0x38000000)  # rebias the exponent from 127 to 15
+    r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))  # round to nearest even
+    return np.uint16(sign | (r >> np.uint32(13)))
+
+
+@njit(cache=True)
+def gelu_mul(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up through ggml's fp16 table, as fused_ops.glu's "gelu" (ops.gelu)."""
+    n = gate_up.shape[0]
+    out = np.empty((n, ffn_dim), dtype=np.float32)
+    for i in range(n):
+        for j in range(ffn_dim):
+            g = gate_up[i, j]
+            if g <= np.float32(-10.0):
+                y = np.float32(0.0)
+            elif g >= np.float32(10.0):
+                y = g
+            else:
+                y = table[f16_bits(g)]
+            out[i, j] = y * gate_up[i, ffn_dim + j]
+    return out
+
+
+@njit(cache=True)
+def decode_layer(  # noqa: ANN201
+    x,  # noqa: ANN001
+    ws,  # noqa: ANN001
+    fmts,  # noqa: ANN001
+    int8,  # noqa: ANN001
+    lut,  # noqa: ANN001
+    vecs,  # noqa: ANN001
+    k_cache,  # noqa: ANN001
+    v_cache,  # noqa: ANN001
+    t,  # noqa: ANN001
+    positions,  # noqa: ANN001
+    inv_freq,  # noqa: ANN001
+    neox,  # noqa: ANN001
+    n_heads,  # noqa: ANN001
+    n_kv_heads,  # noqa: ANN001
+    head_dim,  # noqa: ANN001
+    eps,  # noqa: ANN001
+    attn_scale,  # noqa: ANN001
+    window,  # noqa: ANN001
+    ffn_dim,  # noqa: ANN001
+    gelu,  # noqa: ANN001
+    gelu_table,  # noqa: ANN001
+):
+    """Hidden states x (n, d) through one block; writes the tokens' keys and values into the
+    cache rows at `positions`; t is the number of valid cache rows afterwards."""
+    attn_norm, ffn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, post_attn, post_ffw = vecs
+    xn = fused_ops.rms_norm(x, attn_norm, eps)
+    qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
+    q, k, v = fused_ops.qkv_rope(
+        qkv, n_heads, n_kv_heads, head_dim, q_bias, k_bias, v_bias, q_norm, k_norm, eps, positions,
+        inv_freq, neox,
+    )
+    for i in range(positions.shape[0]):
+        k_cache[positions[i]] = k[i]
+        v_cache[positions[i]] = v[i]
+    if q.shape[0] * t >= fused_ops.ATTENTION_PARALLEL_MIN:
+        attn = fused_ops._attention_parallel(q, k_cache, v_cache, t, positions, attn_scale, window)
+    else:
+        attn = fused_ops._attention_serial(q, k_cache, v_cache, t, positions, attn_scale, window)
+    o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
+    x, xn = fused_ops.residual_norm(x, o, post_attn, ffn_norm, eps)
+    gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)
+    if gelu:
+        act = gelu_mul(gate_up, ffn_dim, gelu_table)
+    else:
+        act = fused_ops.silu_mul(gate_up, ffn_dim)
+    ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)
+    x, _ = fused_ops.residual_norm(x, ffn, post_ffw, post_ffw[:0], eps)
+    return x
+
+
+def _vector(v: np.ndarray | None) -> np.ndarray:
+    return np.empty(0, dtype=np.float32) if v is None else np.array(v, dtype=np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedBlock:
+    """What decode_layer needs of one block, gathered once: raw weights as read-only views (numba
+    compiles one variant per array type), format ids, writable float32 vectors, RoPE table."""
+
+    ws: tuple[np.ndarray, ...]
+    fmts: np.ndarray
+    vecs: tuple[np.ndarray, ...]
+    inv_freq: np.ndarray
+    window: int
+    config: ModelConfig
+
+    @staticmethod
+    def build(layer: object, config: ModelConfig, inv_freq: np.ndarray, window: int) -> FusedBlock | None:
+        """The block of LayerWeights `layer`, or None when a projection has a format without a
+        fused kernel (float weights): those blocks keep the step-by-step path."""
+        tensors: list[QTensor] = [getattr(layer, name) for name in PROJECTIONS]
+        if any(int(w.qtype) not in drivers.QUANTIZED_IDS for w in tensors):
+            return None
+        ws = []
+        for w in tensors:
+            view = w.raw.view()
+            view.flags.writeable = False
+            ws.append(view)
+        return FusedBlock(
+            ws=tuple(ws),
+            fmts=np.array([int(w.qtype) for w in tensors], dtype=np.int64),
+            vecs=tuple(_vector(getattr(layer, name)) for name in VECTORS),
+            inv_freq=inv_freq,
+            window=window,
+            config=config,
+        )
+
+    def run(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        t: int,
+        int8: bool,
+    ) -> np.ndarray:
+        cfg = self.config
+        return decode_layer(
+            x, self.ws, self.fmts, int8, F16_TABLE, self.vecs, k_cache, v_cache, t, positions,
+            self.inv_freq, fused_ops.is_neox(cfg.rope_type), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+            cfg.norm_eps, cfg.attn_scale, self.window, cfg.ffn_dim, cfg.activation == "gelu",
+            ops.gelu_fp16_table() if cfg.activation == "gelu" else _NO_TABLE,
+        )
+
+
+_NO_TABLE = np.empty(0, dtype=np.float32)

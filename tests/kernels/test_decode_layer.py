@@ -1,0 +1,113 @@
+"""The one-call decode block against the step-by-step path it replaces: same kernels in the same
+order, so the same bits, on both test models, in both modes, for 1 to 4 tokens."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from prima.kernels import decode_layer as dl
+from prima.kernels import matmul as mm
+from prima.kernels import ops
+from prima.kernels.quants import F16_TABLE
+from prima.model.loader import LoadedModel, load_model
+
+from .weights import random_qtensor
+
+Q = GGMLQuantizationType
+
+
+@cache
+def _load(path: Path, mode: str) -> LoadedModel:
+    return load_model(path, threads=2, mode=mode)
+
+
+def _decode(loaded: LoadedModel, fused: bool, ids: list[int], n_step: int) -> list[np.ndarray]:
+    """Hidden states after every layer-stack pass: a 6-token prompt in steps of n_step tokens."""
+    model = loaded.model
+    saved = model.backend.fused_max_tokens
+    model.backend.fused_max_tokens = saved if fused else 0
+    try:
+        cache_ = model.new_cache(32)
+        out = []
+        for s in range(0, len(ids), n_step):
+            chunk = np.array(ids[s : s + n_step])
+            h = model.embed(chunk)
+            out.append(model.forward_layers(h, np.arange(s, s + chunk.size), 0, model.config.n_layers, cache_))
+        return out
+    finally:
+        model.backend.fused_max_tokens = saved
+
+
+@pytest.mark.parametrize("mode", ["q8", "exact"])
+@pytest.mark.parametrize("n_step", [1, 3])
+@pytest.mark.parametrize("model_name", ["smollm2_path", "gemma3_path"])
+def test_fused_block_equals_step_by_step(
+    model_name: str, n_step: int, mode: str, request: pytest.FixtureRequest
+) -> None:
+    loaded = _load(request.getfixturevalue(model_name), mode)
+    model = loaded.model
+    assert all(model._plan(model.weights.layer(i)).fused is not None for i in range(model.config.n_layers))  # noqa: SLF001
+    ids = [int(t) for t in loaded.tokenizer.encode("The quick brown fox")][:6]
+    fused = _decode(loaded, True, ids, n_step)
+    steps = _decode(loaded, False, ids, n_step)
+    for a, b in zip(fused, steps, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_f16_bits_rounds_as_numpy() -> None:
+    """Every half's own value, every midpoint between neighbouring halves (ties go to even),
+    values just beside them, overflow, NaN, and random floats of every magnitude."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = halves[np.isfinite(halves)].astype(np.float32)
+    ordered = np.unique(finite)
+    mids = ((ordered[:-1].astype(np.float64) + ordered[1:]) / 2).astype(np.float32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [
+            finite,
+            mids,
+            np.nextafter(mids, np.float32(np.inf)),
+            np.nextafter(mids, np.float32(-np.inf)),
+            np.array([65504, 65519.99, 65520, 1e6, np.inf, -np.inf, 0.0, -0.0, 1e-8, 6e-8], np.float32),
+            (rng.standard_normal(20000) * 10.0 ** rng.uniform(-9, 6, 20000)).astype(np.float32),
+        ]
+    )
+    got = np.array([dl.f16_bits(v) for v in values], dtype=np.uint16)
+    with np.errstate(over="ignore"):  # the overflow to infinity is part of what is checked
+        expected = values.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got, expected)
+    assert np.isnan(np.array([dl.f16_bits(np.float32(np.nan))], np.uint16).view(np.float16)[0])
+
+
+def test_gelu_mul_matches_the_table_gelu() -> None:
+    rng = np.random.default_rng(1)
+    gate_up = (rng.standard_normal((2, 64)) * 6).astype(np.float32)
+    gate_up[0, :4] = [-10.0, 10.0, -30.0, 30.0]
+    expected = ops.gelu(gate_up[:, :32]) * gate_up[:, 32:]
+    np.testing.assert_array_equal(dl.gelu_mul(gate_up, 32, ops.gelu_fp16_table()), expected)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize(
+    "formats",
+    [(Q.Q5_0, Q.Q5_0, Q.Q5_0), (Q.Q5_0, Q.Q5_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K, Q.Q6_K), (Q.Q4_1, Q.Q8_0, Q.Q6_K)],
+    ids=lambda f: "-".join(q.name for q in f),
+)
+def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
+    formats: tuple[GGMLQuantizationType, ...], int8: bool
+) -> None:
+    """q/k/v (or gate/up) whose formats differ run as one launch per run of equal formats; the
+    result is the concatenation of matmul_many's, whatever the grouping."""
+    ws = [random_qtensor(q, rows, 256, seed=i) for i, (q, rows) in enumerate(zip(formats, (64, 32, 32), strict=True))]
+    x = np.random.default_rng(2).standard_normal((2, 256)).astype(np.float32)
+    raws = [w.raw.view() for w in ws]
+    for r in raws:
+        r.flags.writeable = False
+    got = dl._project3(*(int(q) for q in formats), *raws, x, int8, F16_TABLE)  # noqa: SLF001
+    expected = np.concatenate([mm.matmul(w, x, int8) for w in ws], axis=1)
+    np.testing.assert_array_equal(got, expected)
