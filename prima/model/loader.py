@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prima.backends import get_backend
+from prima.kernels import jit_memory
 from prima.model.gguf_file import GGUFFile
 from prima.model.registry import resolve_model
 from prima.model.tokenizer import Tokenizer
@@ -48,6 +49,8 @@ def load_model(
     weights.validate(layers)
     tokenizer = Tokenizer.from_gguf(gguf.metadata)
     model = Transformer(weights, get_backend(backend, threads=threads, mode=mode))
+    # Before any weight page is read: see prima.kernels.jit_memory (peak RSS).
+    jit_memory.preload_and_release()
     cfg = weights.config
     log.info("loaded %s: %s, %d layers, d=%d, vocab %d", path.name, cfg.arch, cfg.n_layers, cfg.d_model, cfg.vocab_size)
     return LoadedModel(path, gguf, weights, model, tokenizer)

@@ -1,0 +1,321 @@
+"""Keep numba's compiler out of resident memory once the kernels are loaded.
+
+LLVM's code (libllvmlite.so, ~70 MiB resident once numba has loaded a kernel) runs only while
+numba compiles a kernel or loads one from its disk cache; inference never executes it.
+`preload_and_release` loads, up front, every cached overload of the kernels Python calls, then
+hands LLVM's clean read-only pages back to the OS (they refault from the file if numba ever
+compiles again: correct, only slower). It must run before the weights are first read: peak RSS
+is the maximum over the process's life, so pages dropped once the weights are resident lower
+nothing.
+
+Preloading relies on numba's private cache layout and releasing on Linux's /proc; anything
+unexpected makes them do nothing rather than fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib
+import importlib.util
+import inspect
+import logging
+import pkgutil
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import CodeType, FunctionType, ModuleType
+from typing import Any
+
+log = logging.getLogger("prima.kernels")
+
+KERNEL_PACKAGE = "prima.kernels"
+# Shared objects whose code only the compiler runs.
+COMPILER_LIBRARIES: tuple[str, ...] = ("libllvmlite",)
+_MADV_DONTNEED = 4
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What preload_and_release did: overloads loaded from numba's cache, compiler bytes dropped."""
+
+    overloads_loaded: int
+    compiler_bytes_released: int
+
+
+def preload_and_release(package: str = KERNEL_PACKAGE) -> Settled:
+    """Load the cached overloads of `package`'s entry kernels, then release the compiler's pages."""
+    loaded = preload_cached(entry_dispatchers(package))
+    released = release_compiler_pages()
+    log.debug("preloaded %d kernel overloads, released %.1f MiB of compiler code", loaded, released / 2**20)
+    return Settled(loaded, released)
+
+
+# -- which kernels ------------------------------------------------------------------------------
+def kernel_dispatchers(package: str = KERNEL_PACKAGE) -> list[Any]:
+    """Every numba dispatcher bound to a global of a module of `package`, once each. All of the
+    package's modules are imported first: kernels are discovered, not listed, so a new kernel
+    module is covered without edits here."""
+    try:
+        from numba.core.dispatcher import Dispatcher
+    except ImportError:
+        return []
+    _import_submodules(package)
+    found: dict[int, Any] = {}
+    for module in _modules(package):
+        for value in list(vars(module).values()):
+            if isinstance(value, Dispatcher):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def entry_dispatchers(package: str = KERNEL_PACKAGE) -> list[Any]:
+    """The dispatchers of `package` that Python calls: those a non-jitted function of a loaded
+    module of the top-level package names, and those no jitted function names. A kernel only
+    other kernels call is left out: its callers' cached code already contains it, and loading
+    its own overloads would only cost memory (1-8 MiB each)."""
+    dispatchers = kernel_dispatchers(package)
+    kernel_modules = {id(m) for m in _modules(package)}
+    jitted = {d.py_func.__code__ for d in dispatchers}
+    from_jit: set[int] = set()
+    for d in dispatchers:
+        fn = d.py_func
+        from_jit |= _named_dispatchers(fn.__code__, fn.__globals__, kernel_modules, jitted - {fn.__code__})
+        from_jit |= {id(cell.cell_contents) for cell in fn.__closure__ or ()}
+    from_python: set[int] = set()
+    for fn in _python_functions(package.partition(".")[0]):
+        if fn.__code__ in jitted:  # a dispatcher's own py_func, reached through __wrapped__
+            continue
+        from_python |= _named_dispatchers(fn.__code__, fn.__globals__, kernel_modules, jitted)
+    return [d for d in dispatchers if id(d) in from_python or id(d) not in from_jit]
+
+
+def _import_submodules(package: str) -> None:
+    """Import the modules of `package` that import numba (a module imported lazily, on a first
+    call, holds kernels too); others are left alone, since importing one may have effects."""
+    try:
+        pkg = importlib.import_module(package)
+    except ImportError:
+        return
+    for info in pkgutil.iter_modules(getattr(pkg, "__path__", [])):
+        name = f"{package}.{info.name}"
+        if name in sys.modules or not _imports_numba(name):
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # an optional dependency is missing: those kernels never run
+            log.debug("not preloading %s: %s", name, exc)
+
+
+def _imports_numba(module: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(module)
+        source = Path(spec.origin).read_text(encoding="utf-8") if spec and spec.origin else ""
+    except (ImportError, OSError, ValueError):
+        return False
+    return re.search(r"^\s*(from|import)\s+numba\b", source, re.MULTILINE) is not None
+
+
+def _modules(package: str) -> list[ModuleType]:
+    return [
+        m
+        for name, m in list(sys.modules.items())
+        if isinstance(m, ModuleType) and (name == package or name.startswith(package + "."))
+    ]
+
+
+def _python_functions(package: str) -> Iterator[FunctionType]:
+    """Plain functions, methods and properties defined in the loaded modules of `package`."""
+    for module in _modules(package):
+        for value in list(vars(module).values()):
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            members = list(vars(value).values()) if isinstance(value, type) else [value]
+            for member in members:
+                for obj in (member, getattr(member, "__func__", None), getattr(member, "fget", None)):
+                    fn = inspect.unwrap(obj) if callable(obj) else obj
+                    if isinstance(fn, FunctionType):
+                        yield fn
+
+
+def _named_dispatchers(
+    code: CodeType, env: dict[str, Any], kernel_modules: set[int], skip: set[CodeType]
+) -> set[int]:
+    """ids of the dispatchers that `code`, or code nested in it other than `skip`, names through
+    its globals `env`, as `name` or as `module.name` for a kernel module."""
+    from numba.core.dispatcher import Dispatcher
+
+    found: set[int] = set()
+    stack = [code]
+    while stack:
+        co = stack.pop()
+        names = set(co.co_names)
+        for name in names:
+            value = env.get(name)
+            if isinstance(value, Dispatcher):
+                found.add(id(value))
+            elif isinstance(value, ModuleType) and id(value) in kernel_modules:
+                found |= {id(v) for v in (vars(value).get(a) for a in names) if isinstance(v, Dispatcher)}
+        stack.extend(c for c in co.co_consts if isinstance(c, CodeType) and c not in skip)
+    return found
+
+
+# -- loading from numba's cache -----------------------------------------------------------------
+def preload_cached(dispatchers: Iterable[Any]) -> int:
+    """Load from numba's disk cache each overload of `dispatchers` that was compiled for this
+    machine and the current source; returns how many were loaded. Never compiles: entries for
+    another CPU or for older code are skipped, and so is a dispatcher whose cache this does not
+    understand (numba's private API)."""
+    pending = [(disp, sig) for disp in dispatchers for sig in _safe_signatures(disp)]
+    if not pending:
+        return 0
+    with _without_scipy_linalg():
+        # numba's first cache load imports every lowering module; one asks for scipy's BLAS,
+        # which prima's kernels never use (numba imports it again if a later compile does).
+        try:
+            pending[0][0].targetctx.refresh()
+        except Exception as exc:  # noqa: BLE001 - numba private API; compile() refreshes anyway
+            log.debug("numba's target refresh failed: %s", exc)
+    loaded = 0
+    for disp, sig in pending:
+        try:
+            disp.compile(sig)
+            _park_linking_module(disp.overloads[tuple(sig)].library)
+            loaded += 1
+        except Exception as exc:  # noqa: BLE001 - best effort: the first call loads it instead
+            log.debug("could not preload %s%s from numba's cache: %s", disp.__name__, sig, exc)
+    return loaded
+
+
+def _cached_signatures(disp: Any) -> Iterator[tuple]:
+    """Signatures in `disp`'s cache index whose key (signature, CPU, bytecode hash) is the one
+    numba itself looks up here, so that compile() of them is a cache load."""
+    from numba.core.caching import Cache
+
+    cache = getattr(disp, "_cache", None)
+    if not isinstance(cache, Cache):
+        return
+    codegen = disp.targetctx.codegen()
+    for key in cache._cache_file._load_index():
+        sig = key[0]
+        if key == cache._index_key(sig, codegen):
+            yield sig
+
+
+def _safe_signatures(disp: Any) -> list[tuple]:
+    try:
+        return [sig for sig in _cached_signatures(disp) if tuple(sig) not in disp.overloads]
+    except Exception:  # noqa: BLE001 - numba private API
+        return []
+
+
+@contextmanager
+def _without_scipy_linalg() -> Iterator[None]:
+    """`import scipy.linalg` fails inside (unless it is already imported): ~16 MiB not loaded."""
+    if "scipy.linalg" in sys.modules:
+        yield
+        return
+    sys.modules["scipy.linalg"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if "scipy.linalg" in sys.modules and sys.modules["scipy.linalg"] is None:
+            del sys.modules["scipy.linalg"]
+
+
+def _park_linking_module(library: Any) -> None:
+    """Keep a cache-loaded library's linking module as bitcode, parsed again only when numba
+    links it into a new compile. That LLVM IR (~1 MiB per overload, several for a fused layer)
+    serves nothing else: the loaded machine code runs without it."""
+    module = getattr(library, "_shared_module", None)
+    relink = getattr(type(library), "_get_module_for_linking", None)
+    if module is None or relink is None or "_get_module_for_linking" in vars(library):
+        return
+    import llvmlite.binding as llvm
+
+    bitcode = module.as_bitcode()
+
+    def module_for_linking() -> Any:
+        if library._shared_module is None:
+            library._shared_module = llvm.parse_bitcode(bitcode)
+        return relink(library)
+
+    library._get_module_for_linking = module_for_linking
+    library._shared_module = None
+
+
+# -- releasing the compiler's pages -------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryMap:
+    """One mapping of /proc/<pid>/smaps: address range, permissions, file, and its resident and
+    private-dirty (copy-on-write or anonymous) sizes in bytes."""
+
+    start: int
+    end: int
+    perms: str
+    path: str
+    rss: int
+    anonymous: int
+
+
+def mappings(pid: str = "self") -> list[MemoryMap]:
+    """The process's mappings ([] where there is no /proc)."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return []
+    out: list[MemoryMap] = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if not fields:
+            continue
+        if not fields[0].endswith(":"):  # "start-end perms offset dev inode [path]" opens a mapping
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            out.append(MemoryMap(start, end, fields[1], fields[5] if len(fields) > 5 else "", 0, 0))
+        elif out and fields[0] in ("Rss:", "Anonymous:"):
+            size = int(fields[1]) * 1024
+            field = "rss" if fields[0] == "Rss:" else "anonymous"
+            out[-1] = replace(out[-1], **{field: size})
+    return out
+
+
+def compiler_mappings() -> list[MemoryMap]:
+    """Mappings of COMPILER_LIBRARIES safe to drop: not writable and without private pages, so
+    every resident page equals the file's and refaults unchanged. RELRO (read-only after the
+    loader relocated it, so private) and .data/.bss never qualify: dropping those corrupts LLVM."""
+    return [
+        m
+        for m in mappings()
+        if Path(m.path).name.startswith(COMPILER_LIBRARIES) and "w" not in m.perms and m.anonymous == 0
+    ]
+
+
+def release_compiler_pages() -> int:
+    """Drop the resident pages of compiler_mappings() and return free heap pages to the OS;
+    returns the compiler bytes released (0 where madvise or /proc is unavailable)."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    released = 0
+    for m in compiler_mappings():
+        if m.rss and libc.madvise(m.start, m.end - m.start, _MADV_DONTNEED) == 0:
+            released += m.rss
+    trim = getattr(libc, "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
+    return released
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise.restype = ctypes.c_int
+    return libc
