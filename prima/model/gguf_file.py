@@ -4,18 +4,20 @@ gguf-py's `GGUFReader` builds a Python object per array element, which takes ~14
 262k-token vocabulary; a daemon must start in well under a second, so the header is parsed
 here with `struct` and numpy, using gguf-py's enums and block sizes as the source of truth.
 Tensor data is never copied: every tensor is a numpy view into the file's mmap, so weights live
-in the OS page cache and the OS may reclaim them under pressure.
+in the OS page cache and the OS may reclaim them under pressure. String arrays (the vocabulary and
+its merges) stay there too, as `StringArray`s decoded on access.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -73,11 +75,79 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+class StringArray(Sequence[str]):
+    """A GGUF array of strings, decoded on access from the mapped header: one offset per string
+    instead of a Python str each (a 49k-token vocabulary and its merges hold ~8 MiB as strs,
+    and for a 262k-token one the list alone would be ~20 MiB)."""
+
+    def __init__(self, data: np.ndarray, starts: np.ndarray) -> None:
+        # String i is data[starts[i] : starts[i + 1] - 8]: each is followed by the next one's
+        # u64 length, and the last entry of `starts` sits 8 bytes past the end of the last string.
+        self._data = data
+        self._starts = starts
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"string index {i} out of range for {n} strings")
+        start, end = int(self._starts[i]), int(self._starts[i + 1]) - 8
+        return self._data[start:end].tobytes().decode("utf-8", errors="replace")
+
+    def __iter__(self) -> Iterator[str]:
+        if not len(self):
+            return
+        base = int(self._starts[0])
+        raw = self._data[base : int(self._starts[-1]) - 8].tobytes()
+        starts = (self._starts - base).tolist()
+        for start, nxt in zip(starts, starts[1:], strict=False):
+            yield raw[start : nxt - 8].decode("utf-8", errors="replace")
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, str):
+            return False
+        lengths = np.diff(self._starts) - 8  # only strings of the same UTF-8 length can be equal
+        return any(self[i] == value for i in np.flatnonzero(lengths == len(value.encode("utf-8"))).tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return self.digest() == other.digest()
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s) for s in self[:3])
+        return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], n={len(self)})"
+
+    def digest(self) -> bytes:
+        """SHA-256 of the strings as stored (with their length prefixes): equal digests, equal arrays."""
+        if not len(self):
+            return hashlib.sha256(b"").digest()
+        start, end = int(self._starts[0]) - 8, int(self._starts[-1]) - 8
+        return hashlib.sha256(self._data[start:end]).digest()
+
+
 class _Cursor:
     """Bounds-checked little-endian reader over the mapped header."""
 
-    def __init__(self, buf: memoryview, path: Path) -> None:
+    def __init__(self, buf: memoryview, path: Path, array: np.ndarray) -> None:
         self.buf = buf
+        self.array = array  # the same bytes as a uint8 array, for StringArray views
         self.pos = 0
         self.path = path
 
@@ -134,8 +204,26 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).copy()
                 self.pos += n * dtype.itemsize
                 return arr.astype(bool) if item_type == GGUFValueType.BOOL else arr
+            if item_type == GGUFValueType.STRING:
+                return self.strings(n)
             return [self.value(item_type) for _ in range(n)]
         return self.scalar(_SCALAR_FORMATS[kind])
+
+    def strings(self, n: int) -> StringArray:
+        """n length-prefixed strings, indexed but not decoded."""
+        length = struct.Struct("<Q").unpack_from
+        starts = []
+        for _ in range(n):
+            self.need(8)
+            (count,) = length(self.buf, self.pos)
+            if count > _MAX_STRING_BYTES:
+                raise ModelFileError(f"{self.path}: implausible string length {count}; the file is corrupt")
+            self.pos += 8
+            self.need(count)
+            starts.append(self.pos)
+            self.pos += count
+        starts.append(self.pos + 8)
+        return StringArray(self.array, np.array(starts, dtype=np.uint32 if self.pos < 1 << 31 else np.int64))
 
 
 class GGUFFile:
@@ -160,7 +248,7 @@ class GGUFFile:
 
     # -- parsing -------------------------------------------------------------------------------
     def _parse(self) -> None:
-        cur = _Cursor(memoryview(self._mmap), self.path)
+        cur = _Cursor(memoryview(self._mmap), self.path, self.data)
         cur.need(4)
         magic = bytes(cur.buf[0:4])
         cur.pos = 4

@@ -10,6 +10,7 @@ split across byte tokens comes out whole; `StreamDecoder` does the same one id a
 from __future__ import annotations
 
 import codecs
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,6 +20,7 @@ import numpy as np
 from gguf import TokenType
 
 from prima.errors import TokenizerError
+from prima.model.gguf_file import StringArray
 from prima.model.tokenizer_bpe import ByteLevelBPE
 from prima.model.tokenizer_spm import SentencePieceBPE
 
@@ -53,8 +55,8 @@ class _FragmentModel(Protocol):
     def normal_piece(self, text: str) -> bytes: ...
 
 
-# Vocabulary structures keyed by the content of everything they are built from, so opening the same
-# model again (a new GGUFFile, new lists) reuses them: hashing 262k strings takes ~20 ms, building ~150.
+# Vocabulary structures keyed by hashes of everything they are built from, so opening the same model
+# again (a new GGUFFile) reuses them: hashing a 262k-token vocabulary takes ~10 ms, building ~150.
 _MODEL_CACHE: OrderedDict[int, tuple[tuple[Any, ...], _FragmentModel]] = OrderedDict()
 
 
@@ -291,11 +293,11 @@ def _cached_model(
         if not merges:
             raise TokenizerError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges, which this GGUF lacks")
         pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
-        inputs: tuple[Any, ...] = (kind, pre, tuple(tokens), tuple(merges))
+        inputs: tuple[Any, ...] = (kind, pre, _digest(tokens), _digest(merges))
     else:
         scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), dtype=np.float32)
         unk = _optional_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-        inputs = (kind, add_space_prefix, unk, tuple(tokens), scores.tobytes())
+        inputs = (kind, add_space_prefix, unk, _digest(tokens), hashlib.sha256(scores.tobytes()).digest())
     key = hash(inputs)
     hit = _MODEL_CACHE.get(key)
     if hit is not None and hit[0] == inputs:
@@ -312,3 +314,15 @@ def _cached_model(
     while len(_MODEL_CACHE) > _CACHE_SIZE:
         _MODEL_CACHE.popitem(last=False)
     return model
+
+
+def _digest(strings: Sequence[str]) -> bytes:
+    """A content hash of a string list (the cache key holds this, not a copy of the vocabulary)."""
+    if isinstance(strings, StringArray):
+        return strings.digest()
+    h = hashlib.sha256()
+    for text in strings:
+        raw = text.encode("utf-8", errors="surrogatepass")
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
+    return h.digest()

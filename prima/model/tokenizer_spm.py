@@ -10,6 +10,7 @@ Spaces are written as U+2581 (`▁`) before merging.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,7 +29,8 @@ class SentencePieceBPE:
     ) -> None:
         # Later duplicates win, as in llama.cpp's token_to_id map.
         self._ids = {tok: i for i, tok in enumerate(tokens)}
-        self._scores: list[float] = scores.astype(np.float32).tolist()
+        # array('f'): 4 bytes a score and Python floats on indexing (a list of floats costs ~32).
+        self._scores = array("f", scores.astype(np.float32).tobytes())
         self._add_space_prefix = add_space_prefix
         self._byte_ids = [self._ids.get(f"<0x{b:02X}>", unk_id) for b in range(256)]
 
