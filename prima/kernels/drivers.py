@@ -127,9 +127,9 @@ def _fetch_add(typingctx, counter):  # noqa: ANN001, ANN202, ARG001
 # Row chunks are handed out first come, first served, not split evenly up front: a worker that
 # wakes late (a futex wake-up costs ~20 us on a VM, as much as a small matvec's share) then just
 # takes fewer chunks instead of making everyone wait for its fixed half at the join. The parallel
-# loop runs over WORKER_SLOTS slots (more than any thread count; a slot that finds no chunk left
-# ends at once) because asking numba for the thread count inside would make it uncacheable.
-WORKER_SLOTS = 256
+# loop runs over WORKER_SLOTS slots (at least the thread count; a slot that finds every chunk
+# taken ends at once) because asking numba for the thread count inside would make it uncacheable.
+WORKER_SLOTS = 64
 
 
 @njit(parallel=True, cache=True)
@@ -144,6 +144,8 @@ def matvec(
     n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(WORKER_SLOTS):
+        if counter[0] >= n_chunks:  # all taken: a plain read, no write to the shared line
+            continue
         ch = _fetch_add(counter)
         while ch < n_chunks:
             for r in range(ch * CHUNK_ROWS, min(total, (ch + 1) * CHUNK_ROWS)):
@@ -171,6 +173,8 @@ def matvec_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarr
     n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(WORKER_SLOTS):
+        if counter[0] >= n_chunks:  # all taken: a plain read, no write to the shared line
+            continue
         ch = _fetch_add(counter)
         while ch < n_chunks:
             start = ch * CHUNK_ROWS
