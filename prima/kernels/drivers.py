@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from prima.kernels import int8_dots as i8
 from prima.kernels import k_quants as kq
@@ -113,25 +111,6 @@ def _deq(fmt: int, row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
         kq.deq_q6_k(row, lut, y)
 
 
-@intrinsic
-def _fetch_add(typingctx, counter):  # noqa: ANN001, ANN202, ARG001
-    """Atomically counter[0] += 1; returns the old value (the next chunk to take)."""
-
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return types.int64(counter), codegen
-
-
-# Row chunks are handed out first come, first served, not split evenly up front: a worker that
-# wakes late (a futex wake-up costs ~20 us on a VM, as much as a small matvec's share) then just
-# takes fewer chunks instead of making everyone wait for its fixed half at the join. The parallel
-# loop runs over WORKER_SLOTS slots (at least the thread count; a slot that finds every chunk
-# taken ends at once) because asking numba for the thread count inside would make it uncacheable.
-WORKER_SLOTS = 64
-
-
 @njit(parallel=True, cache=True)
 def matvec(
     fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray
@@ -142,20 +121,14 @@ def matvec(
     rab = ra + b.shape[0]
     total = rab + c.shape[0]
     n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
-    counter = np.zeros(1, dtype=np.int64)
-    for _ in prange(WORKER_SLOTS):
-        if counter[0] >= n_chunks:  # all taken: a plain read, no write to the shared line
-            continue
-        ch = _fetch_add(counter)
-        while ch < n_chunks:
-            for r in range(ch * CHUNK_ROWS, min(total, (ch + 1) * CHUNK_ROWS)):
-                if r < ra:
-                    _dot(fmt, a[r], x, lut, out, r)
-                elif r < rab:
-                    _dot(fmt, b[r - ra], x, lut, out, r)
-                else:
-                    _dot(fmt, c[r - rab], x, lut, out, r)
-            ch = _fetch_add(counter)
+    for ch in prange(n_chunks):
+        for r in range(ch * CHUNK_ROWS, min(total, (ch + 1) * CHUNK_ROWS)):
+            if r < ra:
+                _dot(fmt, a[r], x, lut, out, r)
+            elif r < rab:
+                _dot(fmt, b[r - ra], x, lut, out, r)
+            else:
+                _dot(fmt, c[r - rab], x, lut, out, r)
 
 
 @njit(parallel=True, cache=True)
@@ -171,24 +144,18 @@ def matvec_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarr
     rab = ra + b.shape[0]
     total = rab + c.shape[0]
     n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
-    counter = np.zeros(1, dtype=np.int64)
-    for _ in prange(WORKER_SLOTS):
-        if counter[0] >= n_chunks:  # all taken: a plain read, no write to the shared line
-            continue
-        ch = _fetch_add(counter)
-        while ch < n_chunks:
-            start = ch * CHUNK_ROWS
-            stop = min(total, start + CHUNK_ROWS)
-            # The chunk's rows, split where it crosses from A to B or B to C.
-            if start < ra:
-                _qdot_rows(fmt, a, start, min(stop, ra), xq, xd, xs, out, start)
-            if start < rab and stop > ra:
-                lo = max(start, ra)
-                _qdot_rows(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, out, lo)
-            if stop > rab:
-                lo = max(start, rab)
-                _qdot_rows(fmt, c, lo - rab, stop - rab, xq, xd, xs, out, lo)
-            ch = _fetch_add(counter)
+    for ch in prange(n_chunks):
+        start = ch * CHUNK_ROWS
+        stop = min(total, start + CHUNK_ROWS)
+        # The chunk's rows, split where it crosses from A to B or B to C.
+        if start < ra:
+            _qdot_rows(fmt, a, start, min(stop, ra), xq, xd, xs, out, start)
+        if start < rab and stop > ra:
+            lo = max(start, ra)
+            _qdot_rows(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, out, lo)
+        if stop > rab:
+            lo = max(start, rab)
+            _qdot_rows(fmt, c, lo - rab, stop - rab, xq, xd, xs, out, lo)
 
 
 @njit(parallel=True, cache=True)
