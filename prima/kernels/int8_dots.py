@@ -433,6 +433,7 @@ def _legacy_kernel(block):  # noqa: ANN001, ANN202
         acc0 = carray(acc0p, 16)
         acc1 = carray(acc1p, 16)
         nb = xq.shape[1] // 32
+        block_bytes = w.shape[1] // nb
         for r in range(r0, r1):
             wr = r * w.strides[0]
             for k in range(xq.shape[0]):
@@ -441,9 +442,10 @@ def _legacy_kernel(block):  # noqa: ANN001, ANN202
                 _zero(acc1)
                 t0 = np.float32(0.0)
                 t1 = np.float32(0.0)
-                for b in range(0, nb - 1, 2):
+                for i in range(nb // 2):
+                    b = 2 * i
                     if PREFETCH_AHEAD:
-                        prefetch(w, wr + b * w.shape[1] // nb + PREFETCH_AHEAD)
+                        prefetch(w, wr + b * block_bytes + PREFETCH_AHEAD)
                     t0 += block(acc0p, w, r, wr, b, xq, xd, xs, k, xk)
                     t1 += block(acc1p, w, r, wr, b + 1, xq, xd, xs, k, xk)
                 if nb % 2:

@@ -14,13 +14,11 @@ DEFAULTS: dict[str, str] = {
     # Prefill parallelism comes from prima's tile threads, so BLAS itself stays single-threaded.
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
-    # libgomp's workers spin briefly (2000 polls, ~0.1 ms) after a parallel launch, then sleep.
-    # A decode step makes ~4 launches per layer with a few microseconds of Python between them:
-    # workers that sleep at once pay a futex wake-up (~20 us on a VM) per launch, ~2 ms per
-    # SmolLM2 token; workers that spin without limit burn the time slice the other thread needs
-    # on a loaded machine (383 ms/token at GOMP_SPINCOUNT=20000 with the load average at 4.6 on 2
-    # cores). OMP_WAIT_POLICY=passive (sleep at once) or active (always spin) override this.
-    "GOMP_SPINCOUNT": "2000",
+    # libgomp's workers sleep between launches instead of spinning. On a loaded machine a
+    # spinning worker burns the time slice the other one needs to reach the barrier: SmolLM2
+    # decode at 2 threads took 383 ms/token spinning (GOMP_SPINCOUNT=20000), 57-120 passive, with
+    # the load average at 4.6 on 2 cores. A dedicated machine may prefer OMP_WAIT_POLICY=active.
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 
