@@ -1,0 +1,35 @@
+"""`prima bench`: one worker process per engine, medians and peak memory as JSON (prima alone
+here; the comparison with llama.cpp needs the optional llama-cpp-python)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prima.cli.main import main
+
+
+@pytest.mark.slow
+def test_bench_reports_prima_alone_as_json(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "-m", str(smollm2_path), "--no-llama", "--reps", "2", "--threads", "2"]
+    assert main([*args, "--prompt-tokens", "12", "--gen-tokens", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prima_mode"] == "q8"
+    assert report["threads"] == 2
+    (model,) = report["models"]
+    assert model["model"] == smollm2_path.name
+    (prima,) = model["results"]
+    assert prima["engine"] == "prima"
+    assert len(prima["runs"]) == 2
+    assert all(pp > 0 and tg > 0 for pp, tg in prima["runs"])
+    assert prima["ms_per_token"] == pytest.approx(1000.0 / prima["decode_tok_s"])
+    # The worker maps at least the weights it read; its private memory is counted apart.
+    assert prima["peak_rss_mib"] >= prima["rss_file_mib"] > 0
+    assert "ratios" not in model
+
+
+def test_bench_rejects_non_positive_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--no-llama", "--reps", "0"]) == 1
+    assert "--reps, --prompt-tokens and --gen-tokens must be positive" in capsys.readouterr().err
