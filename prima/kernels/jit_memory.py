@@ -78,6 +78,8 @@ def entry_dispatchers(package: str = KERNEL_PACKAGE) -> list[Any]:
     other kernels call is left out: its callers' cached code already contains it, and loading
     its own overloads would only cost memory (1-8 MiB each)."""
     dispatchers = kernel_dispatchers(package)
+    if not dispatchers:  # no numba (or no kernels): nothing to preload
+        return []
     kernel_modules = {id(m) for m in _modules(package)}
     jitted = {d.py_func.__code__ for d in dispatchers}
     from_jit: set[int] = set()

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from prima.backends.base import Backend
-from prima.kernels import fused_ops, ops
+from prima.kernels import ops
+
+try:
+    from prima.kernels import fused_ops
+except ImportError:  # no numba on this device: the same glue in numpy (slow, but it runs)
+    from prima.kernels import glue_numpy as fused_ops  # type: ignore[no-redef]
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
 from prima.model.weights import LayerWeights, ModelWeights

@@ -1,0 +1,103 @@
+"""The per-layer glue of prima.kernels.fused_ops in numpy, for a device without numba.
+
+Same functions, same arguments, same float32 arithmetic as the numba kernels (which are faster:
+at decode a numpy call costs more than the math); prima.model.transformer uses this module only
+when fused_ops cannot be imported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prima.kernels import ops
+from prima.model.config import ROPE_NEOX
+
+NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return ops.rms_norm(x, w, eps).astype(np.float32)
+
+
+def residual_norm(
+    x: np.ndarray, y: np.ndarray, post_w: np.ndarray, norm_w: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """h = x + post_norm(y) (post_norm skipped when post_w is empty); returns (h, norm(h) * norm_w)
+    (the second is empty when norm_w is)."""
+    h = x + (rms_norm(y, post_w, eps) if post_w.size else y)
+    hn = rms_norm(h, norm_w, eps) if norm_w.size else np.empty((0, x.shape[1]), dtype=np.float32)
+    return h, hn
+
+
+def qkv_rope(
+    qkv: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    q_bias: np.ndarray,
+    k_bias: np.ndarray,
+    v_bias: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    neox: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split qkv (n, (H + 2 KVH) hd) into q (n, H, hd), k, v (n, KVH, hd); biases, QK norms, RoPE."""
+    n = qkv.shape[0]
+    kv0 = n_heads * head_dim
+    v0 = kv0 + n_kv_heads * head_dim
+    parts = []
+    for lo, hi, heads, bias in ((0, kv0, n_heads, q_bias), (kv0, v0, n_kv_heads, k_bias), (v0, None, n_kv_heads, v_bias)):
+        part = qkv[:, lo:hi] + bias if bias.size else qkv[:, lo:hi]
+        parts.append(np.ascontiguousarray(part, dtype=np.float32).reshape(n, heads, head_dim))
+    q, k, v = parts
+    if q_norm.size:
+        q = rms_norm(q, q_norm, eps)
+    if k_norm.size:
+        k = rms_norm(k, k_norm, eps)
+    return _rope(q, positions, inv_freq, neox), _rope(k, positions, inv_freq, neox), v
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    cos = np.cos(angles).astype(np.float32)[:, None, :]
+    sin = np.sin(angles).astype(np.float32)[:, None, :]
+    half = inv_freq.shape[0]
+    out = x.copy()
+    if neox:
+        a, b = slice(0, half), slice(half, 2 * half)
+    else:
+        a, b = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    out[..., a] = x[..., a] * cos - x[..., b] * sin
+    out[..., b] = x[..., a] * sin + x[..., b] * cos
+    return out
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    t: int,
+    positions: np.ndarray,
+    scale: float,
+    window: int,
+) -> np.ndarray:
+    """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t); (n, H * hd)."""
+    return ops.attention(q, k_cache[:t], v_cache[:t], positions, scale, window).astype(np.float32)
+
+
+def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
+    """act(gate) * up from the merged gate/up projection."""
+    gate, up = gate_up[:, :ffn_dim], gate_up[:, ffn_dim:]
+    act = ops.gelu(gate) if activation == "gelu" else ops.silu(gate)
+    return (act * up).astype(np.float32)
+
+
+def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
+    return ops.rope_inv_freq(rope_dim, base)
+
+
+def is_neox(rope_type: str) -> bool:
+    return rope_type == ROPE_NEOX
