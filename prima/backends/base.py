@@ -27,3 +27,9 @@ class Backend(Protocol):
     def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""
         ...
+
+
+# Optional, for a backend that can run a whole transformer block in one call at decode (the CPU
+# backend does): `fused_block(layer, config, inv_freq, window)` returns an opaque block or None,
+# `run_block(block, x, positions, k_cache, v_cache, t)` runs it on up to `fused_max_tokens`
+# tokens. The model looks them up with getattr; a backend without them runs blocks step by step.

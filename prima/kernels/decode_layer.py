@@ -18,6 +18,7 @@ caller has already checked that the cache rows [positions] are writable (KVCache
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from llvmlite import ir
@@ -28,6 +29,9 @@ from prima.kernels import drivers, fused_ops, ops
 from prima.kernels.quants import F16_TABLE
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from prima.model.weights import LayerWeights
 
 PROJECTIONS: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VECTORS: tuple[str, ...] = (
@@ -207,7 +211,9 @@ class FusedBlock:
     config: ModelConfig
 
     @staticmethod
-    def build(layer: object, config: ModelConfig, inv_freq: np.ndarray, window: int) -> FusedBlock | None:
+    def build(
+        layer: LayerWeights, config: ModelConfig, inv_freq: np.ndarray, window: int
+    ) -> FusedBlock | None:
         """The block of LayerWeights `layer`, or None when a projection has a format without a
         fused kernel (float weights): those blocks keep the step-by-step path."""
         tensors: list[QTensor] = [getattr(layer, name) for name in PROJECTIONS]
