@@ -111,3 +111,31 @@ def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
     got = dl._project3(*(int(q) for q in formats), *raws, x, int8, F16_TABLE)  # noqa: SLF001
     expected = np.concatenate([mm.matmul(w, x, int8) for w in ws], axis=1)
     np.testing.assert_array_equal(got, expected)
+
+
+def test_fused_block_with_a_long_context_uses_parallel_attention_and_agrees(smollm2_path: Path) -> None:
+    """Past fused_ops.ATTENTION_PARALLEL_MIN keys the block's attention runs in parallel; still
+    the step-by-step path's bits."""
+    from prima.kernels import fused_ops
+
+    loaded = _load(smollm2_path, "q8")
+    model = loaded.model
+    n_prompt = fused_ops.ATTENTION_PARALLEL_MIN + 8
+    ids = np.arange(100, 100 + n_prompt + 2)
+    results = []
+    for fused in (True, False):
+        saved = model.backend.fused_max_tokens
+        model.backend.fused_max_tokens = saved if fused else 0
+        try:
+            cache_ = model.new_cache(n_prompt + 4)
+            n = model.config.n_layers
+            model.forward_layers(model.embed(ids[:n_prompt]), np.arange(n_prompt), 0, n, cache_)
+            steps = [
+                model.forward_layers(model.embed(ids[p : p + 1]), np.array([p]), 0, n, cache_)
+                for p in (n_prompt, n_prompt + 1)
+            ]
+            results.append(steps)
+        finally:
+            model.backend.fused_max_tokens = saved
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
