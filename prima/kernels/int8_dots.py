@@ -14,8 +14,6 @@ Supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; other formats run the exact
 
 from __future__ import annotations
 
-import os
-
 import numba
 import numpy as np
 from llvmlite import binding as llvm
@@ -194,7 +192,8 @@ def f16_at(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
 # Bytes ahead of the current block that the kernels ask the CPU to fetch. Weights come from
 # page-cache pages, 4 KiB each and scattered in physical memory, where the hardware prefetcher
 # stops at every page boundary; a software prefetch crosses it.
-PREFETCH_AHEAD = int(os.environ.get("PRIMA_PREFETCH", "1024"))
+# A constant, not a setting: numba compiles it into cached kernels, which would ignore a change.
+PREFETCH_AHEAD = 1024
 
 
 @intrinsic
@@ -463,8 +462,7 @@ def _legacy_kernel(block):  # noqa: ANN001, ANN202
                 t1 = np.float32(0.0)
                 for i in range(nb // 2):
                     b = 2 * i
-                    if PREFETCH_AHEAD:
-                        prefetch(w, wr + b * block_bytes + PREFETCH_AHEAD)
+                    prefetch(w, wr + b * block_bytes + PREFETCH_AHEAD)
                     t0 += block(acc0p, w, r, wr, b, xq, xd, xs, k, xk)
                     t1 += block(acc1p, w, r, wr, b + 1, xq, xd, xs, k, xk)
                 if nb % 2:

@@ -3,6 +3,8 @@ order, so the same bits, on both test models, in both modes, for 1 to 4 tokens."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -26,12 +28,22 @@ def _load(path: Path, mode: str) -> LoadedModel:
     return load_model(path, threads=2, mode=mode)
 
 
+@contextmanager
+def _blocks(loaded: LoadedModel, fused: bool) -> Iterator[None]:
+    """Blocks run as one call (fused) or step by step (the backend takes no token count fused)."""
+    backend = loaded.model.backend
+    saved = backend.fused_max_tokens
+    backend.fused_max_tokens = saved if fused else 0
+    try:
+        yield
+    finally:
+        backend.fused_max_tokens = saved
+
+
 def _decode(loaded: LoadedModel, fused: bool, ids: list[int], n_step: int) -> list[np.ndarray]:
     """Hidden states after every layer-stack pass: a 6-token prompt in steps of n_step tokens."""
     model = loaded.model
-    saved = model.backend.fused_max_tokens
-    model.backend.fused_max_tokens = saved if fused else 0
-    try:
+    with _blocks(loaded, fused):
         cache_ = model.new_cache(32)
         out = []
         for s in range(0, len(ids), n_step):
@@ -39,8 +51,6 @@ def _decode(loaded: LoadedModel, fused: bool, ids: list[int], n_step: int) -> li
             h = model.embed(chunk)
             out.append(model.forward_layers(h, np.arange(s, s + chunk.size), 0, model.config.n_layers, cache_))
         return out
-    finally:
-        model.backend.fused_max_tokens = saved
 
 
 @pytest.mark.parametrize("mode", ["q8", "exact"])
@@ -123,19 +133,16 @@ def test_fused_block_with_a_long_context_uses_parallel_attention_and_agrees(smol
     n_prompt = fused_ops.ATTENTION_PARALLEL_MIN + 8
     ids = np.arange(100, 100 + n_prompt + 2)
     results = []
+    n = model.config.n_layers
     for fused in (True, False):
-        saved = model.backend.fused_max_tokens
-        model.backend.fused_max_tokens = saved if fused else 0
-        try:
+        with _blocks(loaded, fused):
             cache_ = model.new_cache(n_prompt + 4)
-            n = model.config.n_layers
             model.forward_layers(model.embed(ids[:n_prompt]), np.arange(n_prompt), 0, n, cache_)
-            steps = [
-                model.forward_layers(model.embed(ids[p : p + 1]), np.array([p]), 0, n, cache_)
-                for p in (n_prompt, n_prompt + 1)
-            ]
-            results.append(steps)
-        finally:
-            model.backend.fused_max_tokens = saved
+            results.append(
+                [
+                    model.forward_layers(model.embed(ids[p : p + 1]), np.array([p]), 0, n, cache_)
+                    for p in (n_prompt, n_prompt + 1)
+                ]
+            )
     for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(a, b)
