@@ -20,6 +20,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     get.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}")
     get.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     get.set_defaults(func=run)
+    synth = actions.add_parser(
+        "synth",
+        help="write a random-weight GGUF of a chosen size (for trying models bigger than memory)",
+        description="Write a random-weight llama-family GGUF with a real tokenizer (copied from "
+        "--tokenizer-from). It runs and pages like a real model of that shape; its text is noise.",
+    )
+    synth.add_argument("output", help="path of the GGUF to write")
+    synth.add_argument("--size", default=None, help="target file size, e.g. 1G (sets the layer count)")
+    synth.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
+    synth.add_argument("--d-model", type=int, default=2048, help="hidden size (default 2048)")
+    synth.add_argument("--ffn", type=int, default=8192, help="feed-forward size (default 8192)")
+    synth.add_argument("--heads", type=int, default=32, help="attention heads (default 32)")
+    synth.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    synth.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3"))
+    synth.add_argument("--type", dest="qtype", default="Q4_1", help="weight type: Q4_1 (default), Q4_0, Q8_0, F16, F32")
+    synth.add_argument(
+        "--tokenizer-from", default=DEFAULT_MODEL, help=f"model whose tokenizer to copy (default {DEFAULT_MODEL})"
+    )
+    synth.add_argument("--seed", type=int, default=0)
+    synth.set_defaults(func=run_synth)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from prima.cli.primad import parse_bytes
+    from prima.model.gguf_file import GGUFFile
+    from prima.model.registry import resolve_model
+    from prima.model.synth import SynthSpec, describe, spec_for_size, write_synth_model
+
+    source = resolve_model(args.tokenizer_from)
+    shape = dict(
+        arch=args.arch,
+        n_layers=args.layers,
+        d_model=args.d_model,
+        ffn=args.ffn,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        qtype=args.qtype.upper(),
+        seed=args.seed,
+    )
+    with GGUFFile(source) as gguf:
+        vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
+    spec = spec_for_size(parse_bytes(args.size), vocab, **shape) if args.size else SynthSpec(**shape)
+    out = write_synth_model(args.output, spec, source)
+    print(f"{out}: {describe(spec, vocab)}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
