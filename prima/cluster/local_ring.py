@@ -12,7 +12,7 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +53,12 @@ class LocalRing:
         log_dir: Path | None = None,
         names: Sequence[str] | None = None,
         mdns: bool = False,
+        preexec: Sequence[Callable[[], None] | None] | None = None,
     ) -> LocalRing:
         """Start `n` daemons (named node0..node{n-1} unless `names`) and wait until each prints
         its ready line. `models` and `mem_budgets` optionally give each node its own file or
-        budget; `mdns` lets them advertise on 127.0.0.1."""
+        budget; `mdns` lets them advertise on 127.0.0.1; `preexec[i]` runs in daemon i's process before
+        it starts (e.g. joining a memory cgroup, see cluster.emulate)."""
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
         names = list(names) if names else [f"node{i}" for i in range(n)]
@@ -81,15 +83,23 @@ class LocalRing:
                     cmd.append("--no-mdns")
                 if mem_budgets and mem_budgets[i]:
                     cmd += ["--mem-budget", mem_budgets[i]]
+                before = preexec[i] if preexec else None
                 if log_dir:
                     with open(log_dir / f"node{i}.log", "w") as stderr:  # the child keeps its own copy
                         procs.append(
-                            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+                            subprocess.Popen(
+                                cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=before
+                            )
                         )
                 else:
                     procs.append(
                         subprocess.Popen(
-                            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+                            cmd,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL,
+                            text=True,
+                            env=env,
+                            preexec_fn=before,
                         )
                     )
             nodes = [_wait_ready(p, names[i], timeout_s) for i, p in enumerate(procs)]

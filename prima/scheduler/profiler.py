@@ -25,14 +25,13 @@ import numpy as np
 import psutil
 
 from prima.model.gguf_file import GGUFFile
+from prima.scheduler.memory import read_memory_limit
 from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
 
 log = logging.getLogger("prima.scheduler")
 
 KernelBench = Callable[[str], float]
 MiB = 1 << 20
-# Leave this share of RAM to the owner's apps: the technique aims at memory pressure under ~6-10%.
-RAM_RESERVE_FRACTION = 0.05
 DEFAULT_PROBE_DIR = Path.home() / ".cache" / "prima"
 
 
@@ -55,11 +54,11 @@ def os_class() -> str:
 
 
 def usable_ram_bytes() -> tuple[int, int]:
-    """(total, usable): usable is what the OS can hand out without swapping (psutil's
-    `available`, which counts reclaimable page cache) minus a reserve for the owner's apps."""
-    vm = psutil.virtual_memory()
-    usable = max(0, int(vm.available - RAM_RESERVE_FRACTION * vm.total))
-    return int(vm.total), usable
+    """(total, usable) for this process: the host's RAM or its memory cgroup's limit, whichever
+    binds (a container, a systemd MemoryMax=), and of that what page cache could still take
+    (free + reclaimable, less anonymous memory), minus a reserve for the owner's apps."""
+    limit = read_memory_limit()
+    return limit.total, limit.weights_budget()
 
 
 def measure_mem_bandwidth(n_bytes: int = 64 * MiB, repeats: int = 5) -> float:
