@@ -71,4 +71,10 @@ def ring_status(args: argparse.Namespace) -> int:
         res = s.residency
         mem = f", {res.resident_bytes / 2**20:.1f}/{res.owned_bytes / 2**20:.1f} MiB resident" if res else ""
         print(f"{s.node_id} @ {address}: {s.status}, epoch {s.plan_epoch}, windows {wins}{mem}")
+        if res and res.budget_bytes and res.budget_bytes < res.owned_bytes:
+            print(
+                f"  streaming: budget {res.budget_bytes / 2**20:.0f} MiB, {res.pinned_layers} layers pinned; read "
+                f"{res.bytes_read / 2**20:.0f} MiB in {res.read_ms:.0f} ms, computed {res.compute_ms:.0f} ms, "
+                f"waited {res.wait_ms:.0f} ms for reads"
+            )
     return 0

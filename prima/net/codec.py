@@ -252,6 +252,11 @@ def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
                 budget_bytes=r.budget_bytes,
                 prefetches=r.prefetches,
                 releases=r.releases,
+                bytes_read=r.bytes_read,
+                read_ms=r.read_ms,
+                wait_ms=r.wait_ms,
+                compute_ms=r.compute_ms,
+                pinned_layers=r.pinned_layers,
             )
         )
     return msg
@@ -261,7 +266,17 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
     r = msg.residency
     residency = (
         Residency(
-            r.owned_bytes, r.resident_bytes, r.peak_resident_bytes, r.budget_bytes, r.prefetches, r.releases
+            r.owned_bytes,
+            r.resident_bytes,
+            r.peak_resident_bytes,
+            r.budget_bytes,
+            r.prefetches,
+            r.releases,
+            r.bytes_read,
+            r.read_ms,
+            r.wait_ms,
+            r.compute_ms,
+            r.pinned_layers,
         )
         if msg.HasField("residency")
         else None

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14prima/v1/prima.proto\x12\x08prima.v1\"U\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.prima.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\"\x8f\x01\n\nActivation\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nplan_epoch\x18\x02 \x01(\x04\x12\x11\n\thop_index\x18\x03 \x01(\r\x12\x11\n\tpositions\x18\x04 \x03(\x03\x12 \n\x06hidden\x18\x05 \x01(\x0b\x32\x10.prima.v1.Tensor\x12\x11\n\tbatch_seq\x18\x06 \x01(\x04\"$\n\x06Window\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"k\n\x0eNodeAssignment\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x07windows\x18\x03 \x03(\x0b\x32\x10.prima.v1.Window\x12\x14\n\x0c\x61\x63\x63\x65l_layers\x18\x04 \x01(\r\"`\n\x04Plan\x12\x10\n\x08n_layers\x18\x01 \x01(\r\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\'\n\x05nodes\x18\x03 \x03(\x0b\x32\x18.prima.v1.NodeAssignment\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\r\n\x0bInfoRequest\"\x91\x01\n\tResidency\x12\x13\n\x0bowned_bytes\x18\x01 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13peak_resident_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x12\n\nprefetches\x18\x05 \x01(\x04\x12\x10\n\x08releases\x18\x06 \x01(\x04\"\x99\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08n_layers\x18\x05 \x01(\r\x12\x0f\n\x07\x64_model\x18\x06 \x01(\r\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\x12\n\nplan_epoch\x18\t \x01(\x04\x12!\n\x07windows\x18\n \x03(\x0b\x32\x10.prima.v1.Window\x12&\n\tresidency\x18\x0b \x01(\x0b\x32\x13.prima.v1.Residency\x12\x10\n\x08sessions\x18\x0c \x01(\r\"e\n\x0fLoadPlanRequest\x12\x1c\n\x04plan\x18\x01 \x01(\x0b\x32\x0e.prima.v1.Plan\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12#\n\nwire_dtype\x18\x03 \x01(\x0e\x32\x0f.prima.v1.DType\"1\n\rLoadPlanReply\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.prima.v1.NodeInfo\"K\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nplan_epoch\x18\x02 \x01(\x04\x12\r\n\x05n_ctx\x18\x03 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"D\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x07\n\x05\x45mpty\"\xa2\x01\n\x0fSamplerSettings\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x01\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rrepeat_last_n\x18\x08 \x01(\r\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12*\n\x07sampler\x18\x03 \x01(\x0b\x32\x19.prima.v1.SamplerSettings\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x0e\n\x06ubatch\x18\x06 \x01(\r\"l\n\rGenerateReply\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\x12\x11\n\tprompt_ms\x18\x04 \x01(\x01\x12\x13\n\x0bgenerate_ms\x18\x05 \x01(\x01\"Q\n\x0e\x46orwardRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\r\n\x05n_ctx\x18\x03 \x01(\r\x12\x0e\n\x06ubatch\x18\x04 \x01(\r\"0\n\x0c\x46orwardReply\x12 \n\x06logits\x18\x01 \x01(\x0b\x32\x10.prima.v1.Tensor\"7\n\x0eProfileRequest\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"^\n\x0cProfileReply\x12\x1b\n\x13\x64\x65vice_profile_json\x18\x01 \x01(\t\x12\x18\n\x10mem_budget_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fmeasured_unix_s\x18\x03 \x01(\x01\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"#\n\tPingReply\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04*`\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x12\x12\n\x0e\x44TYPE_Q8_BLOCK\x10\x04\x32\xcf\x04\n\x04Node\x12\x31\n\x04Info\x12\x15.prima.v1.InfoRequest\x1a\x12.prima.v1.NodeInfo\x12>\n\x08LoadPlan\x12\x19.prima.v1.LoadPlanRequest\x1a\x17.prima.v1.LoadPlanReply\x12<\n\x0bOpenSession\x12\x1c.prima.v1.OpenSessionRequest\x1a\x0f.prima.v1.Empty\x12>\n\x0c\x43loseSession\x12\x1d.prima.v1.CloseSessionRequest\x1a\x0f.prima.v1.Empty\x12\x30\n\x05Relay\x12\x14.prima.v1.Activation\x1a\x0f.prima.v1.Empty(\x01\x12\x30\n\x05\x41\x62ort\x12\x16.prima.v1.AbortRequest\x1a\x0f.prima.v1.Empty\x12;\n\x07Profile\x12\x18.prima.v1.ProfileRequest\x1a\x16.prima.v1.ProfileReply\x12\x32\n\x04Ping\x12\x15.prima.v1.PingRequest\x1a\x13.prima.v1.PingReply\x12@\n\x08Generate\x12\x19.prima.v1.GenerateRequest\x1a\x17.prima.v1.GenerateReply0\x01\x12?\n\x07\x46orward\x12\x18.prima.v1.ForwardRequest\x1a\x16.prima.v1.ForwardReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14prima/v1/prima.proto\x12\x08prima.v1\"U\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.prima.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\"\x8f\x01\n\nActivation\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nplan_epoch\x18\x02 \x01(\x04\x12\x11\n\thop_index\x18\x03 \x01(\r\x12\x11\n\tpositions\x18\x04 \x03(\x03\x12 \n\x06hidden\x18\x05 \x01(\x0b\x32\x10.prima.v1.Tensor\x12\x11\n\tbatch_seq\x18\x06 \x01(\x04\"$\n\x06Window\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"k\n\x0eNodeAssignment\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x07windows\x18\x03 \x03(\x0b\x32\x10.prima.v1.Window\x12\x14\n\x0c\x61\x63\x63\x65l_layers\x18\x04 \x01(\r\"`\n\x04Plan\x12\x10\n\x08n_layers\x18\x01 \x01(\r\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\'\n\x05nodes\x18\x03 \x03(\x0b\x32\x18.prima.v1.NodeAssignment\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\r\n\x0bInfoRequest\"\xf2\x01\n\tResidency\x12\x13\n\x0bowned_bytes\x18\x01 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13peak_resident_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x12\n\nprefetches\x18\x05 \x01(\x04\x12\x10\n\x08releases\x18\x06 \x01(\x04\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x0f\n\x07read_ms\x18\x08 \x01(\x01\x12\x0f\n\x07wait_ms\x18\t \x01(\x01\x12\x12\n\ncompute_ms\x18\n \x01(\x01\x12\x15\n\rpinned_layers\x18\x0b \x01(\r\"\x99\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08n_layers\x18\x05 \x01(\r\x12\x0f\n\x07\x64_model\x18\x06 \x01(\r\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\x12\n\nplan_epoch\x18\t \x01(\x04\x12!\n\x07windows\x18\n \x03(\x0b\x32\x10.prima.v1.Window\x12&\n\tresidency\x18\x0b \x01(\x0b\x32\x13.prima.v1.Residency\x12\x10\n\x08sessions\x18\x0c \x01(\r\"e\n\x0fLoadPlanRequest\x12\x1c\n\x04plan\x18\x01 \x01(\x0b\x32\x0e.prima.v1.Plan\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12#\n\nwire_dtype\x18\x03 \x01(\x0e\x32\x0f.prima.v1.DType\"1\n\rLoadPlanReply\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.prima.v1.NodeInfo\"K\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nplan_epoch\x18\x02 \x01(\x04\x12\r\n\x05n_ctx\x18\x03 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"D\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x07\n\x05\x45mpty\"\xa2\x01\n\x0fSamplerSettings\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x01\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rrepeat_last_n\x18\x08 \x01(\r\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12*\n\x07sampler\x18\x03 \x01(\x0b\x32\x19.prima.v1.SamplerSettings\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x0e\n\x06ubatch\x18\x06 \x01(\r\"l\n\rGenerateReply\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\x12\x11\n\tprompt_ms\x18\x04 \x01(\x01\x12\x13\n\x0bgenerate_ms\x18\x05 \x01(\x01\"Q\n\x0e\x46orwardRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\r\n\x05n_ctx\x18\x03 \x01(\r\x12\x0e\n\x06ubatch\x18\x04 \x01(\r\"0\n\x0c\x46orwardReply\x12 \n\x06logits\x18\x01 \x01(\x0b\x32\x10.prima.v1.Tensor\"7\n\x0eProfileRequest\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"^\n\x0cProfileReply\x12\x1b\n\x13\x64\x65vice_profile_json\x18\x01 \x01(\t\x12\x18\n\x10mem_budget_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fmeasured_unix_s\x18\x03 \x01(\x01\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"#\n\tPingReply\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04*`\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x12\x12\n\x0e\x44TYPE_Q8_BLOCK\x10\x04\x32\xcf\x04\n\x04Node\x12\x31\n\x04Info\x12\x15.prima.v1.InfoRequest\x1a\x12.prima.v1.NodeInfo\x12>\n\x08LoadPlan\x12\x19.prima.v1.LoadPlanRequest\x1a\x17.prima.v1.LoadPlanReply\x12<\n\x0bOpenSession\x12\x1c.prima.v1.OpenSessionRequest\x1a\x0f.prima.v1.Empty\x12>\n\x0c\x43loseSession\x12\x1d.prima.v1.CloseSessionRequest\x1a\x0f.prima.v1.Empty\x12\x30\n\x05Relay\x12\x14.prima.v1.Activation\x1a\x0f.prima.v1.Empty(\x01\x12\x30\n\x05\x41\x62ort\x12\x16.prima.v1.AbortRequest\x1a\x0f.prima.v1.Empty\x12;\n\x07Profile\x12\x18.prima.v1.ProfileRequest\x1a\x16.prima.v1.ProfileReply\x12\x32\n\x04Ping\x12\x15.prima.v1.PingRequest\x1a\x13.prima.v1.PingReply\x12@\n\x08Generate\x12\x19.prima.v1.GenerateRequest\x1a\x17.prima.v1.GenerateReply0\x01\x12?\n\x07\x46orward\x12\x18.prima.v1.ForwardRequest\x1a\x16.prima.v1.ForwardReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prima.v1.prima_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2095
-  _globals['_DTYPE']._serialized_end=2191
+  _globals['_DTYPE']._serialized_start=2192
+  _globals['_DTYPE']._serialized_end=2288
   _globals['_TENSOR']._serialized_start=34
   _globals['_TENSOR']._serialized_end=119
   _globals['_ACTIVATION']._serialized_start=122
@@ -47,39 +47,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=512
   _globals['_INFOREQUEST']._serialized_end=525
   _globals['_RESIDENCY']._serialized_start=528
-  _globals['_RESIDENCY']._serialized_end=673
-  _globals['_NODEINFO']._serialized_start=676
-  _globals['_NODEINFO']._serialized_end=957
-  _globals['_LOADPLANREQUEST']._serialized_start=959
-  _globals['_LOADPLANREQUEST']._serialized_end=1060
-  _globals['_LOADPLANREPLY']._serialized_start=1062
-  _globals['_LOADPLANREPLY']._serialized_end=1111
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1113
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1188
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1190
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1231
-  _globals['_ABORTREQUEST']._serialized_start=1233
-  _globals['_ABORTREQUEST']._serialized_end=1301
-  _globals['_EMPTY']._serialized_start=1303
-  _globals['_EMPTY']._serialized_end=1310
-  _globals['_SAMPLERSETTINGS']._serialized_start=1313
-  _globals['_SAMPLERSETTINGS']._serialized_end=1475
-  _globals['_GENERATEREQUEST']._serialized_start=1478
-  _globals['_GENERATEREQUEST']._serialized_end=1628
-  _globals['_GENERATEREPLY']._serialized_start=1630
-  _globals['_GENERATEREPLY']._serialized_end=1738
-  _globals['_FORWARDREQUEST']._serialized_start=1740
-  _globals['_FORWARDREQUEST']._serialized_end=1821
-  _globals['_FORWARDREPLY']._serialized_start=1823
-  _globals['_FORWARDREPLY']._serialized_end=1871
-  _globals['_PROFILEREQUEST']._serialized_start=1873
-  _globals['_PROFILEREQUEST']._serialized_end=1928
-  _globals['_PROFILEREPLY']._serialized_start=1930
-  _globals['_PROFILEREPLY']._serialized_end=2024
-  _globals['_PINGREQUEST']._serialized_start=2026
-  _globals['_PINGREQUEST']._serialized_end=2056
-  _globals['_PINGREPLY']._serialized_start=2058
-  _globals['_PINGREPLY']._serialized_end=2093
-  _globals['_NODE']._serialized_start=2194
-  _globals['_NODE']._serialized_end=2785
+  _globals['_RESIDENCY']._serialized_end=770
+  _globals['_NODEINFO']._serialized_start=773
+  _globals['_NODEINFO']._serialized_end=1054
+  _globals['_LOADPLANREQUEST']._serialized_start=1056
+  _globals['_LOADPLANREQUEST']._serialized_end=1157
+  _globals['_LOADPLANREPLY']._serialized_start=1159
+  _globals['_LOADPLANREPLY']._serialized_end=1208
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1210
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1285
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1287
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1328
+  _globals['_ABORTREQUEST']._serialized_start=1330
+  _globals['_ABORTREQUEST']._serialized_end=1398
+  _globals['_EMPTY']._serialized_start=1400
+  _globals['_EMPTY']._serialized_end=1407
+  _globals['_SAMPLERSETTINGS']._serialized_start=1410
+  _globals['_SAMPLERSETTINGS']._serialized_end=1572
+  _globals['_GENERATEREQUEST']._serialized_start=1575
+  _globals['_GENERATEREQUEST']._serialized_end=1725
+  _globals['_GENERATEREPLY']._serialized_start=1727
+  _globals['_GENERATEREPLY']._serialized_end=1835
+  _globals['_FORWARDREQUEST']._serialized_start=1837
+  _globals['_FORWARDREQUEST']._serialized_end=1918
+  _globals['_FORWARDREPLY']._serialized_start=1920
+  _globals['_FORWARDREPLY']._serialized_end=1968
+  _globals['_PROFILEREQUEST']._serialized_start=1970
+  _globals['_PROFILEREQUEST']._serialized_end=2025
+  _globals['_PROFILEREPLY']._serialized_start=2027
+  _globals['_PROFILEREPLY']._serialized_end=2121
+  _globals['_PINGREQUEST']._serialized_start=2123
+  _globals['_PINGREQUEST']._serialized_end=2153
+  _globals['_PINGREPLY']._serialized_start=2155
+  _globals['_PINGREPLY']._serialized_end=2190
+  _globals['_NODE']._serialized_start=2291
+  _globals['_NODE']._serialized_end=2882
 # @@protoc_insertion_point(module_scope)

@@ -86,20 +86,30 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Residency(_message.Message):
-    __slots__ = ("owned_bytes", "resident_bytes", "peak_resident_bytes", "budget_bytes", "prefetches", "releases")
+    __slots__ = ("owned_bytes", "resident_bytes", "peak_resident_bytes", "budget_bytes", "prefetches", "releases", "bytes_read", "read_ms", "wait_ms", "compute_ms", "pinned_layers")
     OWNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFETCHES_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    READ_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     owned_bytes: int
     resident_bytes: int
     peak_resident_bytes: int
     budget_bytes: int
     prefetches: int
     releases: int
-    def __init__(self, owned_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., releases: _Optional[int] = ...) -> None: ...
+    bytes_read: int
+    read_ms: float
+    wait_ms: float
+    compute_ms: float
+    pinned_layers: int
+    def __init__(self, owned_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., releases: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., pinned_layers: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions")
