@@ -20,7 +20,7 @@ from prima.cluster.daemon import model_fingerprint
 from prima.cluster.local_ring import LocalRing
 from prima.cluster.planner import HaldaOptions
 from prima.engine.generate import Engine, GenerationResult, TextDecoder, generate
-from prima.engine.local import LocalEngine
+from prima.engine.local import local_engine
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError, PlanError
 from prima.model.loader import LoadedModel, load_model
@@ -211,7 +211,7 @@ def open_session(args: argparse.Namespace) -> Session:
     nodes = getattr(args, "nodes", None)
     if args.local:
         loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
-        return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
+        return Session(loaded, local_engine(loaded, args.ctx))
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
     if local_ring is not None and local_ring < 1:
@@ -227,7 +227,7 @@ def open_session(args: argparse.Namespace) -> Session:
             )
     if not local_ring and not addresses:
         loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
-        return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
+        return Session(loaded, local_engine(loaded, args.ctx))
     closers: list[Callable[[], None]] = []
     try:
         if local_ring:

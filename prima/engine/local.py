@@ -1,11 +1,24 @@
-"""A whole model on this device: the engine the ring's output is checked against."""
+"""A whole model on this device: the engine the ring's output is checked against.
+
+When the model is bigger than the memory this process may use (its cgroup's, else the host's),
+the layers stream through a bounded buffer instead of thrashing the page cache: some stay pinned,
+the rest are read ahead of compute by a prefetch thread (weights.window)."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
 from prima.errors import ContextFullError, InputError
+from prima.model.loader import LoadedModel
 from prima.model.transformer import Transformer
+from prima.scheduler.memory import read_memory_limit
+from prima.scheduler.plan import Window
+from prima.scheduler.profile import ModelProfile
+from prima.weights.window import LayerWindows
+
+log = logging.getLogger("prima.engine")
 
 DEFAULT_UBATCH = 128  # prefill dequantizes each weight tile once per micro-batch
 
@@ -14,10 +27,17 @@ class LocalEngine:
     """Runs every layer here. `forward` appends tokens to the session's KV cache and returns the
     logits of the last one; prefill goes in micro-batches of `ubatch` tokens."""
 
-    def __init__(self, model: Transformer, n_ctx: int, ubatch: int = DEFAULT_UBATCH) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        n_ctx: int,
+        ubatch: int = DEFAULT_UBATCH,
+        streamer: LayerWindows | None = None,
+    ) -> None:
         if n_ctx <= 0:
             raise InputError(f"context size must be positive, got {n_ctx}")
         self.model = model
+        self.streamer = streamer
         self.n_ctx = min(n_ctx, model.config.context_length)
         self.ubatch = ubatch
         self.cache = model.new_cache(self.n_ctx)
@@ -41,12 +61,51 @@ class LocalEngine:
                 "shorten the prompt, lower -n, or raise --ctx"
             )
         m = self.model
-        last = None
-        for s in range(0, ids.size, self.ubatch):
-            chunk = ids[s : s + self.ubatch]
-            positions = np.arange(self.n_past, self.n_past + chunk.size)
-            h = m.embed(chunk)
-            h = m.forward_layers(h, positions, 0, m.config.n_layers, self.cache)
-            last = h[-1:]
-            self.n_past += chunk.size
-        return m.output_logits(last)[0]
+        starts = range(0, ids.size, self.ubatch)
+        chunks = [ids[s : s + self.ubatch] for s in starts]
+        positions = [
+            np.arange(self.n_past + s, self.n_past + s + c.size) for s, c in zip(starts, chunks, strict=True)
+        ]
+        if self.streamer is None:
+            for chunk, pos in zip(chunks, positions, strict=True):
+                h = m.forward_layers(m.embed(chunk), pos, 0, m.config.n_layers, self.cache)
+        else:
+            # Layer-major, so each streamed layer is read once for the whole prompt; every layer
+            # still sees the micro-batches in order, so its cache is written front to back.
+            hs = [m.embed(chunk) for chunk in chunks]
+            for layer in range(m.config.n_layers):
+                self.streamer.before_layer(layer)
+                for i, pos in enumerate(positions):
+                    hs[i] = m.forward_layers(hs[i], pos, layer, layer + 1, self.cache)
+                self.streamer.after_layer(layer)
+            h = hs[-1]
+        self.n_past += ids.size
+        return m.output_logits(h[-1:])[0]
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+
+
+def local_engine(
+    loaded: LoadedModel, n_ctx: int, budget_bytes: int | None = None, ubatch: int = DEFAULT_UBATCH
+) -> LocalEngine:
+    """The engine for this device. `budget_bytes` caps resident layer weights (None: what the
+    cgroup or host leaves now); if the layers do not fit it, they stream."""
+    cfg = loaded.model.config
+    if budget_bytes is None:
+        limit = read_memory_limit()
+        budget_bytes = limit.weights_budget() - ModelProfile.from_gguf(loaded.gguf).head_resident_bytes
+        log.info("%s; layer budget %d MiB", limit.describe(), budget_bytes >> 20)
+    # One window per layer: the stream buffer then holds two layers, and the rest can be pinned.
+    windows = [Window(i, i + 1) for i in range(cfg.n_layers)]
+    streamer = (
+        LayerWindows(loaded.gguf, loaded.weights, windows, max(budget_bytes, 1)) if budget_bytes else None
+    )
+    if streamer is not None and not streamer.limited:
+        streamer.close()
+        streamer = None
+    if streamer is not None:
+        streamer.release_all()
+        streamer.start()
+    return LocalEngine(loaded.model, n_ctx=n_ctx, ubatch=ubatch, streamer=streamer)
