@@ -21,8 +21,6 @@ import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
 
-import psutil
-
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
 from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
@@ -35,25 +33,32 @@ from prima.net.server import start_server
 log = logging.getLogger("prima.cli")
 
 READY_PREFIX = "PRIMAD_READY "
-# "auto" leaves this share of the available memory to the device's owner.
-AUTO_BUDGET_SHARE = 0.8
 
 
 def parse_bytes(text: str) -> int:
-    """'0', '123456', '512M', '1.5G', 'auto' -> bytes (0 = no budget)."""
+    """'0', '123456', '512M', '1.5G' -> bytes."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t == "AUTO":
-        return int(psutil.virtual_memory().available * AUTO_BUDGET_SHARE)
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     scale = units.get(t[-1:], 1)
     number = t[:-1] if t[-1:] in units else t
     try:
         value = float(number)
     except ValueError:
-        raise InputError(f"cannot read {text!r} as bytes; use e.g. 800M, 2G, 123456 or auto") from None
+        raise InputError(f"cannot read {text!r} as bytes; use e.g. 800M, 2G or 123456") from None
     if value < 0:
-        raise InputError(f"--mem-budget must be >= 0, got {text}")
+        raise InputError(f"a size must be >= 0, got {text}")
     return int(value * scale)
+
+
+def parse_budget(text: str) -> int | None:
+    """--mem-budget: 'auto' -> None (what the cgroup or host leaves, read when a plan arrives),
+    '0' -> 0 (no limit), else bytes."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_bytes(text)
+    except InputError:
+        raise InputError(f"--mem-budget {text!r}: use auto, 0 (no limit) or a size such as 800M or 2G") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
     p.add_argument(
         "--mem-budget",
-        default="0",
-        help="bytes of layer weights to keep resident (e.g. 800M, auto); 0 = no limit (default)",
+        default="auto",
+        help="bytes of layer weights to keep resident: auto (default: what this device's memory "
+        "cgroup or RAM leaves, measured when a plan arrives), a size such as 800M, or 0 for no limit",
     )
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
@@ -127,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    budget = parse_bytes(args.mem_budget)
+    budget = parse_budget(args.mem_budget)
     # Map the file and check the model; a node validates its layers only when a plan names them.
     loaded = load_model(
         args.model,
@@ -173,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce_ready(runtime: NodeRuntime, host: str, port: int, budget: int) -> None:
+def _announce_ready(runtime: NodeRuntime, host: str, port: int, budget: int | None) -> None:
     ready = {
         "node_id": runtime.node_id,
         "address": f"{host}:{port}",
@@ -181,7 +187,7 @@ def _announce_ready(runtime: NodeRuntime, host: str, port: int, budget: int) -> 
         "pid": os.getpid(),
         "model": str(runtime.loaded.path),
         "n_layers": runtime.model.config.n_layers,
-        "mem_budget": budget,
+        "mem_budget": "auto" if budget is None else budget,
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
 

@@ -9,6 +9,7 @@ enqueue, which is why a malformed message can be answered synchronously with a s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -28,7 +29,9 @@ from prima.model.loader import LoadedModel
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
+from prima.scheduler.memory import read_memory_limit
 from prima.scheduler.plan import Hop, Plan
+from prima.scheduler.profile import ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
 from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows
@@ -93,6 +96,7 @@ class _Layout:
     windows: LayerWindows
     clients: dict[int, NodeClient]
     wire_dtype: WireDType
+    auto_budget: int | None  # the layer budget measured at plan load (auto), before any KV cache
 
 
 class NodeRuntime:
@@ -103,7 +107,7 @@ class NodeRuntime:
         loaded: LoadedModel,
         node_id: str,
         *,
-        budget_bytes: int = 0,
+        budget_bytes: int | None = None,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         ring_timeout_s: float = DEFAULT_RING_TIMEOUT_S,
         threads: int | None = None,
@@ -168,7 +172,19 @@ class NodeRuntime:
             device = dataclasses.replace(
                 device, net_latency_ms=latency_ms, net_bandwidth_bytes_per_s=bandwidth
             )
-        return NodeProfile(device, self.budget_bytes, found.measured_unix_s)
+        return NodeProfile(device, self.budget_bytes or 0, found.measured_unix_s)
+
+    def _window_budget(self, is_head: bool) -> int:
+        """Bytes of layer weights this node keeps resident: --mem-budget as given, or (auto) what
+        its cgroup or host leaves now, less the output head the head node reads every token."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        limit = read_memory_limit()
+        budget = limit.weights_budget()
+        if is_head:
+            budget -= ModelProfile.from_gguf(self.loaded.gguf).head_resident_bytes
+        log.info("node %s: %s; layer budget %d MiB", self.node_id, limit.describe(), budget >> 20)
+        return max(budget, 1)
 
     @property
     def plan(self) -> Plan:
@@ -195,14 +211,16 @@ class NodeRuntime:
         windows = plan.nodes[me].windows
         for w in windows:
             self.loaded.weights.validate(range(w.start, w.end))
-        layer_windows = LayerWindows(self.loaded.gguf, self.loaded.weights, windows, self.budget_bytes)
+        budget = self._window_budget(me == 0)
+        layer_windows = LayerWindows(self.loaded.gguf, self.loaded.weights, windows, budget)
         if layer_windows.limited:
             layer_windows.release_all()  # start from a known resident set
-        layer_windows.prefetch_all()
+        layer_windows.start()
         hops = tuple(plan.hops())
         peers = {h.node_index for h in hops} | {0}
         clients = {i: NodeClient(plan.nodes[i].address, plan.nodes[i].node_id) for i in peers if i != me}
-        layout = _Layout(plan, me, hops, layer_windows, clients, wire_dtype)
+        auto = budget if self.budget_bytes is None else None
+        layout = _Layout(plan, me, hops, layer_windows, clients, wire_dtype, auto)
         with self._lock:
             old, self._layout = self._layout, layout
             sessions, self._sessions = self._sessions, {}
@@ -239,12 +257,34 @@ class NodeRuntime:
             if session_id in self._sessions:
                 raise ProtocolError(f"session {session_id} is already open on node {self.node_id}")
             self._sessions[session_id] = session
+        try:
+            self._fit_kv_caches(layout)
+        except PrimaError:
+            self.close_session(session_id)
+            raise
+
+    def _fit_kv_caches(self, layout: _Layout) -> None:
+        """Under an auto budget, the sessions' KV caches (anonymous memory, allocated for their
+        whole context) come out of what the layers may keep resident."""
+        if layout.auto_budget is None:
+            return
+        kv = sum(s.cache.n_bytes for s in list(self._sessions.values()))
+        budget = layout.auto_budget - kv
+        if budget < layout.windows.largest_layer_bytes:
+            raise InputError(
+                f"node {self.node_id}: the sessions' KV caches ({kv >> 20} MiB) leave no room for its layers "
+                f"in {layout.auto_budget >> 20} MiB; lower --ctx or add a device"
+            )
+        layout.windows.set_budget(budget)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None:
             session.close()
+            layout = self._layout
+            if layout is not None and session.epoch == layout.plan.epoch:
+                self._fit_kv_caches(layout)
 
     def _session(self, session_id: str) -> NodeSession:
         session = self._sessions.get(session_id)
@@ -283,33 +323,68 @@ class NodeRuntime:
 
     def _compute_loop(self) -> None:
         use_threads(self.threads)
+        pending: collections.deque[Activation | None] = collections.deque()
         while True:
-            act = self._work.get()
+            act = pending.popleft() if pending else self._work.get()
             if act is None:
                 return
+            group = [act]
+            layout = self._layout
+            if layout is not None and layout.windows.limited:
+                # Streaming: micro-batches of one prompt waiting at the same hop go through each
+                # layer together, so a streamed layer is read once for all of them, not once each.
+                while True:
+                    try:
+                        pending.append(self._work.get_nowait())
+                    except queue.Empty:
+                        break
+                while pending and _same_hop(pending[0], act):
+                    group.append(pending.popleft())  # type: ignore[arg-type]
             try:
-                self._compute(act)
+                self._compute(group)
             except PrimaError as exc:
                 self._fail(act.session_id, f"node {self.node_id}: {exc}")
             except ValueError as exc:  # a cache write with a gap: the session's batches were lost
                 self._fail(act.session_id, f"node {self.node_id} could not compute: {exc}")
 
-    def _compute(self, act: Activation) -> None:
+    def _compute(self, group: list[Activation]) -> None:
+        """Run micro-batches of one session, all at the same hop, through this node's consecutive
+        hops, layer by layer (each layer for every micro-batch in order), then route each on."""
+        act = group[0]
         layout = self._layout
         session = self._sessions.get(act.session_id)
         if layout is None or session is None or act.plan_epoch != layout.plan.epoch:
             log.debug("dropping activation of closed session %s", act.session_id)
             return
-        h, hidden = act.hop_index, act.hidden
+        h = act.hop_index
+        hidden = [a.hidden for a in group]
+        windows = layout.windows
         while h < len(layout.hops) and layout.hops[h].node_index == layout.me:
             hop = layout.hops[h]
-            layout.windows.begin(hop.round_index)
-            hidden = self.model.forward_layers(
-                hidden, act.positions, hop.window.start, hop.window.end, session.cache
-            )
-            layout.windows.end(hop.round_index)
+            before = dataclasses.replace(windows.stats)
+            for layer in range(hop.window.start, hop.window.end):
+                # Layer by layer, so compute on one overlaps the prefetch thread reading the next.
+                windows.before_layer(layer)
+                for i, a in enumerate(group):
+                    hidden[i] = self.model.forward_layers(
+                        hidden[i], a.positions, layer, layer + 1, session.cache
+                    )
+                windows.after_layer(layer)
+            if log.isEnabledFor(logging.DEBUG):
+                now = windows.stats
+                log.debug(
+                    "window %s (%d tokens): compute %.1f ms, waited %.1f ms for reads; prefetch read "
+                    "%.1f MiB in %.1f ms",
+                    hop.window,
+                    sum(len(a.positions) for a in group),
+                    now.compute_ms - before.compute_ms,
+                    now.wait_ms - before.wait_ms,
+                    (now.bytes_read - before.bytes_read) / (1 << 20),
+                    now.read_ms - before.read_ms,
+                )
             h += 1
-        self._route(layout, session, dataclasses.replace(act, hop_index=h, hidden=hidden))
+        for a, out in zip(group, hidden, strict=True):
+            self._route(layout, session, dataclasses.replace(a, hop_index=h, hidden=out))
 
     def inject(self, act: Activation) -> None:
         """The head sends a freshly embedded micro-batch into the ring."""
@@ -476,6 +551,14 @@ class NodeRuntime:
         if layout:
             for c in layout.clients.values():
                 c.close()
+
+
+def _same_hop(a: Activation | None, b: Activation) -> bool:
+    return a is not None and (a.session_id, a.plan_epoch, a.hop_index) == (
+        b.session_id,
+        b.plan_epoch,
+        b.hop_index,
+    )
 
 
 class GenerationCancelled(PrimaError):

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 N_CTX = 256
 MAX_TOKENS = 10
 PROMPT = "The capital of France is"
-# 13 of SmolLM2's 30 layers (2.2 MB each) fit this budget: the plan needs all three nodes.
+# 13 of SmolLM2's 30 layers (2.2 MB each) fit this budget resident: the plan needs two nodes at
+# least (a node may take more than 13 by streaming the rest, when its disk is faster than a hop).
 BUDGET = "30M"
 
 
@@ -69,7 +70,7 @@ def test_run_discovers_plans_and_matches_the_single_engine(
     out = json.loads(capsys.readouterr().out)
     plan = out["plan"]
     assert {n["address"] for n in plan["nodes"]} <= set(ring.addresses)
-    assert len(plan["nodes"]) == 3  # no node holds more than 13 layers
+    assert len(plan["nodes"]) >= 2  # no node holds the 30 layers in 30M
     assert math.isfinite(plan["predicted_ms_per_token"])
     assert (out["prompt_token_ids"], out["token_ids"]) == _reference(smollm2_path)
 

@@ -29,7 +29,7 @@ def test_compose_commands_parse() -> None:
         if argv[0] == "primad":
             args = primad.build_parser().parse_args(argv[1:])
             assert args.name == name
-            primad.parse_bytes(args.mem_budget)
+            primad.parse_budget(args.mem_budget)
             ports.append(args.port)
         else:
             assert argv[0] == "prima"
