@@ -22,7 +22,14 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.scheduler import halda
-from prima.scheduler.cost_model import device_time_ms, ram_layers, ring_costs, streams
+from prima.scheduler.cost_model import (
+    device_time_ms,
+    pinned_layers,
+    ram_layers,
+    ring_costs,
+    stream_buffer_layers,
+    streams,
+)
 from prima.scheduler.plan import Plan
 from prima.scheduler.profile import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
 
@@ -84,13 +91,15 @@ def run(args: argparse.Namespace) -> int:
         f"predicted {plan.predicted_ms_per_token:.1f} ms/token"
     )
     width = max(len(r["node_id"]) for r in rows) + 2
-    print(f"{'NODE':<{width}}{'LAYERS':>6} {'ACCEL':>5} {'RAM GiB':>13} {'DISK':>6} {'MS/TOK':>8}  WINDOWS")
+    print(
+        f"{'NODE':<{width}}{'LAYERS':>6} {'ACCEL':>5} {'RAM GiB':>13} {'READ/TOK':>8} {'MS/TOK':>8}  WINDOWS"
+    )
     for r in rows:
         ram = f"{r['ram_needed_bytes'] / _GIB:.2f}/{r['ram_budget_bytes'] / _GIB:.2f}"
-        disk = "stream" if r["streams"] else "-"
+        disk = f"{r['reread_bytes_per_token'] / (1 << 20):.0f}M" if r["streams"] else "-"
         windows = " ".join(f"[{s},{e})" for s, e in r["windows"])
         print(
-            f"{r['node_id']:<{width}}{r['layers']:>6} {r['accel_layers']:>5} {ram:>13} {disk:>6} "
+            f"{r['node_id']:<{width}}{r['layers']:>6} {r['accel_layers']:>5} {ram:>13} {disk:>8} "
             f"{r['ms_per_token']:>8.1f}  {windows}"
         )
     for d in plan.dropped:
@@ -156,6 +165,15 @@ def _node_rows(plan: Plan, devices: list[DeviceProfile], model: ModelProfile) ->
     for node, cost in zip(plan.nodes, ring_costs(ring, model), strict=True):
         w, n = node.window_size, node.accel_layers
         u = ram_layers(cost, w, n)
+        streaming = streams(cost, k, w, n)
+        pinned = pinned_layers(cost, k, u) if streaming else k * u
+        needed = k * u * cost.layer_ram_bytes + cost.fixed_bytes
+        if streaming:
+            needed = (
+                (pinned + stream_buffer_layers(u)) * cost.layer_weight_bytes
+                + k * u * cost.layer_kv_bytes
+                + cost.fixed_bytes
+            )
         rows.append(
             {
                 "node_id": node.node_id,
@@ -163,8 +181,10 @@ def _node_rows(plan: Plan, devices: list[DeviceProfile], model: ModelProfile) ->
                 "windows": [[win.start, win.end] for win in node.windows],
                 "layers": node.n_layers,
                 "accel_layers": k * n,
-                "streams": streams(cost, k, w, n),
-                "ram_needed_bytes": k * u * cost.layer_ram_bytes + cost.fixed_bytes,
+                "streams": streaming,
+                "pinned_layers": pinned,
+                "reread_bytes_per_token": (k * u - pinned) * cost.layer_weight_bytes,
+                "ram_needed_bytes": needed,
                 "ram_budget_bytes": cost.ram_budget_bytes,
                 "ms_per_token": device_time_ms(cost, k, w, n, sends=len(ring) > 1) + cost.fixed_ms,
             }

@@ -51,7 +51,7 @@ def budgeted_device(profile: NodeProfile, model: ModelProfile, *, is_head: bool)
     per_layer = model.layer_bytes + model.kv_bytes_per_layer
     ram = budget * per_layer // model.layer_bytes
     if is_head:
-        ram += model.input_bytes + model.output_bytes
+        ram += model.head_resident_bytes
     return dataclasses.replace(dev, ram_available_bytes=min(dev.ram_available_bytes, ram))
 
 

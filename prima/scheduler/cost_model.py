@@ -2,22 +2,25 @@
 
 For a ring of M devices (head first), k rounds, window sizes w_m and accelerator layers n_m:
 
-    T = k * sum_m (a_m * w_m + b_m * n_m + d_m * u_m * [m streams] + c_m) + kappa
+    T = max( kappa + k * sum_m (a_m * w_m + b_m * n_m + c_m),            the trip round the ring
+             max_m d_m * Y_m + k * (a_m * w_m + b_m * n_m + c_m) )         each device's own time
 
 - a_m  CPU ms per layer: GEMV FLOPs / measured FLOP/s per weight format, plus reading the
        layer's KV cache (full planned context) at memory bandwidth.
 - b_m  ms saved (negative) or added per layer moved to the accelerator.
-- d_m  ms to read one layer's weights from disk; paid for the u_m layers kept in RAM (u_m =
-       w_m - n_m, or w_m when the accelerator shares RAM) only if they do not fit, because a
-       device that cannot hold its k*u_m layers rereads all of them every token (cyclic access
-       defeats the LRU page cache).
+- d_m  ms to read one layer's weights from disk. A device short of memory for its k*u_m layers
+       (u_m = w_m - n_m, or w_m when the accelerator shares RAM) pins as many as its budget holds
+       after its KV cache and a stream buffer of u_m + 1 layers, and rereads the rest every token.
 - c_m  ms to send one activation to the next ring member: latency + bytes / bandwidth. A lone
        device sends nothing, so c is 0 when M == 1. (The original system sets c_m = 0.)
 - kappa  the output head on the head node.
 
+Y_m = k*u_m - P_m are the layers device m rereads per token. Its disk reads them while the rest
+of the ring computes (the prefetch thread runs ahead of compute), so they bound T next to the
+trip instead of adding to it.
+
 Memory, per device (bytes): a resident device needs k*u_m*(layer + KV) + fixed_m <= RAM budget;
-a streaming device needs two windows of weights (the one computing and the one prefetching)
-plus all its KV: 2*u_m*layer + k*u_m*KV + fixed_m <= RAM budget. Accelerator layers need
+a streaming device pins P_m layers: P_m*layer + (u_m + 1)*layer + k*u_m*KV + fixed_m <= budget. Accelerator layers need
 k*n_m*(layer + KV) <= accelerator memory. Both Halda and the brute-force check in the tests
 evaluate plans through `ring_time_ms`, so they cannot disagree about what a plan costs.
 """
@@ -104,7 +107,7 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
         fixed_ms=fixed_ms,
         layer_weight_bytes=model.layer_bytes,
         layer_kv_bytes=model.kv_bytes_per_layer,
-        fixed_bytes=model.input_bytes + model.output_bytes if is_head else 0,
+        fixed_bytes=model.head_resident_bytes if is_head else 0,
         ram_budget_bytes=device.ram_available_bytes,
         accel_budget_bytes=accel_budget,
         accel_shares_ram=shares,
@@ -123,40 +126,92 @@ def ram_layers(cost: DeviceCost, window: int, accel_layers: int) -> int:
 
 
 def streams(cost: DeviceCost, rounds: int, window: int, accel_layers: int) -> bool:
-    """Whether the device is short of memory for its k*u layers and must reread them from disk."""
+    """Whether the device is short of memory for its k*u layers and must stream some from disk."""
     u = ram_layers(cost, window, accel_layers)
     return rounds * u * cost.layer_ram_bytes + cost.fixed_bytes > cost.ram_budget_bytes
+
+
+def stream_buffer_layers(ram_layers_per_window: int) -> int:
+    """Layers of room a streaming device keeps for layers in flight: the next window, read while
+    the last layer of this one computes (weights.window.stream_buffer_bytes does the same)."""
+    return ram_layers_per_window + 1
+
+
+def pinned_layers(cost: DeviceCost, rounds: int, ram_layers_per_window: int) -> int:
+    """How many of its k*u layers a streaming device keeps resident (the rest it rereads every
+    token): what its budget holds after all its KV cache and the stream buffer; -1 if it cannot
+    stream at all (no disk, or no room for the buffer)."""
+    k, u = rounds, ram_layers_per_window
+    room = (
+        cost.ram_budget_bytes
+        - cost.fixed_bytes
+        - k * u * cost.layer_kv_bytes
+        - stream_buffer_layers(u) * cost.layer_weight_bytes
+    )
+    if not cost.can_stream or room < 0:
+        return -1
+    if cost.layer_weight_bytes <= 0:
+        return k * u
+    return min(k * u, room // cost.layer_weight_bytes)
+
+
+@dataclass(frozen=True)
+class DeviceTime:
+    """One device's terms of T, in ms per token."""
+
+    path_ms: float  # its part of the trip round the ring: k (a w + b n + c)
+    disk_ms: float  # rereading the layers it cannot keep: d (k u - pinned)
+
+    @property
+    def own_ms(self) -> float:
+        """What the device itself spends per token: its reads, then its compute. Its disk works
+        while the rest of the ring computes, so this bounds T apart from the trip."""
+        return self.disk_ms + self.path_ms
+
+
+def device_time(
+    cost: DeviceCost, rounds: int, window: int, accel_layers: int, *, sends: bool = True
+) -> DeviceTime | None:
+    """The device's terms of T, or None when its layers do not fit. `sends` is false for a lone
+    device, which has no next hop."""
+    k, w, n = rounds, window, accel_layers
+    if n and (not cost.has_accel or n > w or k * n * cost.layer_ram_bytes > cost.accel_budget_bytes):
+        return None
+    u = ram_layers(cost, w, n)
+    disk = 0.0
+    if streams(cost, k, w, n):
+        pinned = pinned_layers(cost, k, u)
+        if pinned < 0:
+            return None
+        disk = cost.disk_ms_per_layer * (k * u - pinned)
+    hop = cost.hop_ms if sends else 0.0
+    return DeviceTime(k * (cost.cpu_ms_per_layer * w + cost.accel_delta_ms_per_layer * n + hop), disk)
 
 
 def device_time_ms(
     cost: DeviceCost, rounds: int, window: int, accel_layers: int, *, sends: bool = True
 ) -> float:
-    """One device's share of T: k * (a w + b n + disk + c), inf when its layers do not fit.
-    `sends` is false for a lone device, which has no next hop."""
-    k, w, n = rounds, window, accel_layers
-    if n and (not cost.has_accel or n > w or k * n * cost.layer_ram_bytes > cost.accel_budget_bytes):
-        return math.inf
-    u = ram_layers(cost, w, n)
-    disk = 0.0
-    if streams(cost, k, w, n):
-        # Short of memory: stream, keeping two windows of weights and all the KV cache resident.
-        window_bytes = 2 * u * cost.layer_weight_bytes + k * u * cost.layer_kv_bytes + cost.fixed_bytes
-        if not cost.can_stream or window_bytes > cost.ram_budget_bytes:
-            return math.inf
-        disk = cost.disk_ms_per_layer * u
-    hop = cost.hop_ms if sends else 0.0
-    return k * (cost.cpu_ms_per_layer * w + cost.accel_delta_ms_per_layer * n + disk + hop)
+    """The device's own time per token (its reads + its part of the trip), inf if it does not fit."""
+    t = device_time(cost, rounds, window, accel_layers, sends=sends)
+    return math.inf if t is None else t.own_ms
 
 
 def ring_time_ms(
     costs: Sequence[DeviceCost], rounds: int, window_sizes: Sequence[int], accel_layers: Sequence[int]
 ) -> float:
-    """Predicted ms per token of a ring (costs[0] the head); inf if any device's layers do not fit."""
+    """Predicted ms per token of a ring (costs[0] the head); inf if any device's layers do not
+    fit. T = max(kappa + the trip round the ring, each device's own reads + compute): the trip is
+    serial, while each device's disk streams its next layers as the others compute."""
     sends = len(costs) > 1
-    total = costs[0].fixed_ms
+    trip = costs[0].fixed_ms
+    own = 0.0
     for cost, w, n in zip(costs, window_sizes, accel_layers, strict=True):
-        total += device_time_ms(cost, rounds, w, n, sends=sends)
-    return total
+        t = device_time(cost, rounds, w, n, sends=sends)
+        if t is None:
+            return math.inf
+        trip += t.path_ms
+        own = max(own, t.own_ms)
+    return max(trip, own)
 
 
 def predict_ms_per_token(

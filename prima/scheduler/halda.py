@@ -39,7 +39,7 @@ import highspy
 import numpy as np
 
 from prima.errors import PlanError
-from prima.scheduler.cost_model import DeviceCost, ring_costs, ring_time_ms
+from prima.scheduler.cost_model import DeviceCost, pinned_layers, ring_costs, ring_time_ms
 from prima.scheduler.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 
@@ -47,9 +47,9 @@ log = logging.getLogger("prima.scheduler")
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
-# Variables per device, in column order; one more column, h, closes the vector.
-_W, _N, _Z, _S, _Y = range(5)
-_PER_DEVICE = 5
+# Variables per device, in column order; two more columns, h and T, close the vector.
+_W, _N, _Z, _S, _Y, _P = range(6)
+_PER_DEVICE = 6
 # Two plans whose predicted times differ by less than this are equally good; prefer fewer rounds.
 _TIE_RELATIVE = 1e-9
 
@@ -94,15 +94,17 @@ def capacity(cost: DeviceCost, rounds: int, per_round: int) -> Capacity:
     resident = _fit(room, k * cost.layer_ram_bytes, per_round)
     streaming = -1
     if cost.can_stream:
-        # Compute one window while the next is read: two windows of weights plus all the KV.
-        streaming = _fit(room, 2 * cost.layer_weight_bytes + k * cost.layer_kv_bytes, per_round)
+        # Pinning nothing: all the KV cache plus a stream buffer of u + 1 layers.
+        streaming = _fit(room - cost.layer_weight_bytes, k * cost.layer_kv_bytes + cost.layer_weight_bytes, per_round)
         if streaming <= resident:
-            streaming = -1  # streaming lets it hold no more layers (always so for k <= 2)
+            streaming = -1  # streaming lets it hold no more layers
     accel = _fit(cost.accel_budget_bytes, k * cost.layer_ram_bytes, per_round) if cost.has_accel else 0
     return Capacity(resident, streaming, accel)
 
 
 def _fit(room: int, per_layer: int, cap: int) -> int:
+    if room < 0:
+        return -1
     return cap if per_layer <= 0 else min(cap, room // per_layer)
 
 
@@ -149,17 +151,50 @@ def solve(
 def best_assignment(
     costs: Sequence[DeviceCost], n_layers: int, *, max_rounds: int | None = None
 ) -> Assignment | None:
-    """The fastest assignment over every k dividing `n_layers` (up to `max_rounds`), or None."""
+    """The fastest assignment over every k dividing `n_layers` (up to `max_rounds`), or None;
+    equal plans prefer fewer rounds."""
+    ks = [k for k in divisors(n_layers) if max_rounds is None or k <= max_rounds]
+    # Bounds first: one from the coefficients alone rules some k out for free; each remaining
+    # k's LP relaxation (about a millisecond) orders the integer programs, which are solved best
+    # bound first, so the incumbent is found early and cuts the others short or rules them out.
+    candidates = []
+    for k in ks:
+        built = _build_program(costs, n_layers, k)
+        if built is None:
+            continue
+        lp = built.prog.to_lp(built.continuous)
+        bound = max(_relaxation_bound(lp), _cheap_bound(costs, n_layers, k))
+        if math.isfinite(bound):
+            candidates.append((bound, k, built, lp))
     best: Assignment | None = None
-    for k in divisors(n_layers):
-        if max_rounds is not None and k > max_rounds:
-            break
-        # Only a strictly better plan can replace the incumbent, which prefers fewer rounds.
-        cutoff = best.ms_per_token * (1 - _TIE_RELATIVE) if best else math.inf
-        found = solve_rounds(costs, n_layers, k, cutoff_ms=cutoff)
+    for bound, k, built, lp in sorted(candidates, key=lambda c: (c[0], c[1])):
+        cutoff = math.inf
+        if best is not None:
+            # Only a better plan, or an equal one with fewer rounds, replaces the incumbent.
+            tie = (1 + _TIE_RELATIVE) if k < best.rounds else (1 - _TIE_RELATIVE)
+            cutoff = best.ms_per_token * tie
+            if bound >= cutoff:
+                continue
+        found = built.decode(_solve_lp(lp, cutoff))
         if found is not None and found.ms_per_token < cutoff:
             best = found
     return best
+
+
+def _cheap_bound(costs: Sequence[DeviceCost], n_layers: int, k: int) -> float:
+    """A lower bound on T for k rounds from the coefficients alone: every layer at the fastest
+    device's per-layer time; and unless the head holds every layer resident by itself, either k
+    hops to a second device and back, or the head rereading from disk what it cannot pin."""
+    head = costs[0]
+    per_layer = min(c.cpu_ms_per_layer + min(c.accel_delta_ms_per_layer, 0.0) for c in costs)
+    floor_ms = head.fixed_ms + n_layers * per_layer
+    w = n_layers // k
+    if capacity(head, k, w).resident < w:
+        pinned = pinned_layers(head, k, w)
+        alone = head.disk_ms_per_layer * (n_layers - pinned) if pinned >= 0 else math.inf
+        hops = k * (head.hop_ms + min(c.hop_ms for c in costs[1:])) if len(costs) > 1 else math.inf
+        floor_ms += min(alone, hops)
+    return floor_ms
 
 
 def divisors(n: int) -> list[int]:
@@ -170,21 +205,56 @@ def solve_rounds(
     costs: Sequence[DeviceCost], n_layers: int, rounds: int, *, cutoff_ms: float = math.inf
 ) -> Assignment | None:
     """Solve the integer program for a fixed k = `rounds`. Returns None when nothing fits or
-    nothing beats `cutoff_ms` (the incumbent from another k, which lets HiGHS prune early)."""
+    nothing beats `cutoff_ms`."""
+    built = _build_program(costs, n_layers, rounds)
+    if built is None:
+        return None
+    lp = built.prog.to_lp(built.continuous)
+    if math.isfinite(cutoff_ms) and _relaxation_bound(lp) >= cutoff_ms:
+        return None
+    return built.decode(_solve_lp(lp, cutoff_ms))
+
+
+@dataclass(frozen=True)
+class _Built:
+    """One k's integer program and how to read its solution back."""
+
+    costs: Sequence[DeviceCost]
+    rounds: int
+    prog: _Program
+    continuous: list[int]
+
+    def decode(self, x: np.ndarray | None) -> Assignment | None:
+        if x is None:
+            return None
+        m_count, k = len(self.costs), self.rounds
+        members = tuple(m for m in range(m_count) if round(x[_PER_DEVICE * m + _Z]) == 1)
+        windows = tuple(round(x[_PER_DEVICE * m + _W]) for m in members)
+        accel = tuple(round(x[_PER_DEVICE * m + _N]) for m in members)
+        # Score the answer with the cost model itself, so the plan's prediction is the model's.
+        ms = ring_time_ms([self.costs[m] for m in members], k, windows, accel)
+        assert math.isfinite(ms), (k, windows, accel)
+        return Assignment(k, members, windows, accel, ms)
+
+
+def _build_program(costs: Sequence[DeviceCost], n_layers: int, rounds: int) -> _Built | None:
+    """The integer program for k = `rounds`, or None when the head cannot take a layer."""
     k = rounds
     per_round = n_layers // k
     m_count = len(costs)
-    prog = _Program(_PER_DEVICE * m_count + 1)
-    h = prog.n_cols - 1
+    prog = _Program(_PER_DEVICE * m_count + 2)
+    h, t = prog.n_cols - 2, prog.n_cols - 1
 
     def col(m: int, var: int) -> int:
         return _PER_DEVICE * m + var
-
+    prog.var(t, 0, math.inf, 1.0)  # T, the objective
+    trip: dict[int, float] = {t: 1}  # T - (the trip round the ring) >= kappa
     head_hop = costs[0].hop_ms
     if math.isfinite(head_hop) and m_count > 1:
-        prog.var(h, 0, 1, k * head_hop)
+        prog.var(h, 0, 1, 0.0)
+        trip[h] = -k * head_hop
     for m, c in enumerate(costs):
-        w, n, z, s, y = (col(m, v) for v in (_W, _N, _Z, _S, _Y))
+        w, n, z, s, y, p = (col(m, v) for v in (_W, _N, _Z, _S, _Y, _P))
         cap = capacity(c, k, per_round)
         w_max = cap.window(c, per_round)
         usable = w_max >= 1 and math.isfinite(c.cpu_ms_per_layer) and (m == 0 or math.isfinite(c.hop_ms))
@@ -192,40 +262,82 @@ def solve_rounds(
             if m == 0:
                 return None  # the head cannot take even one layer per window
             continue  # every column of m stays fixed at 0
-        prog.var(z, 1 if m == 0 else 0, 1, 0.0 if m == 0 else k * c.hop_ms)
-        prog.var(w, 0, w_max, k * c.cpu_ms_per_layer)
+        hop = 0.0 if m == 0 else k * c.hop_ms
+        prog.var(z, 1 if m == 0 else 0, 1, 0.0)
+        prog.var(w, 0, w_max, 0.0)
         prog.row({w: 1, z: -1}, 0, math.inf)  # z <= w
         prog.row({w: 1, z: -w_max}, -math.inf, 0)  # w <= wmax z
         if m > 0:
             prog.row({h: 1, z: -1}, 0, math.inf)  # h >= z_m
+        own = {w: k * c.cpu_ms_per_layer, z: hop}  # this device's part of the trip
         u = {w: 1}
         if c.has_accel and cap.accel > 0:
-            prog.var(n, 0, cap.accel, k * c.accel_delta_ms_per_layer)
+            prog.var(n, 0, cap.accel, 0.0)
             prog.row({n: 1, w: -1}, -math.inf, 0)  # n <= w
+            own[n] = k * c.accel_delta_ms_per_layer
             if not c.accel_shares_ram:
                 u = {w: 1, n: -1}
+        for j, v in own.items():
+            trip[j] = trip.get(j, 0.0) - v
         if cap.streaming >= 0:
-            # u <= R + (S - R) s: resident, or streaming with the larger (window) limit.
-            prog.var(s, 0, 1, 0.0)
-            prog.row({**u, s: -(cap.streaming - cap.resident)}, -math.inf, cap.resident)
-            # y >= u - S (1 - s): a streaming device rereads all its u layers every token.
-            prog.var(y, 0, cap.streaming, k * c.disk_ms_per_layer)
-            prog.row({y: 1, **{j: -v for j, v in u.items()}, s: -cap.streaming}, -cap.streaming, math.inf)
+            _streaming_rows(prog, c, k, per_round, cap, u, own, s, y, p, t, head_hop if m == 0 and m_count > 1 else 0.0, h)
         else:
             prog.row(u, -math.inf, cap.resident)
+    prog.row(trip, costs[0].fixed_ms, math.inf)
     prog.row({col(m, _W): 1 for m in range(m_count)}, per_round, per_round)
-    # y may be continuous: at the optimum it equals an integer anyway.
-    continuous = [col(m, _Y) for m in range(m_count)]
-    x = prog.solve(continuous, cutoff=cutoff_ms - costs[0].fixed_ms)
-    if x is None:
-        return None
-    members = tuple(m for m in range(m_count) if x[col(m, _Z)] == 1)
-    windows = tuple(int(x[col(m, _W)]) for m in members)
-    accel = tuple(int(x[col(m, _N)]) for m in members)
-    # Score the answer with the cost model itself, so the plan's prediction is the model's.
-    t = ring_time_ms([costs[m] for m in members], k, windows, accel)
-    assert math.isfinite(t), (k, windows, accel)
-    return Assignment(k, members, windows, accel, t)
+    # y and T may be continuous: at the optimum y equals an integer anyway.
+    continuous = [col(m, _Y) for m in range(m_count)] + [t]
+    return _Built(costs, k, prog, continuous)
+
+
+def _streaming_rows(
+    prog: _Program,
+    c: DeviceCost,
+    k: int,
+    per_round: int,
+    cap: Capacity,
+    u: dict[int, int],
+    own: dict[int, float],
+    s: int,
+    y: int,
+    p: int,
+    t: int,
+    head_hop: float,
+    h: int,
+) -> None:
+    """A device that may stream: s = 1 when it does, p its pinned layers, y the layers it rereads
+    per token, and T >= its own time (reads + its part of the trip)."""
+    most = k * per_round  # k*u never exceeds this
+    b = c.layer_weight_bytes
+    prog.var(s, 0, 1, 0.0)
+    prog.var(p, 0, most, 0.0)
+    prog.var(y, 0, most, 0.0)
+    # u <= R + (S - R) s: resident, or streaming with the larger limit.
+    prog.row({**u, s: -(cap.streaming - cap.resident)}, -math.inf, cap.resident)
+    # Streaming: p*b + (k*KV + b)*u + b <= room (bytes); void when s = 0 (big M).
+    room = c.ram_budget_bytes - c.fixed_bytes - b
+    big = b * most + (k * c.layer_kv_bytes + b) * per_round
+    mem = {p: float(b), s: float(big)}
+    for j, v in u.items():
+        mem[j] = mem.get(j, 0.0) + v * (k * c.layer_kv_bytes + b)
+    prog.row(mem, -math.inf, room + big)
+    prog.row({p: 1, s: -most}, -math.inf, 0)  # p <= k W s
+    pin = {p: 1.0}
+    for j, v in u.items():
+        pin[j] = pin.get(j, 0.0) - k * v
+    prog.row(pin, -math.inf, 0)  # p <= k u
+    # y >= k u - p - kW (1 - s)
+    reread = {y: 1.0, p: 1.0, s: -float(most)}
+    for j, v in u.items():
+        reread[j] = reread.get(j, 0.0) - k * v
+    prog.row(reread, -float(most), math.inf)
+    # T >= d y + own (the head's own time includes its hop to the next node, through h).
+    row = {t: 1.0, y: -c.disk_ms_per_layer}
+    for j, v in own.items():
+        row[j] = row.get(j, 0.0) - v
+    if head_hop:
+        row[h] = row.get(h, 0.0) - k * head_hop
+    prog.row(row, 0, math.inf)
 
 
 class _Program:
@@ -244,8 +356,8 @@ class _Program:
     def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
         self.rows.append((coefs, lo, hi))
 
-    def solve(self, continuous: Sequence[int], cutoff: float) -> np.ndarray | None:
-        """Integer solution vector, or None if infeasible or no better than `cutoff`."""
+    def to_lp(self, continuous: Sequence[int]) -> highspy.HighsLp:
+        """The program as HiGHS takes it; `continuous` columns are real, the rest integer."""
         # Column-wise sparse matrix, as HiGHS takes it.
         by_col: list[list[tuple[int, float]]] = [[] for _ in range(self.n_cols)]
         for i, (coefs, _, _) in enumerate(self.rows):
@@ -267,39 +379,45 @@ class _Program:
         for j in continuous:
             integrality[j] = highspy.HighsVarType.kContinuous
         lp.integrality_ = integrality
-        if math.isfinite(cutoff) and self._relaxation_bound(lp) >= cutoff:
-            return None
-        for attempt in range(2):
-            solver = _new_highs()
-            solver.setOptionValue("mip_rel_gap", 0.0)
-            if math.isfinite(cutoff):
-                solver.setOptionValue("objective_bound", cutoff)
-            solver.passModel(lp)
-            if solver.run() != highspy.HighsStatus.kError or attempt:
-                break
-            # HiGHS keeps one thread pool per process; if someone started it with other
-            # settings, our single-threaded run is refused until the pool is rebuilt.
-            log.debug("HiGHS refused to run; resetting its thread pool")
-            highspy.Highs.resetGlobalScheduler(True)
-        if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            return None
-        return np.rint(np.asarray(solver.getSolution().col_value)).astype(int)
+        return lp
 
-    @staticmethod
-    def _relaxation_bound(lp: highspy.HighsLp) -> float:
-        """The LP relaxation's optimum: a lower bound on the program's, found in well under a
-        millisecond. Rounds k that cannot beat the best plan so far are skipped on it alone."""
+
+def _solve_lp(lp: highspy.HighsLp, cutoff: float) -> np.ndarray | None:
+    """Integer solution vector, or None if infeasible or no better than `cutoff`."""
+    for attempt in range(2):
         solver = _new_highs()
-        solver.setOptionValue("solve_relaxation", True)
+        solver.setOptionValue("mip_rel_gap", 0.0)
+        if math.isfinite(cutoff):
+            solver.setOptionValue("objective_bound", cutoff)
         solver.passModel(lp)
-        if solver.run() == highspy.HighsStatus.kError:
-            return -math.inf
-        status = solver.getModelStatus()
-        if status == highspy.HighsModelStatus.kInfeasible:
-            return math.inf
-        if status != highspy.HighsModelStatus.kOptimal:
-            return -math.inf
-        return solver.getInfo().objective_function_value
+        if solver.run() != highspy.HighsStatus.kError or attempt:
+            break
+        # HiGHS keeps one thread pool per process; if someone started it with other
+        # settings, our single-threaded run is refused until the pool is rebuilt.
+        log.debug("HiGHS refused to run; resetting its thread pool")
+        highspy.Highs.resetGlobalScheduler(True)
+    if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return np.rint(np.asarray(solver.getSolution().col_value)).astype(int)
+
+
+def _relaxation_bound(lp: highspy.HighsLp) -> float:
+    """The LP relaxation's optimum: a lower bound on the program's, found in well under a
+    millisecond; inf when even the relaxation is infeasible."""
+    solver = _new_highs()
+    solver.setOptionValue("solve_relaxation", True)
+    # Presolve costs more than it saves on an LP this small (2.2 -> 1.0 ms at 32 devices); the
+    # integer programs keep it, since branching without it is far slower.
+    solver.setOptionValue("presolve", "off")
+    solver.passModel(lp)
+    if solver.run() == highspy.HighsStatus.kError:
+        return -math.inf
+    status = solver.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return math.inf
+    if status != highspy.HighsModelStatus.kOptimal:
+        return -math.inf
+    return solver.getInfo().objective_function_value
 
 
 _banner_silenced = False

@@ -131,6 +131,13 @@ class ModelProfile:
     output_flops: Mapping[str, float] = field(hash=False)
     activation_bytes: int
     ctx_tokens: int = DEFAULT_CTX_TOKENS
+    tied_output: bool = False  # the output head is token_embd itself
+
+    @property
+    def head_resident_bytes(self) -> int:
+        """What the head keeps in memory besides its layers: the output head, read in full every
+        token (a tied one is the whole embedding). An untied embedding costs a row per token."""
+        return self.output_bytes + (self.input_bytes if self.tied_output else 0)
 
     @property
     def kv_bytes_per_layer(self) -> int:
@@ -196,6 +203,7 @@ class ModelProfile:
             output_flops=output_flops,
             activation_bytes=n_embd * ACTIVATION_ELEMENT_BYTES,
             ctx_tokens=min(ctx_tokens or DEFAULT_CTX_TOKENS, max_ctx),
+            tied_output=out is None and embd is not None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,6 +221,7 @@ class ModelProfile:
             "output_flops": dict(self.output_flops),
             "activation_bytes": self.activation_bytes,
             "ctx_tokens": self.ctx_tokens,
+            "tied_output": self.tied_output,
         }
 
     @classmethod
@@ -234,6 +243,7 @@ class ModelProfile:
             output_flops=r.flops("output_flops"),
             activation_bytes=r.count("activation_bytes"),
             ctx_tokens=r.count("ctx_tokens", DEFAULT_CTX_TOKENS),
+            tied_output=bool(raw.get("tied_output", True)),
         )
 
 

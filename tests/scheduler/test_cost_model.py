@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from prima.scheduler.cost_model import device_cost, device_time_ms, gemv_ms, predict_ms_per_token, ring_costs
+from prima.scheduler.cost_model import (
+    device_cost,
+    device_time_ms,
+    gemv_ms,
+    pinned_layers,
+    predict_ms_per_token,
+    ring_costs,
+)
 from prima.scheduler.profile import AcceleratorProfile
 
 MiB = 1 << 20
@@ -25,7 +33,10 @@ def test_cost_model_coefficients_follow_the_formulas(make_device, make_model):
     assert c.fixed_ms == 0.0
     assert c.fixed_bytes == 0
     head = device_cost(dev, model, is_head=True)
-    assert head.fixed_bytes == model.input_bytes + model.output_bytes
+    # The untied embedding is read a row per token; the output head in full.
+    assert head.fixed_bytes == model.head_resident_bytes == model.output_bytes
+    tied = dataclasses.replace(model, tied_output=True)
+    assert device_cost(dev, tied, is_head=True).fixed_bytes == model.input_bytes + model.output_bytes
     assert head.fixed_ms == pytest.approx(model.output_flops["Q6_K"] / 10e9 * 1e3)
 
 
@@ -56,11 +67,13 @@ def test_cost_model_streams_only_when_short_of_memory(make_device, make_model):
     c = device_cost(make_device("d", ram_gib=0.5, disk_gbps=1.0), model, is_head=False)
     # 5 layers = 500 MiB fit in 512 MiB: no disk term.
     assert device_time_ms(c, 1, 5, 0) == pytest.approx(5 * c.cpu_ms_per_layer + c.hop_ms)
-    # 6 layers in 3 rounds of 2: short of memory, two windows (400 MiB) fit: every layer is reread.
+    # 6 layers in 3 rounds of 2: short of memory. A buffer of 3 layers (300 MiB) leaves room to
+    # pin 2 of the 6 (200 MiB): 4 layers are reread every token, while the rest of the ring runs.
+    assert pinned_layers(c, 3, 2) == 2
     assert device_time_ms(c, 3, 2, 0) == pytest.approx(
-        3 * (2 * c.cpu_ms_per_layer + 2 * c.disk_ms_per_layer + c.hop_ms)
+        4 * c.disk_ms_per_layer + 3 * (2 * c.cpu_ms_per_layer + c.hop_ms)
     )
-    # One round of 6: streaming would need two 600 MiB windows.
+    # One round of 6: streaming would need a 7-layer buffer.
     assert device_time_ms(c, 1, 6, 0) == math.inf
     no_disk = device_cost(make_device("d", ram_gib=0.5, disk_gbps=0.0), model, is_head=False)
     assert device_time_ms(no_disk, 3, 2, 0) == math.inf
@@ -90,3 +103,17 @@ def test_cost_model_accelerator_layers(make_device, make_model):
 def test_cost_model_rejects_windows_that_miss_layers(make_device, make_model):
     with pytest.raises(ValueError, match="do not cover"):
         predict_ms_per_token([make_device("a")], make_model(n_layers=8), 1, [7])
+
+
+def test_cost_model_disk_overlaps_the_rest_of_the_ring(make_device, make_model):
+    """A streaming device's reads bound T beside the trip round the ring, not on top of it."""
+    model = make_model(n_layers=12, layer_mib=100, kv_mib=0)
+    devices = [make_device("head", ram_gib=4.0), make_device("small", ram_gib=0.5, disk_gbps=0.2)]
+    head, small = ring_costs(devices, model)
+    t = predict_ms_per_token(devices, model, 3, [2, 2])
+    trip = head.fixed_ms + 3 * (2 * head.cpu_ms_per_layer + head.hop_ms + 2 * small.cpu_ms_per_layer + small.hop_ms)
+    reread = 6 - pinned_layers(small, 3, 2)
+    own = reread * small.disk_ms_per_layer + 3 * (2 * small.cpu_ms_per_layer + small.hop_ms)
+    assert reread > 0
+    assert t == pytest.approx(max(trip, own))
+    assert t < trip + reread * small.disk_ms_per_layer
