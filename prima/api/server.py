@@ -20,6 +20,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from prima.api.openai_schema import (
     GenerationRequest,
     RequestError,
@@ -45,7 +47,7 @@ POST_ROUTES: dict[str, Callable[[Any], GenerationRequest]] = {
     "/v1/chat/completions": parse_chat_request,
     "/v1/completions": parse_completion_request,
 }
-GET_ROUTES = ("/health", "/v1/models")
+GET_ROUTES = ("/health", "/v1/models", "/metrics")
 
 
 class HttpError(Exception):
@@ -171,6 +173,8 @@ class ApiHandler(BaseHTTPRequestHandler):
             )
         elif path == "/v1/models":
             self._send_json(HTTPStatus.OK, models_response(service.model_id, service.created))
+        elif path == "/metrics":
+            self._send_bytes(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
         elif path in POST_ROUTES:
             self._method_not_allowed(path)
         else:
@@ -322,9 +326,11 @@ class ApiHandler(BaseHTTPRequestHandler):
             raise ClientGone(f"the client went away mid-stream ({exc.__class__.__name__})") from None
 
     def _send_json(self, status: HTTPStatus, obj: dict[str, Any]) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode()
+        self._send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
+
+    def _send_bytes(self, status: HTTPStatus, data: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from prima import metrics
 from prima.api.openai_schema import GenerationRequest, RequestError
 from prima.engine.generate import Engine, GenerationResult, stream
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
@@ -99,6 +100,7 @@ class _CancellableEngine:
         self._engine = engine
         self._cancelled = cancelled
         self.n_ctx = engine.n_ctx
+        self._calls = 0
 
     def reset(self) -> None:
         self._engine.reset()
@@ -108,7 +110,12 @@ class _CancellableEngine:
             raise GenerationCancelled(
                 "generation cancelled: the client disconnected or the server is stopping"
             )
-        return self._engine.forward(token_ids)
+        t0 = time.perf_counter()
+        logits = self._engine.forward(token_ids)
+        if self._calls:  # the first call is the prompt; the rest are decode steps
+            metrics.TOKEN_LATENCY.observe(time.perf_counter() - t0)
+        self._calls += 1
+        return logits
 
 
 @dataclass(frozen=True)
@@ -203,8 +210,18 @@ class CompletionService:
 
         if self.closing:
             raise GenerationCancelled("the server is stopping")
-        self.queue.acquire(stop, self.defaults.queue_timeout_s)
+        t0 = time.perf_counter()
+        metrics.QUEUE_DEPTH.inc()
+        try:
+            self.queue.acquire(stop, self.defaults.queue_timeout_s)
+        except PrimaError as exc:
+            metrics.REQUESTS.labels(type(exc).__name__).inc()
+            raise
+        finally:
+            metrics.QUEUE_DEPTH.dec()
         released = False
+        first = True
+        outcome = "cancelled"
         try:
             tok = self.loaded.tokenizer
             for event in stream(
@@ -216,13 +233,23 @@ class CompletionService:
                 stop_strings=prep.stop_strings,
                 decoder=tok.stream_decoder(),
             ):
+                if first:
+                    metrics.TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
+                    first = False
                 if isinstance(event, GenerationResult):
                     # Free the engine before the reply is written, so the next request (or a
                     # /health check right after this reply) finds it idle.
                     self.queue.release()
                     released = True
+                    outcome = "ok"
+                    metrics.PROMPT_TOKENS.inc(event.timings.prompt_tokens)
+                    metrics.GENERATED_TOKENS.inc(event.timings.generated_tokens)
                 yield event
+        except PrimaError as exc:
+            outcome = type(exc).__name__
+            raise
         finally:
+            metrics.REQUESTS.labels(outcome).inc()
             if not released:
                 self.queue.release()
 

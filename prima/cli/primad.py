@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         "else all interfaces)",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on host:PORT/metrics (0 picks a free port; default: off)",
+    )
+    p.add_argument(
         "--reprofile",
         action="store_true",
         help="measure this device for the scheduler at start, replacing the cached profile",
@@ -152,6 +159,7 @@ def serve(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     server, port = start_server(runtime, args.host, args.port)
+    metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
                 stack.enter_context(Advertiser(advert, interfaces=args.mdns_interface))
             except NodeError as exc:
                 log.warning("%s; serving without mDNS", exc)
-        _announce_ready(runtime, args.host, port, budget)
+        _announce_ready(runtime, args.host, port, budget, metrics_port)
         stop.wait()
         # Leaving the stack sends the mDNS goodbye before the server stops answering.
     server.stop(grace=2.0).wait(5.0)
@@ -179,7 +187,25 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce_ready(runtime: NodeRuntime, host: str, port: int, budget: int | None) -> None:
+def _serve_metrics(runtime: NodeRuntime, host: str, port: int | None) -> int | None:
+    """Start the /metrics endpoint (prometheus_client's own HTTP server); its port, or None."""
+    if port is None:
+        return None
+    from prometheus_client import start_http_server
+
+    from prima.metrics import register_residency
+
+    register_residency(runtime.residency)
+    try:
+        httpd, _ = start_http_server(port, addr=host)
+    except OSError as exc:
+        raise InputError(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+    return int(httpd.server_port)
+
+
+def _announce_ready(
+    runtime: NodeRuntime, host: str, port: int, budget: int | None, metrics_port: int | None = None
+) -> None:
     ready = {
         "node_id": runtime.node_id,
         "address": f"{host}:{port}",
@@ -188,6 +214,7 @@ def _announce_ready(runtime: NodeRuntime, host: str, port: int, budget: int | No
         "model": str(runtime.loaded.path),
         "n_layers": runtime.model.config.n_layers,
         "mem_budget": "auto" if budget is None else budget,
+        "metrics_port": metrics_port,
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prima import metrics
 from prima.engine.generate import GenerationResult, generate
 from prima.engine.local import DEFAULT_UBATCH
 from prima.engine.sampling import SamplerConfig
@@ -34,7 +35,7 @@ from prima.scheduler.plan import Hop, Plan
 from prima.scheduler.profile import ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
 from prima.weights.kv_cache import KVCache
-from prima.weights.window import LayerWindows
+from prima.weights.window import LayerWindows, Residency
 
 from .node_profile import measure_node
 from .ring_engine import RingEngine
@@ -150,6 +151,11 @@ class NodeRuntime:
             sessions=len(self._sessions),
         )
 
+    def residency(self) -> Residency | None:
+        """What the current plan's layers hold in memory, None before a plan."""
+        layout = self._layout
+        return layout.windows.residency() if layout else None
+
     def profile(self, peer_address: str = "", refresh: bool = False) -> NodeProfile:
         """This device measured for the scheduler (cached per model file; `refresh` measures
         again), plus the link to `peer_address` when one is given."""
@@ -257,6 +263,7 @@ class NodeRuntime:
             if session_id in self._sessions:
                 raise ProtocolError(f"session {session_id} is already open on node {self.node_id}")
             self._sessions[session_id] = session
+            metrics.NODE_SESSIONS.set(len(self._sessions))
         try:
             self._fit_kv_caches(layout)
         except PrimaError:
@@ -280,6 +287,7 @@ class NodeRuntime:
     def close_session(self, session_id: str) -> None:
         with self._lock:
             session = self._sessions.pop(session_id, None)
+            metrics.NODE_SESSIONS.set(len(self._sessions))
         if session is not None:
             session.close()
             layout = self._layout
@@ -340,12 +348,14 @@ class NodeRuntime:
                         break
                 while pending and _same_hop(pending[0], act):
                     group.append(pending.popleft())  # type: ignore[arg-type]
+            metrics.NODE_QUEUE_DEPTH.set(self._work.qsize() + len(pending))
             try:
-                self._compute(group)
+                with metrics.NODE_COMPUTE.time():
+                    self._compute(group)
             except PrimaError as exc:
-                self._fail(act.session_id, f"node {self.node_id}: {exc}")
+                self._fail(act.session_id, f"node {self.node_id}: {exc}", type(exc).__name__)
             except ValueError as exc:  # a cache write with a gap: the session's batches were lost
-                self._fail(act.session_id, f"node {self.node_id} could not compute: {exc}")
+                self._fail(act.session_id, f"node {self.node_id} could not compute: {exc}", "cache_gap")
 
     def _compute(self, group: list[Activation]) -> None:
         """Run micro-batches of one session, all at the same hop, through this node's consecutive
@@ -407,12 +417,13 @@ class NodeRuntime:
             relay = session.relays.get(dest)
             if relay is None:
                 sid = session.session_id
-                relay = layout.clients[dest].relay(lambda err: self._fail(sid, str(err)), layout.wire_dtype)
+                relay = layout.clients[dest].relay(lambda err: self._fail(sid, str(err), "relay"), layout.wire_dtype)
                 session.relays[dest] = relay
         try:
-            relay.send(act)
+            with metrics.NODE_RELAY_SEND.time():
+                relay.send(act)
         except NodeError as exc:
-            self._fail(session.session_id, str(exc))
+            self._fail(session.session_id, str(exc), "relay")
 
     def _deliver(self, session: NodeSession, act: Activation) -> None:
         if session.results is None:
@@ -421,9 +432,10 @@ class NodeRuntime:
             )
         session.results.put(act)
 
-    def _fail(self, session_id: str, message: str) -> None:
+    def _fail(self, session_id: str, message: str, kind: str = "other") -> None:
         """Tell the head that a session cannot go on (or, on the head, wake its engine)."""
         log.warning("session %s failed: %s", session_id, message)
+        metrics.NODE_ERRORS.labels(kind).inc()
         layout = self._layout
         session = self._sessions.get(session_id)
         if session is not None and session.results is not None:

@@ -30,6 +30,7 @@ class LocalNode:
     node_id: str
     address: str
     pid: int
+    metrics_port: int | None = None
 
 
 class LocalRing:
@@ -143,7 +144,7 @@ def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> Loc
                 raise NodeError(f"primad {name} exited with code {proc.wait(timeout=5)} before it was ready")
             if line.startswith(READY_PREFIX):
                 ready = json.loads(line[len(READY_PREFIX) :])
-                return LocalNode(ready["node_id"], ready["address"], int(ready["pid"]))
+                return LocalNode(ready["node_id"], ready["address"], int(ready["pid"]), ready.get("metrics_port"))
         raise NodeError(f"primad {name} was not ready within {timeout_s:.0f} s")
     finally:
         sel.close()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, ServeDefaults
@@ -154,6 +155,42 @@ def test_health_and_models(server: ApiServer) -> None:
     status, models = _request(server, "GET", "/v1/models")
     assert status == 200
     assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+
+
+def _metrics(srv: ApiServer) -> dict[str, float]:
+    """GET /metrics, parsed with prometheus_client's own parser: sample name+labels -> value."""
+    conn = _connect(srv)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/plain")
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def test_metrics_move_during_a_generation(server: ApiServer) -> None:
+    before = _metrics(server)
+    status, body = _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 5, "temperature": 0})
+    assert status == 200
+    after = _metrics(server)
+    generated = body["usage"]["completion_tokens"]
+    prompt = body["usage"]["prompt_tokens"]
+    assert after["prima_generated_tokens_total{}"] - before.get("prima_generated_tokens_total{}", 0) == generated
+    assert after["prima_prompt_tokens_total{}"] - before.get("prima_prompt_tokens_total{}", 0) == prompt
+    assert after["prima_requests_total{outcome=ok}"] - before.get("prima_requests_total{outcome=ok}", 0) == 1
+    ttft = "prima_time_to_first_token_seconds_count{}"
+    assert after[ttft] - before.get(ttft, 0) == 1
+    steps = "prima_token_latency_seconds_count{}"
+    assert after[steps] - before.get(steps, 0) == generated - 1  # the first token comes from the prompt
+    assert after["prima_queue_depth{}"] == 0
 
 
 def test_greedy_chat_completion_equals_generate(server: ApiServer) -> None:
