@@ -292,7 +292,8 @@ def _cached_model(
         merges = meta.get("tokenizer.ggml.merges")
         if not merges:
             raise TokenizerError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges, which this GGUF lacks")
-        pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
+        # A vocabulary converted before the key existed gets llama.cpp's fallback, "default".
+        pre = str(meta.get("tokenizer.ggml.pre", "default"))
         inputs: tuple[Any, ...] = (kind, pre, _digest(tokens), _digest(merges))
     else:
         scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), dtype=np.float32)
