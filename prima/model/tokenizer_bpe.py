@@ -2,8 +2,9 @@
 
 Text is split by the pre-tokenizer regexes llama.cpp uses for the vocabulary's `tokenizer.ggml.pre`
 (`prima.model.pre_tokenizers`), each piece is mapped byte-by-byte onto printable characters (GPT-2's
-byte-to-unicode table), and merges are applied by rank. HF `tokenizers` runs those merges; we only hand it the GGUF's vocab,
-merges and the right regexes, and keep special-token handling in `prima.model.tokenizer`.
+byte-to-unicode table), and merges are applied by rank. HF `tokenizers` runs those merges; we only
+hand it the GGUF's vocab, merges and the right regexes, and keep special-token handling in
+`prima.model.tokenizer`.
 """
 
 from __future__ import annotations
