@@ -2,7 +2,7 @@
 
 The shared oracle holds llama.cpp's outputs for fixed strings and prompts; these helpers produce
 the same kind of reference for strings, prompts and files the oracle does not have (held-out
-cases, other `tokenizer.ggml.pre` values, tiny models written by tests). Tests that use them skip
+cases, other `tokenizer.ggml.pre` values, tiny models written by tests/tiny_models.py). Tests that use them skip
 with the reason when llama-cpp-python is not installed (`pip install -e '.[bench]'`).
 """
 
@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 GGML_TYPE_F32 = 0  # ggml_type: an F32 KV cache, as the oracle's `f32` runs use
 
@@ -27,36 +25,14 @@ def require_llama_cpp() -> ModuleType:
     )
 
 
-def copy_metadata(
-    src: Path, dst: Path, overrides: dict[str, Any] | None = None, drop: Sequence[str] = ()
-) -> Path:
-    """A tensor-less GGUF with `src`'s metadata, some keys replaced (`overrides`, string values)
-    or removed (`drop`): enough for llama.cpp to load the vocabulary (`vocab_only`)."""
-    overrides = overrides or {}
-    reader = GGUFReader(src)
-    arch = str(reader.fields["general.architecture"].contents())
-    writer = GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in overrides:
-            continue
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, field.contents(), kind)
-    for key, value in overrides.items():
-        writer.add_string(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
-def llama_tokenize(path: Path, texts: Sequence[str]) -> list[list[int]]:
-    """llama.cpp's ids for each text: no BOS, special tokens not parsed (as the oracle's `tokenize`)."""
+def llama_tokenize(
+    path: Path, texts: Sequence[str], overrides: dict[str, str] | None = None
+) -> list[list[int]]:
+    """llama.cpp's ids for each text: no BOS, special tokens not parsed (as the oracle's `tokenize`).
+    `overrides` replaces string metadata as the file is read (llama.cpp's `--override-kv`), e.g.
+    another `tokenizer.ggml.pre` for the same vocabulary."""
     llama_cpp = require_llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, kv_overrides=overrides, verbose=False)
     try:
         return [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
     finally:

@@ -1,9 +1,12 @@
 """Every pre-tokenizer prima knows against llama.cpp's own tokenization of held-out strings.
 
-The reference is computed while the test runs, by llama.cpp (llama-cpp-python) on a tensor-less
-copy of the tiny-qwen2 oracle model whose `tokenizer.ggml.pre` is replaced: the same byte-level
-vocabulary and merges, split by a different pre-tokenizer. None of these strings is in the shared
-oracle. Skips when llama-cpp-python or the oracle directory is absent.
+The reference is computed while the test runs, by llama.cpp (llama-cpp-python) reading the same
+file with `tokenizer.ggml.pre` overridden: the same vocabulary and merges, split by another
+pre-tokenizer. Two vocabularies: the tiny-qwen2 oracle model's (SmolLM2's real 49152 tokens), and
+a small one learned from the test strings with nothing split first (tests/tiny_models.py), whose
+tokens cross word, digit, case and script boundaries, so a split in the wrong place changes the
+ids (SmolLM2's vocabulary, for one, has no multi-digit tokens to show how digits group). None of
+these strings is in the shared oracle. Skips when llama-cpp-python is absent.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.pre_tokenizers import PRE_TOKENIZERS
 from prima.model.tokenizer import Tokenizer
 from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, tiny_model_path
-from tests.llama_reference import copy_metadata, llama_tokenize
+from tests.llama_reference import llama_tokenize
+from tests.tiny_models import write_vocab_only
 
 # Cases that separate the pre-tokenizers: digit runs of every length (single digits, groups of
 # three, whole runs), contractions in both cases, letters of several scripts and cases, CJK and
@@ -50,23 +54,21 @@ HELD_OUT_TEXTS = (
 
 
 @pytest.fixture(scope="module")
-def vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
-    return tmp_path_factory.mktemp("vocab")
+def learned_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_vocab_only(
+        tmp_path_factory.mktemp("vocab") / "learned.gguf", corpus=HELD_OUT_TEXTS, n_merges=800, pre="qwen2"
+    )
 
 
-def _prima_ids(path: Path, texts: tuple[str, ...]) -> list[list[int]]:
+def _assert_same(path: Path, pre: str | None = None) -> None:
+    """prima and llama.cpp give the same ids for every held-out text, with `pre` (if given)
+    in place of the file's `tokenizer.ggml.pre`."""
+    overrides = {"tokenizer.ggml.pre": pre} if pre is not None else None
+    expected = llama_tokenize(path, HELD_OUT_TEXTS, overrides)
     with GGUFFile(path) as gguf:
-        tok = Tokenizer.from_gguf(gguf.metadata)
-    return [tok.encode(t) for t in texts]
-
-
-def _assert_same(path: Path) -> None:
-    expected = llama_tokenize(path, HELD_OUT_TEXTS)
-    got = _prima_ids(path, HELD_OUT_TEXTS)
-    for text, want, have in zip(HELD_OUT_TEXTS, expected, got, strict=True):
-        assert have == want, f"{text!r}"
+        tok = Tokenizer.from_gguf({**gguf.metadata, **(overrides or {})})
+    for text, want in zip(HELD_OUT_TEXTS, expected, strict=True):
+        assert tok.encode(text) == want, f"{text!r}"
 
 
 # "gpt2" is not a name llama.cpp accepts; it is prima's older spelling of "gpt-2", checked below.
@@ -74,10 +76,39 @@ LLAMA_CPP_NAMES = sorted(set(PRE_TOKENIZERS) - {"gpt2"})
 
 
 @pytest.mark.parametrize("pre", LLAMA_CPP_NAMES)
-def test_pre_tokenizer_matches_llama_cpp(vocab_dir: Path, pre: str) -> None:
-    _assert_same(
-        copy_metadata(tiny_model_path("tiny-qwen2"), vocab_dir / f"{pre}.gguf", {"tokenizer.ggml.pre": pre})
-    )
+def test_pre_tokenizer_matches_llama_cpp_on_learned_vocab(learned_vocab: Path, pre: str) -> None:
+    _assert_same(learned_vocab, pre)
+
+
+@pytest.mark.parametrize("pre", LLAMA_CPP_NAMES)
+def test_pre_tokenizer_matches_llama_cpp_on_real_vocab(pre: str) -> None:
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    _assert_same(tiny_model_path("tiny-qwen2"), pre)
+
+
+def test_learned_vocab_tells_pre_tokenizers_apart(learned_vocab: Path) -> None:
+    """The learned vocabulary makes the check above mean something: the pre-tokenizers that
+    llama.cpp gives different regexes tokenize the held-out strings differently."""
+    with GGUFFile(learned_vocab) as gguf:
+        meta = dict(gguf.metadata)
+    seen: dict[tuple[tuple[int, ...], ...], str] = {}
+    for pre in (
+        "default",
+        "gpt-2",
+        "smollm",
+        "llama-bpe",
+        "qwen2",
+        "deepseek-llm",
+        "deepseek-coder",
+        "deepseek-v3",
+        "tekken",
+        "gpt-4o",
+    ):
+        tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": pre})
+        ids = tuple(tuple(tok.encode(t)) for t in HELD_OUT_TEXTS)
+        assert ids not in seen, f"{pre} tokenizes like {seen.get(ids)}"
+        seen[ids] = pre
 
 
 def test_gpt2_is_gpt_2() -> None:
@@ -91,10 +122,8 @@ def test_tiny_models_tokenize_held_out_like_llama_cpp(tag: str) -> None:
     _assert_same(tiny_model_path(tag))
 
 
-def test_missing_pre_is_llama_cpp_default(vocab_dir: Path) -> None:
-    _assert_same(
-        copy_metadata(tiny_model_path("tiny-qwen2"), vocab_dir / "nopre.gguf", drop=("tokenizer.ggml.pre",))
-    )
+def test_missing_pre_is_llama_cpp_default(tmp_path: Path) -> None:
+    _assert_same(write_vocab_only(tmp_path / "nopre.gguf", corpus=HELD_OUT_TEXTS, n_merges=800, pre=None))
 
 
 def test_unknown_pre_tokenizer_names_supported_ones() -> None:

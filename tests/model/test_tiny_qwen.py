@@ -9,6 +9,7 @@ cache in F16, so against it only the top token and the logit direction must agre
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
@@ -21,6 +22,7 @@ from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import LoadedModel, load_model
 from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.llama_reference import LlamaF32
 
 F32_TOLERANCE = 1e-3
 MODES = ("exact", "q8")
@@ -115,3 +117,51 @@ def test_tiny_greedy_matches_llama_cpp(tag: str, prompt: dict[str, Any], mode: s
         stop_ids=sorted(loaded.tokenizer.stop_ids),
     )
     assert result.token_ids == expected
+
+
+# Held out: prompts that are not in the oracle, with llama.cpp's reference computed while the test
+# runs (llama-cpp-python on the same F32 file with the oracle's f32 settings; skips without it).
+HELD_OUT_PROMPTS = (
+    "Once upon a time, in 1999, there were 3 bears.",
+    "  indented\n\n\tcode  {x: [1, 2, 3]} // 🙂 done",
+    "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhy is the sky blue?<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "日本語とEnglishの混ざった文章です。数字は12345。",
+)
+
+
+@pytest.fixture(scope="module")
+def llama_f32() -> Iterator[Callable[[str], LlamaF32]]:
+    """`llama_f32(tag)`: the tiny model opened once in llama.cpp, closed after the module."""
+    opened: dict[str, LlamaF32] = {}
+
+    def get(tag: str) -> LlamaF32:
+        if tag not in opened:
+            opened[tag] = LlamaF32(tiny_model_path(tag))
+        return opened[tag]
+
+    yield get
+    for llm in opened.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text", HELD_OUT_PROMPTS, ids=range(len(HELD_OUT_PROMPTS)))
+@pytest.mark.parametrize("tag", TINY_TAGS)
+def test_tiny_held_out_prompts_match_llama_cpp(
+    llama_f32: Callable[[str], LlamaF32], tag: str, text: str, mode: str
+) -> None:
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    loaded = _load(tag, mode)
+    tok = loaded.tokenizer
+    reference = llama_f32(tag)
+    ids = prompt_ids(tok, text)
+    assert ids == reference.tokenize_prompt(text, add_bos=tok.add_bos_default)
+    stops = sorted(tok.stop_ids)
+    want_logits, want_greedy = reference.last_logits_and_greedy(ids, 12, stops)
+    assert_close_to_llama_cpp(last_logits(loaded, ids), want_logits)
+    result = generate(
+        LocalEngine(loaded.model, n_ctx=512), ids, max_tokens=12, sampler=SamplerConfig(), stop_ids=stops
+    )
+    assert result.token_ids == want_greedy
