@@ -50,6 +50,8 @@ HELD_OUT_TEXTS = (
     "\n",
     " a",
     "a  b   c    d",
+    # Lower case running into a non-ASCII capital, repeated so that the learned vocabulary joins them.
+    "xÉcole xÉcole xÉcole motÀmot motÀmot motÀmot σΣσ σΣσ σΣσ",
 )
 
 
