@@ -26,15 +26,15 @@ def require_llama_cpp() -> ModuleType:
 
 
 def llama_tokenize(
-    path: Path, texts: Sequence[str], overrides: dict[str, str] | None = None
+    path: Path, texts: Sequence[str], overrides: dict[str, str] | None = None, *, add_bos: bool = False
 ) -> list[list[int]]:
-    """llama.cpp's ids for each text: no BOS, special tokens not parsed (as the oracle's `tokenize`).
-    `overrides` replaces string metadata as the file is read (llama.cpp's `--override-kv`), e.g.
-    another `tokenizer.ggml.pre` for the same vocabulary."""
+    """llama.cpp's ids for each text, special tokens not parsed; no BOS (as the oracle's
+    `tokenize`), or with `add_bos` BOS where the vocabulary says so. `overrides` replaces string
+    metadata as the file is read (llama.cpp's `--override-kv`), e.g. another `tokenizer.ggml.pre`."""
     llama_cpp = require_llama_cpp()
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, kv_overrides=overrides, verbose=False)
     try:
-        return [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+        return [llm.tokenize(t.encode("utf-8"), add_bos=add_bos, special=False) for t in texts]
     finally:
         llm.close()
 

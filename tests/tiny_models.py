@@ -74,12 +74,17 @@ def add_vocab(
     n_merges: int = 64,
     pre: str | None = "qwen2",
     chat_template: str | None = CHATML_TEMPLATE,
+    whole_words: Sequence[str] = (),
+    add_bos: bool | None = False,
 ) -> int:
     """Write a byte-level BPE vocabulary (`byte_level_vocab` behind the control tokens) and
-    return its size. `pre=None` leaves `tokenizer.ggml.pre` out, as files converted before it."""
+    return its size. `whole_words` become tokens no merge leads to (what `ignore_merges` finds).
+    `pre=None` / `add_bos=None` leave the key out, as in files converted before it existed."""
     normal, merges = byte_level_vocab(corpus, n_merges)
-    # A corpus holding "<|im_end|>" as text learns it as a token; the vocabulary has it once.
-    normal = [t for t in normal if t not in SPECIAL_TOKENS]
+    table = bytes_to_unicode()
+    normal += ["".join(table[b] for b in word.encode("utf-8")) for word in whole_words]
+    # A corpus holding "<|im_end|>" as text learns it as a token; the vocabulary has each token once.
+    normal = [t for t in dict.fromkeys(normal) if t not in SPECIAL_TOKENS]
     tokens = [*SPECIAL_TOKENS, *normal]
     w.add_tokenizer_model("gpt2")
     if pre is not None:
@@ -89,7 +94,8 @@ def add_vocab(
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     return len(tokens)

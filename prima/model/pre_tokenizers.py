@@ -21,10 +21,12 @@ class PreTokenizer:
 
     `ignore_merges`: a word that is itself in the vocabulary becomes that token without merging
     (llama.cpp sets this for Llama 3 and Tekken vocabularies, as their HF tokenizers do).
+    `add_bos`: whether prompts start with BOS when the GGUF has no `tokenizer.ggml.add_bos_token`.
     """
 
     regexes: tuple[str, ...]
     ignore_merges: bool = False
+    add_bos: bool = False
 
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -81,9 +83,21 @@ _DEEPSEEK_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u30
 _DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _DEEPSEEK_V3_CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
 
+_DEEPSEEK_V3 = PreTokenizer(
+    (
+        r"\p{N}{1,3}",
+        _DEEPSEEK_V3_CJK,
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+        r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    )
+)
+# BLOOM-style: a word is a run of anything but whitespace and a few punctuation marks (the pattern
+# is llama.cpp's, where "(", "|" and ")" inside the class are literal characters too).
+_BLOOM = PreTokenizer((" ?[^(\\s|.,!?…。，、।۔،)]+",))
+
 _GPT2_STYLE = PreTokenizer((_GPT2,))
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
-_LLAMA3 = PreTokenizer((_cl100k(r"\p{N}{1,3}"),), ignore_merges=True)
+_LLAMA3 = PreTokenizer((_cl100k(r"\p{N}{1,3}"),), ignore_merges=True, add_bos=True)
 _QWEN2 = PreTokenizer((_cl100k(r"\p{N}"),))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -96,6 +110,13 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "phi-2": _GPT2_STYLE,
     "mpt": _GPT2_STYLE,
     "olmo": _GPT2_STYLE,
+    "jais": _GPT2_STYLE,
+    "trillion": _GPT2_STYLE,
+    "exaone4": _GPT2_STYLE,
+    "mellum": _GPT2_STYLE,
+    "granite-docling": _GPT2_STYLE,
+    "a.x-4.0": _GPT2_STYLE,
+    "gigachat": _GPT2_STYLE,
     # The same after cutting every digit apart.
     "smollm": _DIGITS_THEN_GPT2,
     "starcoder": _DIGITS_THEN_GPT2,
@@ -103,31 +124,51 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "codeshell": _DIGITS_THEN_GPT2,
     "command-r": _DIGITS_THEN_GPT2,
     "exaone": _DIGITS_THEN_GPT2,
+    "minerva-7b": _DIGITS_THEN_GPT2,
     # Llama 3 (and models that ship its tokenizer): digits in groups of up to three.
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
     "falcon3": _LLAMA3,
+    "falcon-h1": _LLAMA3,
+    "pixtral": _LLAMA3,
+    "midm-2.0": _LLAMA3,
+    "lfm2": _LLAMA3,
+    "glm4": PreTokenizer(_LLAMA3.regexes, ignore_merges=True),
     "dbrx": PreTokenizer(_LLAMA3.regexes),
     "smaug-bpe": PreTokenizer(_LLAMA3.regexes),
+    "chatglm-bpe": PreTokenizer(_LLAMA3.regexes),
     # Qwen 2 / 2.5 / 3 and their distillations: single digits.
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
     "stablelm2": _QWEN2,
     "megrez": _QWEN2,
+    "hunyuan": _QWEN2,
+    # Ling / LLaDA-MoE: written differently, the same language as Qwen 2's pattern.
+    "bailingmoe": _QWEN2,
+    "llada-moe": _QWEN2,
+    # Qwen 3.5: combining marks stay inside words.
+    "qwen35": PreTokenizer(
+        (
+            _CONTRACTIONS
+            + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        )
+    ),
+    "seed-coder": PreTokenizer(
+        (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",)
+    ),
     "deepseek-llm": PreTokenizer(
         ("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK, r"\p{N}+")
     ),
     "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")),
-    "deepseek-v3": PreTokenizer(
-        (
-            r"\p{N}{1,3}",
-            _DEEPSEEK_V3_CJK,
-            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
-            r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        )
-    ),
-    "tekken": PreTokenizer((_cased_words("") + r"|\p{N}" + _TAIL_SLASH,), ignore_merges=True),
+    "deepseek-v3": _DEEPSEEK_V3,
+    "hunyuan-dense": _DEEPSEEK_V3,
+    "joyai-llm": _DEEPSEEK_V3,
+    "bloom": _BLOOM,
+    "poro-chat": _BLOOM,
+    "gpt3-finnish": _BLOOM,
+    "viking": PreTokenizer((*_BLOOM.regexes, r"\p{N}")),
+    "tekken": PreTokenizer((_cased_words("") + r"|\p{N}" + _TAIL_SLASH,), ignore_merges=True, add_bos=True),
     "gpt-4o": PreTokenizer((_cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}" + _TAIL_SLASH,)),
     "llama4": PreTokenizer((_cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}" + _TAIL_SLASH,)),
 }

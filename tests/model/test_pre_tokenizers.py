@@ -50,15 +50,28 @@ HELD_OUT_TEXTS = (
     "\n",
     " a",
     "a  b   c    d",
-    # Lower case running into a non-ASCII capital, repeated so that the learned vocabulary joins them.
+    # Repeated, so that the learned vocabulary has tokens across the boundaries that separate
+    # the pre-tokenizers: lower case into a non-ASCII capital, combining marks, newline runs,
+    # punctuation before a newline, contractions running on into letters.
     "xÉcole xÉcole xÉcole motÀmot motÀmot motÀmot σΣσ σΣσ σΣσ",
+    "cafe\u0301s cafe\u0301s cafe\u0301s x\u0308\u0301y x\u0308\u0301y",
+    "x\n\n\ny x\n\n\ny x\n\n\ny x \n \n y x \n \n y",
+    "end.\n\nend.\n\nend.\n\n (a)\n(a)\n(a)\n",
+    "we'llbe we'llbe we'llbe don'tx don'tx don'tx I'MOK I'MOK",
+    # In the vocabulary as a whole word that no merge reaches: split apart unless ignore_merges.
+    "Zyzzyvas",
 )
+WHOLE_WORDS = ("Zyzzyvas",)
 
 
 @pytest.fixture(scope="module")
 def learned_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_vocab_only(
-        tmp_path_factory.mktemp("vocab") / "learned.gguf", corpus=HELD_OUT_TEXTS, n_merges=800, pre="qwen2"
+        tmp_path_factory.mktemp("vocab") / "learned.gguf",
+        corpus=[t for t in HELD_OUT_TEXTS if t not in WHOLE_WORDS],
+        n_merges=800,
+        pre="qwen2",
+        whole_words=WHOLE_WORDS,
     )
 
 
@@ -90,8 +103,9 @@ def test_pre_tokenizer_matches_llama_cpp_on_real_vocab(pre: str) -> None:
 
 
 def test_learned_vocab_tells_pre_tokenizers_apart(learned_vocab: Path) -> None:
-    """The learned vocabulary makes the check above mean something: the pre-tokenizers that
-    llama.cpp gives different regexes tokenize the held-out strings differently."""
+    """The learned vocabulary makes the check above mean something: pre-tokenizers that differ
+    (in their patterns or in ignore_merges) tokenize the held-out strings differently. Not all
+    differences show: Qwen 2's pattern and its variant without contractions, for one, agree here."""
     with GGUFFile(learned_vocab) as gguf:
         meta = dict(gguf.metadata)
     seen: dict[tuple[tuple[int, ...], ...], str] = {}
@@ -106,11 +120,26 @@ def test_learned_vocab_tells_pre_tokenizers_apart(learned_vocab: Path) -> None:
         "deepseek-v3",
         "tekken",
         "gpt-4o",
+        "dbrx",  # llama-bpe's pattern without ignore_merges
+        "qwen35",
+        "seed-coder",
+        "bloom",
+        "viking",
     ):
         tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": pre})
         ids = tuple(tuple(tok.encode(t)) for t in HELD_OUT_TEXTS)
         assert ids not in seen, f"{pre} tokenizes like {seen.get(ids)}"
         seen[ids] = pre
+
+
+@pytest.mark.parametrize("pre", LLAMA_CPP_NAMES)
+def test_bos_default_matches_llama_cpp(tmp_path: Path, pre: str) -> None:
+    """Without `tokenizer.ggml.add_bos_token`, BOS is added as llama.cpp adds it for this `pre`."""
+    path = write_vocab_only(tmp_path / "nobos.gguf", pre=pre, add_bos=None)
+    (expected,) = llama_tokenize(path, ["Hello"], add_bos=True)
+    with GGUFFile(path) as gguf:
+        tok = Tokenizer.from_gguf(gguf.metadata)
+    assert tok.encode("Hello", add_bos=tok.add_bos_default) == expected
 
 
 def test_gpt2_is_gpt_2() -> None:
