@@ -95,6 +95,7 @@ _DEEPSEEK_V3 = PreTokenizer(
 # is llama.cpp's, where "(", "|" and ")" inside the class are literal characters too).
 _BLOOM = PreTokenizer((" ?[^(\\s|.,!?…。，、।۔،)]+",))
 
+_GPT4O = PreTokenizer((_cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}" + _TAIL_SLASH,))
 _GPT2_STYLE = PreTokenizer((_GPT2,))
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
 _LLAMA3 = PreTokenizer((_cl100k(r"\p{N}{1,3}"),), ignore_merges=True, add_bos=True)
@@ -144,7 +145,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "stablelm2": _QWEN2,
     "megrez": _QWEN2,
     "hunyuan": _QWEN2,
-    # Ling / LLaDA-MoE: written differently, the same language as Qwen 2's pattern.
+    # Ling / LLaDA-MoE: llama.cpp spells their pattern differently (one newline at a time,
+    # contractions grouped); it splits text the same way.
     "bailingmoe": _QWEN2,
     "llada-moe": _QWEN2,
     # Qwen 3.5: combining marks stay inside words.
@@ -169,8 +171,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "gpt3-finnish": _BLOOM,
     "viking": PreTokenizer((*_BLOOM.regexes, r"\p{N}")),
     "tekken": PreTokenizer((_cased_words("") + r"|\p{N}" + _TAIL_SLASH,), ignore_merges=True, add_bos=True),
-    "gpt-4o": PreTokenizer((_cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}" + _TAIL_SLASH,)),
-    "llama4": PreTokenizer((_cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}" + _TAIL_SLASH,)),
+    "gpt-4o": _GPT4O,
+    "llama4": _GPT4O,
 }
 
 
