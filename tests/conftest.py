@@ -1,5 +1,5 @@
-"""Shared fixtures: the two test models (fetched through the registry if absent) and
-llama.cpp's reference outputs in ../shared/oracle."""
+"""Shared fixtures: the two test models (fetched through the registry if absent), llama.cpp's
+reference outputs in ../shared/oracle, and the two tiny Qwen models that ship with them (tiny/)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,26 @@ os.environ.setdefault("PRIMA_MDNS_INTERFACES", "127.0.0.1")
 
 ORACLE_DIR = Path(__file__).resolve().parents[2] / "shared" / "oracle"
 ORACLE_TAGS = ("smollm2-135m", "gemma3-270m")
+# Random-weight F32 models with a real vocabulary, and llama.cpp's outputs for them.
+TINY_ORACLE_DIR = ORACLE_DIR / "tiny"
+TINY_TAGS = ("tiny-qwen2", "tiny-qwen3")
 
 
 @cache
 def load_oracle(tag: str) -> dict[str, Any]:
     """The parsed `<tag>.json` from the oracle directory (cached: tests only read it)."""
     return json.loads((ORACLE_DIR / f"{tag}.json").read_text(encoding="utf-8"))
+
+
+@cache
+def load_tiny_oracle(tag: str) -> dict[str, Any]:
+    """The parsed `tiny/<tag>.json`; its `logits_file` names are relative to TINY_ORACLE_DIR."""
+    return json.loads((TINY_ORACLE_DIR / f"{tag}.json").read_text(encoding="utf-8"))
+
+
+def tiny_model_path(tag: str) -> Path:
+    """The GGUF of a tiny oracle model (`tiny-qwen2` -> tiny/tiny-qwen2-f32.gguf)."""
+    return TINY_ORACLE_DIR / f"{tag}-f32.gguf"
 
 
 def _model_path(name: str) -> Path:

@@ -148,8 +148,10 @@ class CompletionService:
         model_id: str,
         defaults: ServeDefaults | None = None,
         queue: EngineQueue | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.loaded = loaded
+        self.chat_template = chat_template  # None: the model's own (or its fallback)
         self.engine = engine
         self.model_id = model_id
         self.defaults = defaults or ServeDefaults()
@@ -174,7 +176,10 @@ class CompletionService:
         tok = self.loaded.tokenizer
         if req.kind == "chat":
             ids = chat_prompt_ids(
-                self.loaded.gguf.metadata, tok, [m.as_template_input() for m in req.messages]
+                self.loaded.gguf.metadata,
+                tok,
+                [m.as_template_input() for m in req.messages],
+                self.chat_template,
             )
         elif isinstance(req.prompt, str):
             ids = prompt_ids(tok, req.prompt)

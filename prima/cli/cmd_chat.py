@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prima.cli.cmd_run import add_sampling_args, sampler_from_args
+from prima.cli.cmd_run import (
+    add_chat_template_arg,
+    add_sampling_args,
+    chat_template_from_args,
+    sampler_from_args,
+    warn_if_no_chat_template,
+)
 from prima.cli.engine_options import add_model_args, open_session
 from prima.engine.prompt import chat_prompt_ids
 from prima.errors import InputError
@@ -20,14 +26,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="tokens per reply at most (default 512)")
     p.add_argument("-s", "--system", default=None, help="system prompt")
+    add_chat_template_arg(p)
     add_sampling_args(p)
     p.set_defaults(func=run, temp=0.7)
 
 
 def run(args: argparse.Namespace) -> int:
+    template = chat_template_from_args(args)
     session = open_session(args)
     loaded = session.loaded
     tok = loaded.tokenizer
+    warn_if_no_chat_template(loaded, template)
     sampler = sampler_from_args(args)
     history: list[dict[str, str]] = []
     if args.system:
@@ -55,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": text})
             try:
-                ids = chat_prompt_ids(loaded.gguf.metadata, tok, history)
+                ids = chat_prompt_ids(loaded.gguf.metadata, tok, history, template)
                 result = session.generate(
                     ids,
                     max_tokens=args.n_predict,

@@ -13,6 +13,8 @@ from prima.cli.engine_options import add_model_args, open_session
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
+from prima.model.chat_template import model_chat_template, read_chat_template
+from prima.model.loader import LoadedModel
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,37 @@ def sampler_from_args(args: argparse.Namespace) -> SamplerConfig:
     )
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="Jinja chat template to use instead of the model's own (for models that ship none: "
+        "save the chat_template of its Hugging Face tokenizer_config.json to a file)",
+    )
+
+
+def chat_template_from_args(args: argparse.Namespace) -> str | None:
+    """The --chat-template file's text (read before the model loads, so a bad path fails fast),
+    or None for the model's own template."""
+    return read_chat_template(args.chat_template) if args.chat_template is not None else None
+
+
+def warn_if_no_chat_template(loaded: LoadedModel, template: str | None, *, run_hint: bool = False) -> None:
+    """Say once on stderr that chat falls back to a guessed format when the model ships no
+    template and none was given: small models answer such prompts with garbage."""
+    if template is not None or model_chat_template(loaded.gguf.metadata) is not None:
+        return
+    alternative = "; or leave out --chat to send the prompt as it is" if run_hint else ""
+    print(
+        f"prima: warning: {loaded.path.name} ships no chat template (tokenizer.chat_template), so chat "
+        "prompts use a generic built-in turn format the model was not trained on and may answer with "
+        f"garbage. Pass the model's own template with --chat-template FILE{alternative}.",
+        file=sys.stderr,
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text for a prompt", description=__doc__)
     add_model_args(p)
@@ -51,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)"
     )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_chat_template_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--logits-out", type=Path, help="write the last prompt token's float32 logits (.npy)")
     add_sampling_args(p)
@@ -60,12 +94,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise InputError("the prompt is empty: give some text with -p")
+    if args.chat_template is not None and not args.chat:
+        raise InputError("--chat-template only applies with --chat")
+    template = chat_template_from_args(args)
     session = open_session(args)
     try:
         loaded = session.loaded
         tok = loaded.tokenizer
         if args.chat:
-            ids = chat_prompt_ids(loaded.gguf.metadata, tok, [{"role": "user", "content": args.prompt}])
+            warn_if_no_chat_template(loaded, template, run_hint=True)
+            messages = [{"role": "user", "content": args.prompt}]
+            ids = chat_prompt_ids(loaded.gguf.metadata, tok, messages, template)
         else:
             ids = prompt_ids(tok, args.prompt)
         stream_out = None if args.json else _write_stdout

@@ -11,7 +11,13 @@ from pathlib import Path
 
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, EngineQueue, ServeDefaults
-from prima.cli.cmd_run import add_sampling_args, sampler_from_args
+from prima.cli.cmd_run import (
+    add_chat_template_arg,
+    add_sampling_args,
+    chat_template_from_args,
+    sampler_from_args,
+    warn_if_no_chat_template,
+)
 from prima.cli.engine_options import add_model_args, open_session
 from prima.errors import InputError
 
@@ -34,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-queue", type=int, default=16, help="requests that may wait for the model (default 16)"
     )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
+    add_chat_template_arg(p)
     add_sampling_args(p)
     p.set_defaults(func=run, temp=0.7)
 
@@ -48,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     defaults = ServeDefaults(
         sampler=sampler_from_args(args), max_tokens=args.n_predict, stop=tuple(args.stop)
     )
+    template = chat_template_from_args(args)
     session = open_session(args)
+    warn_if_no_chat_template(session.loaded, template)
     model_id = args.model_id or _model_id(args.model)
     service = CompletionService(
         session.loaded,
@@ -56,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         model_id,
         defaults=defaults,
         queue=EngineQueue(max_waiting=args.max_queue),
+        chat_template=template,
     )
     try:
         server = ApiServer((args.host, args.port), service)

@@ -11,11 +11,22 @@ from prima.model.chat_template import chat_template_for, render_chat
 from prima.model.tokenizer import Tokenizer
 
 
-def render_messages(meta: Mapping[str, Any], tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> str:
-    """Chat messages -> prompt text through the GGUF's template (or its fallback)."""
+def render_messages(
+    meta: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    template: str | None = None,
+) -> str:
+    """Chat messages -> prompt text through `template`, else the GGUF's own (or its fallback)."""
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    return render_chat(chat_template_for(meta), messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+    return render_chat(
+        template if template is not None else chat_template_for(meta),
+        messages,
+        add_generation_prompt=True,
+        bos_token=bos,
+        eos_token=eos,
+    )
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -31,5 +42,10 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return ids
 
 
-def chat_prompt_ids(meta: Mapping[str, Any], tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    return prompt_ids(tokenizer, render_messages(meta, tokenizer, messages))
+def chat_prompt_ids(
+    meta: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    template: str | None = None,
+) -> list[int]:
+    return prompt_ids(tokenizer, render_messages(meta, tokenizer, messages, template))

@@ -3,7 +3,8 @@
 Templates come from untrusted model files, so they run in jinja2's immutable sandbox. The
 environment mirrors transformers' `apply_chat_template` (trim_blocks, lstrip_blocks, loop controls,
 `raise_exception`, `tojson`, `strftime_now`) so a template renders the same text here as there.
-Models that ship no template (Gemma 3 270M) get a built-in fallback from `chat_template_for`.
+Models that ship no template (Gemma 3 270M) get a built-in fallback from `chat_template_for`,
+which they may not follow; `read_chat_template` loads the real one from a file instead.
 
 The rendered text is meant to be tokenized with `parse_special=True` and BOS added as the
 vocabulary's `add_bos_default` says; the fallbacks therefore do not emit `bos_token` themselves.
@@ -12,9 +13,11 @@ vocabulary's `add_bos_default` says; the fallbacks therefore do not emit `bos_to
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
@@ -48,16 +51,40 @@ PLAIN_TEMPLATE = (
 )
 
 
+def model_chat_template(meta: Mapping[str, Any]) -> str | None:
+    """The GGUF's own `tokenizer.chat_template`, or None when it ships none."""
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template.strip():
+        return template
+    return None
+
+
 def chat_template_for(meta: Mapping[str, Any]) -> str:
     """The GGUF's `tokenizer.chat_template`, else a fallback suited to its vocabulary: Gemma's turn
     format when the vocabulary has `<start_of_turn>`, otherwise `User:`/`Assistant:` lines."""
-    template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str) and template.strip():
+    template = model_chat_template(meta)
+    if template is not None:
         return template
     tokens = meta.get("tokenizer.ggml.tokens") or []
     if "<start_of_turn>" in tokens and "<end_of_turn>" in tokens:
         return GEMMA_TURN_TEMPLATE
     return PLAIN_TEMPLATE
+
+
+def read_chat_template(path: str | os.PathLike[str]) -> str:
+    """A Jinja chat template from a file (the `chat_template` string of a model's Hugging Face
+    tokenizer_config.json, saved as text). InputError if it is unreadable, empty or not Jinja."""
+    try:
+        template = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the chat template {path}: {exc}") from exc
+    if not template.strip():
+        raise InputError(f"the chat template {path} is empty")
+    try:
+        _compile(template)
+    except ModelFileError as exc:
+        raise InputError(f"the chat template {path} is not a valid Jinja template: {exc}") from None
+    return template
 
 
 def render_chat(

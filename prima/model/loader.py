@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from prima.backends import get_backend
@@ -24,7 +25,12 @@ class LoadedModel:
     gguf: GGUFFile
     weights: ModelWeights
     model: Transformer
-    tokenizer: Tokenizer
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Built on first use: a daemon that only computes layers never needs the vocabulary, so
+        a vocabulary prima cannot tokenize does not stop it serving."""
+        return Tokenizer.from_gguf(self.gguf.metadata)
 
     @property
     def name(self) -> str:
@@ -47,10 +53,9 @@ def load_model(
     gguf = GGUFFile(path)
     weights = ModelWeights(gguf)
     weights.validate(layers)
-    tokenizer = Tokenizer.from_gguf(gguf.metadata)
     model = Transformer(weights, get_backend(backend, threads=threads, mode=mode))
     # Before any weight page is read: see prima.kernels.jit_memory (peak RSS).
     jit_memory.preload_and_release()
     cfg = weights.config
     log.info("loaded %s: %s, %d layers, d=%d, vocab %d", path.name, cfg.arch, cfg.n_layers, cfg.d_model, cfg.vocab_size)
-    return LoadedModel(path, gguf, weights, model, tokenizer)
+    return LoadedModel(path, gguf, weights, model)

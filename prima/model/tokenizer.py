@@ -21,6 +21,7 @@ from gguf import TokenType
 
 from prima.errors import TokenizerError
 from prima.model.gguf_file import StringArray
+from prima.model.pre_tokenizers import pre_tokenizer
 from prima.model.tokenizer_bpe import ByteLevelBPE
 from prima.model.tokenizer_spm import SentencePieceBPE
 
@@ -113,10 +114,12 @@ class Tokenizer:
             raise TokenizerError(
                 f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens; the GGUF is damaged"
             )
-        # llama.cpp's defaults when the keys are absent: SPM adds BOS and a space prefix, BPE neither.
+        # llama.cpp's defaults when the keys are absent: SPM adds BOS and a space prefix, BPE neither
+        # (except the Llama 3 and Tekken vocabularies, which add BOS).
         add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", kind == "llama"))
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
         model = _cached_model(meta, kind, tokens, add_space_prefix)
+        bos_by_default = kind == "llama" or (kind == "gpt2" and pre_tokenizer(_bpe_pre(meta)).add_bos)
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bos_by_default))
         bos_id = _optional_id(meta, "tokenizer.ggml.bos_token_id", n)
         eos_id = _optional_id(meta, "tokenizer.ggml.eos_token_id", n)
         stop = {i for i in (eos_id, _optional_id(meta, "tokenizer.ggml.eot_token_id", n)) if i is not None}
@@ -292,7 +295,7 @@ def _cached_model(
         merges = meta.get("tokenizer.ggml.merges")
         if not merges:
             raise TokenizerError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges, which this GGUF lacks")
-        pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
+        pre = _bpe_pre(meta)
         inputs: tuple[Any, ...] = (kind, pre, _digest(tokens), _digest(merges))
     else:
         scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), dtype=np.float32)
@@ -314,6 +317,12 @@ def _cached_model(
     while len(_MODEL_CACHE) > _CACHE_SIZE:
         _MODEL_CACHE.popitem(last=False)
     return model
+
+
+def _bpe_pre(meta: Mapping[str, Any]) -> str:
+    """The BPE pre-tokenizer name; a vocabulary converted before the key existed gets llama.cpp's
+    fallback, "default"."""
+    return str(meta.get("tokenizer.ggml.pre", "default"))
 
 
 def _digest(strings: Sequence[str]) -> bytes:

@@ -1,9 +1,10 @@
 """Byte-level BPE (GGUF `tokenizer.ggml.model = gpt2`), matching llama.cpp's `llm_tokenizer_bpe`.
 
-Text is split by the pre-tokenizer regexes llama.cpp uses for the vocabulary's `tokenizer.ggml.pre`,
-each piece is mapped byte-by-byte onto printable characters (GPT-2's byte-to-unicode table), and
-merges are applied by rank. HF `tokenizers` runs those merges; we only hand it the GGUF's vocab,
-merges and the right regexes, and keep special-token handling in `prima.model.tokenizer`.
+Text is split by the pre-tokenizer regexes llama.cpp uses for the vocabulary's `tokenizer.ggml.pre`
+(`prima.model.pre_tokenizers`), each piece is mapped byte-by-byte onto printable characters (GPT-2's
+byte-to-unicode table), and merges are applied by rank. HF `tokenizers` runs those merges; we only
+hand it the GGUF's vocab, merges and the right regexes, and keep special-token handling in
+`prima.model.tokenizer`.
 """
 
 from __future__ import annotations
@@ -14,20 +15,7 @@ from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from prima.errors import TokenizerError
-
-_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-
-# `tokenizer.ggml.pre` -> regexes applied in sequence (each splits the pieces of the previous one),
-# as in llama.cpp's llama_vocab::impl::load (the LLAMA_VOCAB_PRE_TYPE_* switch).
-PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
-    "gpt2": (_GPT2_PATTERN,),
-    "mpt": (_GPT2_PATTERN,),
-    "olmo": (_GPT2_PATTERN,),
-    "smollm": (r"\p{N}", _GPT2_PATTERN),
-    "starcoder": (r"\p{N}", _GPT2_PATTERN),
-    "refact": (r"\p{N}", _GPT2_PATTERN),
-    "codeshell": (r"\p{N}", _GPT2_PATTERN),
-}
+from prima.model.pre_tokenizers import pre_tokenizer
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -50,10 +38,7 @@ class ByteLevelBPE:
     """Encodes raw text fragments (no special tokens inside) to ids; decodes normal tokens to bytes."""
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], pre: str) -> None:
-        if pre not in PRE_TOKENIZER_REGEXES:
-            raise TokenizerError(
-                f"unsupported BPE pre-tokenizer {pre!r}; supported: {', '.join(sorted(PRE_TOKENIZER_REGEXES))}"
-            )
+        spec = pre_tokenizer(pre)
         # Later duplicates win, as in llama.cpp's token_to_id map.
         vocab = {tok: i for i, tok in enumerate(tokens)}
         pairs = []
@@ -65,10 +50,12 @@ class ByteLevelBPE:
                 )
             pairs.append((left, right))
         try:
-            hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+            hf = HFTokenizer(
+                models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=spec.ignore_merges)
+            )
         except Exception as exc:  # tokenizers raises a bare Exception on inconsistent vocab/merges
             raise TokenizerError(f"cannot build the BPE vocabulary from the GGUF: {exc}") from exc
-        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in PRE_TOKENIZER_REGEXES[pre]]
+        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in spec.regexes]
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )

@@ -1,14 +1,20 @@
-"""The engine queue: first come first served, bounded, and a waiter that gives up leaves cleanly."""
+"""The engine queue: first come first served, bounded, and a waiter that gives up leaves cleanly;
+and the chat template a request is rendered with."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from prima.api.service import EngineQueue, GenerationCancelled, ServerBusyError
+from prima.api.openai_schema import ChatMessage, GenerationRequest
+from prima.api.service import CompletionService, EngineQueue, GenerationCancelled, ServerBusyError
+from prima.engine.local import LocalEngine
+from prima.model.loader import load_model
+from tests.tiny_models import CHATML_TEMPLATE, write_tiny_model
 
 JOIN_S = 10.0  # safety bound on every wait; never an expectation about speed
 
@@ -89,3 +95,17 @@ def test_waiter_past_its_deadline_gets_busy_error() -> None:
         q.acquire(_never, timeout_s=0.0)
     assert q.waiting == 0
     q.release()
+
+
+def test_chat_template_given_to_the_service_renders_chat_requests(tmp_path: Path) -> None:
+    """`prima serve --chat-template FILE`: chat requests use that template, not the fallback."""
+    loaded = load_model(write_tiny_model(tmp_path / "bare.gguf", chat_template=None), mode="exact")
+    req = GenerationRequest(kind="chat", model=None, messages=(ChatMessage("user", "hi"),))
+    engine = LocalEngine(loaded.model, n_ctx=64)
+    fallback = CompletionService(loaded, engine, "bare").prepare(req)
+    given = CompletionService(loaded, engine, "bare", chat_template=CHATML_TEMPLATE).prepare(req)
+    chatml = loaded.tokenizer.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", parse_special=True
+    )
+    assert given.prompt_ids == chatml
+    assert fallback.prompt_ids != chatml

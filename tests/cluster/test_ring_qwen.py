@@ -1,0 +1,96 @@
+"""qwen2 and qwen3 across real primad processes against llama.cpp: the tiny oracle models on a
+2- and a 3-daemon ring, in exact mode and in the default q8 mode. Each oracle prompt's last-token
+logits must be within 1e-3 of llama.cpp's `f32` run (F32 weights: q8 computes them exactly too)
+and the greedy ids equal llama.cpp's, both through the coordinator's engine (Forward RPC) and with
+the head sampling (Generate RPC). One 3-daemon ring per model and mode, re-planned per size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prima.cluster.coordinator import Ring
+from prima.cluster.local_ring import LocalRing
+from prima.engine.generate import generate
+from prima.engine.local import LocalEngine
+from prima.engine.sampling import SamplerConfig
+from prima.model.loader import load_model
+from prima.net.client import GenerateDone
+from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.tiny_models import write_tiny_model
+
+from .conftest import N_CTX, UBATCH, start_ring
+
+pytestmark = pytest.mark.slow
+
+F32_TOLERANCE = 1e-3
+GREEDY = SamplerConfig()
+# The tiny models' end-of-text and end-of-turn ids (SmolLM2's vocabulary).
+STOP_IDS = [0, 2]
+MODE_ARGS = {"exact": ("--exact",), "q8": ()}
+
+
+@pytest.fixture(
+    scope="module", params=[(t, m) for t in TINY_TAGS for m in MODE_ARGS], ids=lambda p: f"{p[0]}-{p[1]}"
+)
+def tiny_ring(request: pytest.FixtureRequest, ring_logs: Path) -> Iterator[tuple[str, LocalRing]]:
+    tag, mode = request.param
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    for ring in start_ring(3, tiny_model_path(tag), ring_logs / f"{tag}-{mode}", extra_args=MODE_ARGS[mode]):
+        yield tag, ring
+
+
+def _check(ring: Ring, prompt: dict[str, Any]) -> None:
+    expected = prompt["f32"]["greedy_token_ids"]
+    ids = prompt["prompt_token_ids"]
+    engine = ring.engine(N_CTX, ubatch=UBATCH)
+    try:
+        result = generate(engine, ids, max_tokens=len(expected), sampler=GREEDY, stop_ids=STOP_IDS)
+    finally:
+        engine.close()
+    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    assert result.prompt_logits is not None
+    assert np.abs(np.asarray(result.prompt_logits) - f32).max() <= F32_TOLERANCE
+    assert result.token_ids == expected
+    events = list(
+        ring.generate(
+            ids, max_tokens=len(expected), sampler=GREEDY, stop_ids=STOP_IDS, n_ctx=N_CTX, ubatch=UBATCH
+        )
+    )
+    assert isinstance(events[-1], GenerateDone)
+    assert [t for t in events if isinstance(t, int)] == expected
+
+
+@pytest.mark.parametrize(("n_nodes", "rounds"), [(2, 1), (3, 1), (2, 2)])
+def test_tiny_qwen_ring_matches_llama_cpp(
+    tiny_ring: tuple[str, LocalRing], n_nodes: int, rounds: int
+) -> None:
+    tag, local_ring = tiny_ring
+    ring = Ring.connect(local_ring.addresses[:n_nodes], rounds=rounds)
+    try:
+        assert len(ring.plan.hops()) == n_nodes * rounds
+        for prompt in load_tiny_oracle(tag)["prompts"]:
+            _check(ring, prompt)
+    finally:
+        ring.close()
+
+
+def test_daemons_serve_a_vocabulary_prima_cannot_tokenize(tmp_path: Path, ring_logs: Path) -> None:
+    """Daemons never build the tokenizer (only the coordinator does), so an unknown
+    pre-tokenizer does not stop a ring from computing what one device computes."""
+    path = write_tiny_model(tmp_path / "odd-pre.gguf", arch="qwen2", pre="no-such-pre")
+    prompt = [5, 6, 7, 8, 9]
+    loaded = load_model(path, mode="exact")
+    want = generate(LocalEngine(loaded.model, n_ctx=N_CTX), prompt, max_tokens=6, sampler=GREEDY).token_ids
+    for local_ring in start_ring(2, path, ring_logs / "odd-pre"):
+        ring = Ring.connect(local_ring.addresses, rounds=1)
+        try:
+            events = list(ring.generate(prompt, max_tokens=6, sampler=GREEDY, n_ctx=N_CTX, ubatch=UBATCH))
+        finally:
+            ring.close()
+        assert [t for t in events if isinstance(t, int)] == want

@@ -1,0 +1,167 @@
+"""qwen2 and qwen3 on one device against llama.cpp: the two tiny random-weight models of the
+oracle (tiny/: q/k/v biases, per-head QK norms, the `qwen2` pre-tokenizer, a chat template).
+
+Their weights are F32, so both of prima's modes use exactly llama.cpp's weights: `exact` and the
+default `q8` (which quantizes activations only against quantized weights) must both match the
+oracle's `f32` logits to 1e-3 and its greedy ids exactly. The oracle's `quant` run keeps the KV
+cache in F16, so against it only the top token and the logit direction must agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prima.engine.generate import generate
+from prima.engine.local import LocalEngine
+from prima.engine.prompt import chat_prompt_ids, prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.model.loader import LoadedModel, load_model
+from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.llama_reference import LlamaF32
+
+F32_TOLERANCE = 1e-3
+MODES = ("exact", "q8")
+
+
+@cache
+def _load(tag: str, mode: str) -> LoadedModel:
+    return load_model(tiny_model_path(tag), mode=mode)
+
+
+def _cases(key: str) -> list[Any]:
+    if not TINY_ORACLE_DIR.is_dir():
+        return [
+            pytest.param(None, None, marks=pytest.mark.skip(reason=f"no tiny oracle at {TINY_ORACLE_DIR}"))
+        ]
+    if key == "tokenize":
+        return [
+            pytest.param(tag, case, id=f"{tag}-{i}")
+            for tag in TINY_TAGS
+            for i, case in enumerate(load_tiny_oracle(tag)["tokenize"])
+        ]
+    return [
+        pytest.param(tag, p, id=f"{tag}-{p['name']}")
+        for tag in TINY_TAGS
+        for p in load_tiny_oracle(tag)["prompts"]
+    ]
+
+
+def last_logits(loaded: LoadedModel, ids: list[int]) -> np.ndarray:
+    """The last prompt token's logits. In q8 mode one token per step, so every matmul takes the
+    decode path (where q8 differs from exact); in exact mode one batched prefill."""
+    model = loaded.model
+    if model.backend.mode != "q8":
+        return LocalEngine(model, n_ctx=512).forward(ids)
+    n = model.config.n_layers
+    kv = model.new_cache(512)
+    for pos, t in enumerate(ids):
+        h = model.forward_layers(model.embed(np.array([t])), np.array([pos]), 0, n, kv)
+    return model.output_logits(h[-1:])[0]
+
+
+def assert_close_to_llama_cpp(logits: np.ndarray, f32: np.ndarray, quant: np.ndarray | None = None) -> None:
+    assert np.abs(logits - f32).max() <= F32_TOLERANCE
+    if quant is not None:
+        assert int(np.argmax(logits)) == int(np.argmax(quant))
+        cosine = float(logits @ quant / (np.linalg.norm(logits) * np.linalg.norm(quant)))
+        assert cosine >= 0.998
+
+
+@pytest.mark.parametrize(("tag", "case"), _cases("tokenize"))
+def test_tiny_encode_matches_llama_cpp(tag: str, case: dict[str, Any]) -> None:
+    tok = _load(tag, "exact").tokenizer
+    assert tok.encode(case["text"]) == case["ids"]
+    assert tok.decode(case["ids"]) == case["text"]
+
+
+@pytest.mark.parametrize(("tag", "prompt"), _cases("prompts"))
+def test_tiny_prompt_tokens_match_llama_cpp(tag: str, prompt: dict[str, Any]) -> None:
+    """Prompt text -> ids as `prima run` builds them; chat prompts through the GGUF's template."""
+    loaded = _load(tag, "exact")
+    tok = loaded.tokenizer
+    if prompt["chat"]:
+        messages = [{"role": "user", "content": prompt["text"]}]
+        assert chat_prompt_ids(loaded.gguf.metadata, tok, messages) == prompt["prompt_token_ids"]
+    assert prompt_ids(tok, prompt["rendered"]) == prompt["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("tag", "prompt"), _cases("prompts"))
+def test_tiny_logits_match_llama_cpp(tag: str, prompt: dict[str, Any], mode: str) -> None:
+    loaded = _load(tag, mode)
+    assert loaded.model.backend.mode == mode
+    logits = last_logits(loaded, prompt["prompt_token_ids"])
+    assert_close_to_llama_cpp(
+        logits,
+        np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"]),
+        np.load(TINY_ORACLE_DIR / prompt["quant"]["logits_file"]),
+    )
+    assert list(np.argsort(-logits)[:5]) == prompt["f32"]["top5_ids"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("tag", "prompt"), _cases("prompts"))
+def test_tiny_greedy_matches_llama_cpp(tag: str, prompt: dict[str, Any], mode: str) -> None:
+    loaded = _load(tag, mode)
+    expected = prompt["f32"]["greedy_token_ids"]
+    result = generate(
+        LocalEngine(loaded.model, n_ctx=512),
+        prompt["prompt_token_ids"],
+        max_tokens=len(expected),
+        sampler=SamplerConfig(),
+        stop_ids=sorted(loaded.tokenizer.stop_ids),
+    )
+    assert result.token_ids == expected
+
+
+# Held out: prompts that are not in the oracle, with llama.cpp's reference computed while the test
+# runs (llama-cpp-python on the same F32 file with the oracle's f32 settings; skips without it).
+HELD_OUT_PROMPTS = (
+    "Once upon a time, in 1999, there were 3 bears.",
+    "  indented\n\n\tcode  {x: [1, 2, 3]} // 🙂 done",
+    "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhy is the sky blue?<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "日本語とEnglishの混ざった文章です。数字は12345。",
+)
+
+
+@pytest.fixture(scope="module")
+def llama_f32() -> Iterator[Callable[[str], LlamaF32]]:
+    """`llama_f32(tag)`: the tiny model opened once in llama.cpp, closed after the module."""
+    opened: dict[str, LlamaF32] = {}
+
+    def get(tag: str) -> LlamaF32:
+        if tag not in opened:
+            opened[tag] = LlamaF32(tiny_model_path(tag))
+        return opened[tag]
+
+    yield get
+    for llm in opened.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text", HELD_OUT_PROMPTS, ids=range(len(HELD_OUT_PROMPTS)))
+@pytest.mark.parametrize("tag", TINY_TAGS)
+def test_tiny_held_out_prompts_match_llama_cpp(
+    llama_f32: Callable[[str], LlamaF32], tag: str, text: str, mode: str
+) -> None:
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    loaded = _load(tag, mode)
+    tok = loaded.tokenizer
+    reference = llama_f32(tag)
+    ids = prompt_ids(tok, text)
+    assert ids == reference.tokenize_prompt(text, add_bos=tok.add_bos_default)
+    stops = sorted(tok.stop_ids)
+    want_logits, want_greedy = reference.last_logits_and_greedy(ids, 12, stops)
+    assert_close_to_llama_cpp(last_logits(loaded, ids), want_logits)
+    result = generate(
+        LocalEngine(loaded.model, n_ctx=512), ids, max_tokens=12, sampler=SamplerConfig(), stop_ids=stops
+    )
+    assert result.token_ids == want_greedy
