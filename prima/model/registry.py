@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from prima import paths
 from prima.errors import InputError, ModelFetchError, ModelFileError
 
 log = logging.getLogger("prima.model")
@@ -92,9 +93,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 
 def cache_dir() -> Path:
-    """Where named models are stored: `$PRIMA_CACHE`, else `~/.cache/prima/models`."""
-    env = os.environ.get("PRIMA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prima" / "models"
+    """Where named models are stored: models/ under prima's cache (prima.paths)."""
+    return paths.models_dir()
 
 
 def _known(name: str) -> KnownModel:

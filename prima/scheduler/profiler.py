@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from prima import paths
 from prima.model.gguf_file import GGUFFile
 from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
 
@@ -33,7 +34,7 @@ KernelBench = Callable[[str], float]
 MiB = 1 << 20
 # Leave this share of RAM to the owner's apps: the technique aims at memory pressure under ~6-10%.
 RAM_RESERVE_FRACTION = 0.05
-DEFAULT_PROBE_DIR = Path.home() / ".cache" / "prima"
+DEFAULT_PROBE_DIR = paths.cache_root()
 
 
 @dataclass(frozen=True)

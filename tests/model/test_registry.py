@@ -19,7 +19,7 @@ PARTS = (b"GGUF" + b"\x01" * 1000, b"\x02" * 3000)
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PRIMA_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    return tmp_path / "cache" / "models"
 
 
 @pytest.fixture
@@ -59,6 +59,7 @@ def test_cache_dir_follows_prima_cache(cache: Path) -> None:
 
 def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PRIMA_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert registry.cache_dir() == Path.home() / ".cache" / "prima" / "models"
 
 
@@ -76,7 +77,7 @@ def test_list_models_reports_absent_models_with_expected_size(cache: Path) -> No
 
 
 def test_list_models_reports_present_file(cache: Path) -> None:
-    cache.mkdir()
+    cache.mkdir(parents=True)
     (cache / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"x" * 10)
     entries = {e.name: e for e in registry.list_models()}
     assert entries["gemma3-270m"].present
