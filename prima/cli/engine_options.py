@@ -14,7 +14,9 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from prima.cli.progress import stage
 from prima.cluster.coordinator import Ring
 from prima.cluster.daemon import model_fingerprint
 from prima.cluster.local_ring import LocalRing
@@ -22,9 +24,10 @@ from prima.cluster.planner import HaldaOptions
 from prima.engine.generate import Engine, GenerationResult, TextDecoder, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
+from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
 from prima.model.loader import LoadedModel, load_model
-from prima.model.registry import DEFAULT_MODEL
+from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
 from prima.net.codec import WireDType
 from prima.scheduler.profile import ModelProfile
@@ -210,8 +213,7 @@ def open_session(args: argparse.Namespace) -> Session:
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
     if args.local:
-        loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
-        return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
+        return _local_session(args, resolve_model(args.model))
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
     if local_ring is not None and local_ring < 1:
@@ -226,11 +228,14 @@ def open_session(args: argparse.Namespace) -> Session:
                 file=sys.stderr,
             )
     if not local_ring and not addresses:
-        loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
-        return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
+        return _local_session(args, loaded.path)
     closers: list[Callable[[], None]] = []
     try:
         if local_ring:
+            # Compiled here once, before the daemons start: they then load the kernels from the
+            # cache instead of compiling side by side while the coordinator's calls time out.
+            ensure_compiled(loaded.path, on_stage=stage)
+            stage(f"starting {local_ring} primad daemon(s) on 127.0.0.1")
             exact = ("--exact",) if _mode(args) == "exact" else ()
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
             closers.append(local.close)
@@ -244,6 +249,13 @@ def open_session(args: argparse.Namespace) -> Session:
         raise
 
 
+def _local_session(args: argparse.Namespace, path: Path) -> Session:
+    """The whole model on this device, its kernels compiled (once) before the model loads."""
+    ensure_compiled(path, on_stage=stage)
+    loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
+    return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
+
+
 def connect_ring(
     args: argparse.Namespace, loaded: LoadedModel, addresses: list[str], *, pick_head: bool
 ) -> Ring:
@@ -252,6 +264,7 @@ def connect_ring(
     windows = parse_windows(args.windows)
     halda = None
     if windows is None and args.rounds is None:
+        stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
         model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
         halda = HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
     return Ring.connect(

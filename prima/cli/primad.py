@@ -25,10 +25,12 @@ import psutil
 
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
+from prima.cli.progress import stage
 from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.loader import load_model
-from prima.model.registry import DEFAULT_MODEL
+from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.server import start_server
 
@@ -128,9 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.mem_budget)
+    path = resolve_model(args.model)
+    # Before the ready line: a coordinator's calls then never wait on a compile.
+    ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
     # Map the file and check the model; a node validates its layers only when a plan names them.
     loaded = load_model(
-        args.model,
+        path,
         backend=args.backend,
         threads=args.threads,
         layers=range(0),

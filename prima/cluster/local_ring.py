@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
 from prima.net.discovery import INTERFACES_ENV
 
@@ -65,6 +66,8 @@ class LocalRing:
         # Daemons on one machine share its cores: split them, and cap BLAS pools too, whose
         # spinning worker threads would otherwise starve the other daemons.
         threads = threads or max(1, (os.cpu_count() or 1) // n)
+        # One compile here, not n side by side in daemons racing their start timeout.
+        ensure_compiled(models[0] if models else model)
         env = dict(os.environ)
         for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
