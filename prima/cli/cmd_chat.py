@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="tokens per reply at most (default 512)")
     p.add_argument("-s", "--system", default=None, help="system prompt")
-    add_sampling_args(p)
-    p.set_defaults(func=run, temp=0.7)
+    add_sampling_args(p, temp=0.7)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import threading
 
+from prima.cli.arg_types import positive_int
 from prima.cli.engine_options import parse_nodes
 from prima.cluster.local_ring import LocalRing
 from prima.model.registry import DEFAULT_MODEL
@@ -21,11 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ring", help="start a local ring of primad daemons, or inspect running ones")
     rs = p.add_subparsers(dest="ring_command", metavar="ACTION", required=True)
     up = rs.add_parser("up", help="start N primad on 127.0.0.1 and keep them running until Ctrl-C")
-    up.add_argument("-n", "--nodes", type=int, default=3, help="number of daemons (default 3)")
+    up.add_argument("-n", "--nodes", type=positive_int, default=3, help="number of daemons (default 3)")
     up.add_argument(
         "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
     )
-    up.add_argument("-t", "--threads", type=int, default=None, help="compute threads per daemon")
+    up.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads per daemon")
     up.add_argument("--mem-budget", default=None, help="--mem-budget for every daemon (e.g. 200M)")
     up.add_argument("--json", action="store_true", help="print the nodes as one JSON line")
     up.set_defaults(func=ring_up)

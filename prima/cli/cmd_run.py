@@ -15,9 +15,9 @@ from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, temp: float = 0.0) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    g.add_argument("--temp", type=float, default=temp, help=f"temperature; 0 = greedy (default {temp:g})")
     g.add_argument(
         "--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)"
     )

@@ -34,8 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-queue", type=int, default=16, help="requests that may wait for the model (default 16)"
     )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
-    add_sampling_args(p)
-    p.set_defaults(func=run, temp=0.7)
+    add_sampling_args(p, temp=0.7)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

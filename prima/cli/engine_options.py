@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prima.cli.arg_types import positive_int
 from prima.cli.progress import stage
 from prima.cluster.coordinator import Ring
 from prima.cluster.daemon import model_fingerprint
@@ -30,18 +31,23 @@ from prima.model.loader import LoadedModel, load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
 from prima.net.codec import WireDType
+from prima.scheduler.plan import plan_from_window_sizes
 from prima.scheduler.profile import ModelProfile
 
 log = logging.getLogger("prima.cli")
+
+DEFAULT_CTX = 2048  # tokens; `prima plan` sizes the KV cache for the same
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
     )
-    parser.add_argument("-c", "--ctx", type=int, default=2048, help="context size in tokens (default 2048)")
     parser.add_argument(
-        "-t", "--threads", type=int, default=None, help="compute threads (default: all cores)"
+        "-c", "--ctx", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})"
+    )
+    parser.add_argument(
+        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
     )
     parser.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
     parser.add_argument(
@@ -59,7 +65,10 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
         "--local", action="store_true", help="run on this device only; do not look for daemons"
     )
     where.add_argument(
-        "--local-ring", type=int, metavar="N", help="start N primad daemons on 127.0.0.1 for this command"
+        "--local-ring",
+        type=int,
+        metavar="N",
+        help="start N primad daemons on 127.0.0.1 for this command",
     )
     where.add_argument(
         "--nodes", metavar="HOST:PORT,...", help="running daemons in ring order; the first is the head"
@@ -232,6 +241,7 @@ def open_session(args: argparse.Namespace) -> Session:
     closers: list[Callable[[], None]] = []
     try:
         if local_ring:
+            _check_windows(args, [f"node{i}" for i in range(local_ring)], loaded.weights.config.n_layers)
             # Compiled here once, before the daemons start: they then load the kernels from the
             # cache instead of compiling side by side while the coordinator's calls time out.
             ensure_compiled(loaded.path, on_stage=stage)
@@ -247,6 +257,14 @@ def open_session(args: argparse.Namespace) -> Session:
         for c in reversed(closers):
             c()
         raise
+
+
+def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:
+    """PlanError for --windows/--rounds that cannot cover the model on these nodes, raised
+    before any daemon is started for them."""
+    windows = parse_windows(args.windows)
+    if windows is not None:
+        plan_from_window_sizes([(n, "") for n in names], windows, args.rounds or 1, n_layers)
 
 
 def _local_session(args: argparse.Namespace, path: Path) -> Session:

@@ -25,6 +25,7 @@ import psutil
 
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
+from prima.cli.arg_types import positive_int
 from prima.cli.progress import stage
 from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.warmup import ensure_compiled
@@ -77,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="0",
         help="bytes of layer weights to keep resident (e.g. 800M, auto); 0 = no limit (default)",
     )
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument(
+        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
+    )
     p.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
     p.add_argument(
         "--exact",

