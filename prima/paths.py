@@ -43,6 +43,11 @@ def profiles_dir() -> Path:
     return cache_root() / "profiles"
 
 
+def ring_state_file() -> Path:
+    """The daemons `prima ring up --detach` started, for `prima ring down`."""
+    return cache_root() / "ring.json"
+
+
 def kernel_source_key() -> str:
     """A short hash of the kernel sources and of the Python and numba that compile them."""
     h = hashlib.sha256(f"{sys.version_info[:2]}".encode())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    # SIGTERM (systemd, kill, a closing terminal's session) unwinds like Ctrl-C, so that the
+    # daemons a command started are stopped and their advertisements withdrawn.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(args.func(args) or 0)
     except PrimaError as exc:
@@ -54,6 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nprima: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        return 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind (closing sessions and rings) and exit."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    del signum, frame
+    raise Terminated
 
 
 if __name__ == "__main__":

@@ -5,12 +5,16 @@ finds them by discovery."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import selectors
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ log = logging.getLogger("prima.cluster")
 
 READY_PREFIX = "PRIMAD_READY "
 DEFAULT_START_TIMEOUT_S = 120.0
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,12 @@ class LocalRing:
         log_dir: Path | None = None,
         names: Sequence[str] | None = None,
         mdns: bool = False,
+        detach: bool = False,
     ) -> LocalRing:
         """Start `n` daemons (named node0..node{n-1} unless `names`) and wait until each prints
         its ready line. `models` and `mem_budgets` optionally give each node its own file or
-        budget; `mdns` lets them advertise on 127.0.0.1."""
+        budget; `mdns` lets them advertise on 127.0.0.1. The daemons end with this process
+        (Linux), unless `detach`: then they run on in their own session until stopped."""
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
         names = list(names) if names else [f"node{i}" for i in range(n)]
@@ -72,7 +79,11 @@ class LocalRing:
         for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
         env[INTERFACES_ENV] = "127.0.0.1"
+        # The kernel signals a child when the *thread* that forked it ends: only the main
+        # thread's lifetime is the process's.
+        tie = not detach and threading.current_thread() is threading.main_thread()
         procs: list[subprocess.Popen[str]] = []
+        logs: list[int] = []  # a descriptor of each daemon's stderr file
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -84,21 +95,28 @@ class LocalRing:
                     cmd.append("--no-mdns")
                 if mem_budgets and mem_budgets[i]:
                     cmd += ["--mem-budget", mem_budgets[i]]
-                if log_dir:
-                    with open(log_dir / f"node{i}.log", "w") as stderr:  # the child keeps its own copy
-                        procs.append(
-                            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-                        )
-                else:
+                # stderr goes to a file (a log, or an unnamed temporary one) so that a daemon that
+                # exits early can be quoted; the child keeps its own copy of the descriptor.
+                with open(log_dir / f"node{i}.log", "w+") if log_dir else tempfile.TemporaryFile("w+") as err:
                     procs.append(
                         subprocess.Popen(
-                            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+                            cmd,
+                            stdout=subprocess.PIPE,
+                            stderr=err,
+                            text=True,
+                            env=env,
+                            start_new_session=detach,
+                            preexec_fn=_end_with_parent if tie else None,
                         )
                     )
-            nodes = [_wait_ready(p, names[i], timeout_s) for i, p in enumerate(procs)]
+                    logs.append(os.dup(err.fileno()))
+            nodes = [_wait_ready(p, names[i], timeout_s, logs[i]) for i, p in enumerate(procs)]
         except BaseException:
             _stop(procs)
             raise
+        finally:
+            for fd in logs:
+                os.close(fd)
         log.info("local ring up: %s", ", ".join(f"{n.node_id}@{n.address}" for n in nodes))
         return cls(procs, nodes)
 
@@ -121,8 +139,9 @@ class LocalRing:
         self.close()
 
 
-def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> LocalNode:
-    """Read the daemon's stdout until its ready line, the process exits, or time runs out."""
+def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float, stderr_fd: int) -> LocalNode:
+    """Read the daemon's stdout until its ready line, the process exits (NodeError quoting its
+    stderr), or time runs out."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
@@ -133,13 +152,35 @@ def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> Loc
                 continue
             line = proc.stdout.readline()
             if not line:
-                raise NodeError(f"primad {name} exited with code {proc.wait(timeout=5)} before it was ready")
+                code = proc.wait(timeout=5)
+                said = _tail(stderr_fd)
+                raise NodeError(
+                    f"primad {name} exited with code {code} before it was ready"
+                    + (f": {said}" if said else "")
+                )
             if line.startswith(READY_PREFIX):
                 ready = json.loads(line[len(READY_PREFIX) :])
                 return LocalNode(ready["node_id"], ready["address"], int(ready["pid"]))
         raise NodeError(f"primad {name} was not ready within {timeout_s:.0f} s")
     finally:
         sel.close()
+
+
+def _tail(fd: int, max_bytes: int = 4096) -> str:
+    """The last error line a daemon wrote (its own `primad: error: ...` if there is one)."""
+    size = os.fstat(fd).st_size
+    text = os.pread(fd, max_bytes, max(0, size - max_bytes)).decode(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [""])[-1]
+
+
+def _end_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, so that a killed `prima run
+    --local-ring` or `prima ring up` leaves no daemon behind, even without running its cleanup."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
