@@ -46,7 +46,9 @@ def sampler_from_args(args: argparse.Namespace) -> SamplerConfig:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text for a prompt", description=__doc__)
     add_model_args(p)
-    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the prompt text; - reads it from stdin")
+    source.add_argument("-f", "--file", type=Path, help="read the prompt from this file")
     p.add_argument(
         "-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)"
     )
@@ -57,9 +59,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt of -p TEXT, -p - (stdin) or -f FILE, as given (a file's final newline kept,
+    as llama-cli keeps it)."""
+    if args.file is not None:
+        try:
+            return args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read the prompt from {args.file}: {exc}") from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
 def run(args: argparse.Namespace) -> int:
+    args.prompt = read_prompt(args)
     if not args.prompt:
-        raise InputError("the prompt is empty: give some text with -p")
+        raise InputError("the prompt is empty: give some text with -p TEXT, -p - (stdin) or -f FILE")
     session = open_session(args)
     try:
         loaded = session.loaded
