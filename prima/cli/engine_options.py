@@ -15,24 +15,29 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prima.cli.arg_types import positive_int
 from prima.cli.progress import stage
-from prima.cluster.coordinator import Ring
-from prima.cluster.daemon import model_fingerprint
-from prima.cluster.local_ring import LocalRing
-from prima.cluster.planner import HaldaOptions
-from prima.engine.generate import Engine, GenerationResult, TextDecoder, generate
-from prima.engine.local import LocalEngine
-from prima.engine.sampling import SamplerConfig
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
-from prima.model.loader import LoadedModel, load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
-from prima.net.codec import WireDType
-from prima.scheduler.plan import plan_from_window_sizes
-from prima.scheduler.profile import ModelProfile
+
+# The engines, the ring and the model code (numba, grpc) load when a session opens, not when
+# the flags are declared: `--help` stays fast.
+if TYPE_CHECKING:
+    from prima.cluster.coordinator import Ring
+    from prima.engine.generate import Engine, GenerationResult, TextDecoder
+    from prima.engine.sampling import SamplerConfig
+    from prima.model.loader import LoadedModel
+
+WIRE_DTYPES = (
+    "f32",
+    "f16",
+    "bf16",
+    "q8_block",
+)  # prima.net.codec.WireDType's names (a test keeps them equal)
 
 log = logging.getLogger("prima.cli")
 
@@ -92,7 +97,7 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--wire-dtype",
         default="f32",
-        choices=[d.name.lower() for d in WireDType],
+        choices=WIRE_DTYPES,
         help="activation encoding between nodes (default f32, exact)",
     )
 
@@ -159,6 +164,8 @@ class Session:
     ) -> GenerationResult:
         """Generate on the engine; on a ring the head samples (Generate RPC) so only token ids
         cross the network, unless the prompt's logits are wanted (`need_logits`)."""
+        from prima.engine.generate import GenerationResult, generate
+
         if self.ring is None or need_logits:
             return generate(
                 self.engine,
@@ -219,6 +226,10 @@ def _mode(args: argparse.Namespace) -> str:
 
 def open_session(args: argparse.Namespace) -> Session:
     """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
+    from prima.cluster.daemon import model_fingerprint
+    from prima.cluster.local_ring import LocalRing
+    from prima.model.loader import load_model
+
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
     if args.local:
@@ -262,6 +273,8 @@ def open_session(args: argparse.Namespace) -> Session:
 def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:
     """PlanError for --windows/--rounds that cannot cover the model on these nodes, raised
     before any daemon is started for them."""
+    from prima.scheduler.plan import plan_from_window_sizes
+
     windows = parse_windows(args.windows)
     if windows is not None:
         plan_from_window_sizes([(n, "") for n in names], windows, args.rounds or 1, n_layers)
@@ -269,6 +282,9 @@ def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) ->
 
 def _local_session(args: argparse.Namespace, path: Path) -> Session:
     """The whole model on this device, its kernels compiled (once) before the model loads."""
+    from prima.engine.local import LocalEngine
+    from prima.model.loader import load_model
+
     ensure_compiled(path, on_stage=stage)
     loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
     return Session(loaded, LocalEngine(loaded.model, n_ctx=args.ctx))
@@ -279,6 +295,11 @@ def connect_ring(
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
     (with `pick_head`, the node with the most memory becomes the head)."""
+    from prima.cluster.coordinator import Ring
+    from prima.cluster.planner import HaldaOptions
+    from prima.net.codec import WireDType
+    from prima.scheduler.profile import ModelProfile
+
     windows = parse_windows(args.windows)
     halda = None
     if windows is None and args.rounds is None:
