@@ -43,7 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--mem-budget", default=None, help="--mem-budget for every daemon (e.g. 200M)")
     up.add_argument("--json", action="store_true", help="print the nodes as one JSON line")
     up.add_argument(
-        "-d", "--detach", action="store_true", help="leave the daemons running in the background (stop: ring down)"
+        "-d",
+        "--detach",
+        action="store_true",
+        help="leave the daemons running in the background (stop: ring down)",
     )
     up.set_defaults(func=ring_up)
     down = rs.add_parser("down", help="stop the daemons `prima ring up --detach` started")
@@ -107,7 +110,13 @@ def _ring_up_detached(args: argparse.Namespace, budgets: list[str] | None) -> in
         )
     logs = state.parent / "ring-logs"
     ring = LocalRing.start(
-        args.nodes, args.model, threads=args.threads, mem_budgets=budgets, mdns=True, detach=True, log_dir=logs
+        args.nodes,
+        args.model,
+        threads=args.threads,
+        mem_budgets=budgets,
+        mdns=True,
+        detach=True,
+        log_dir=logs,
     )
     nodes = [{"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in ring.nodes]
     state.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,9 @@ def ensure_compiled(
             raise CompileError(f"compiling the kernels failed (exit code {done.returncode}):\n{tail}")
         compile_cache.mark_complete()
         if on_stage:
-            on_stage(f"kernels compiled in {time.monotonic() - t0:.0f} s, cached in {compile_cache.cache_dir()}")
+            on_stage(
+                f"kernels compiled in {time.monotonic() - t0:.0f} s, cached in {compile_cache.cache_dir()}"
+            )
         return True
 
 
