@@ -47,3 +47,21 @@ def test_command_table_matches_the_commands() -> None:
 
 def test_wire_dtype_choices_are_the_codecs() -> None:
     assert WIRE_DTYPES == tuple(d.name.lower() for d in WireDType)
+
+
+@pytest.mark.parametrize(("command", "temp"), [("run", 0.0), ("chat", 0.7), ("serve", 0.7)])
+def test_temperature_help_states_the_default_in_use(command: str, temp: float) -> None:
+    parser = cli_main.build_parser([command])
+    args = parser.parse_args([command, "-p", "x"] if command == "run" else [command])
+    assert args.temp == temp
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # noqa: SLF001
+    assert f"(default {temp:g})" in sub.format_help()
+
+
+def test_same_flags_for_the_same_things() -> None:
+    """nodes takes the discovery flags run and plan take; profile takes -m like the others."""
+    parser = cli_main.build_parser()
+    nodes = parser.parse_args(["nodes", "--discover-timeout", "2", "--mdns-interface", "127.0.0.1"])
+    assert nodes.timeout == 2.0
+    assert nodes.interface == ["127.0.0.1"]
+    assert parser.parse_args(["profile", "-m", "x.gguf"]).model == "x.gguf"
