@@ -43,6 +43,14 @@ class Terminal:
                 self.seen += chunk
         return self.seen[start:]
 
+    def read_some(self, timeout_s: float = WAIT_S) -> bytes:
+        """Whatever the child writes next (at least one byte)."""
+        ready = select.select([self.master], [], [], timeout_s)[0]
+        assert ready, f"nothing more after {self.seen[-2000:]!r}"
+        chunk = os.read(self.master, 4096)
+        self.seen += chunk
+        return chunk
+
     def write(self, data: bytes) -> None:
         os.write(self.master, data)
 
@@ -77,8 +85,8 @@ def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> N
         term.read_until(b"> ")
         # Left arrow twice, then "c": readline edits the line to "cab" (no escape codes reach it).
         term.write(b"ab\x1b[D\x1b[Dc\r")
-        term.read_until(b"\n")
-        term.read_until(b"\n")  # the reply has started
+        term.read_until(b"\n")  # the line as entered
+        term.read_some()  # the reply has started: interrupt it at once, long before its end
         term.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         term.read_until(b"[stopped]")
         term.read_until(b"> ")  # the chat goes on
