@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prima.cli.primad import parse_bytes
+from prima.cli.arg_types import parse_bytes
 from prima.cluster.emulate import EmulatedDevice, cgroups_writable, disk_of, drop_page_cache
 from prima.cluster.local_ring import LocalRing
 from prima.model.registry import DEFAULT_MODEL, cache_dir, resolve_model

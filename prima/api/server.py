@@ -12,6 +12,7 @@ import json
 import logging
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -84,6 +85,15 @@ class ApiServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         host = host.decode() if isinstance(host, bytes) else host
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (between requests, or while the response was flushed) is
+        routine for a streaming API: one log line, not socketserver's traceback on stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.info("client %s went away: %s", client_address, exc.__class__.__name__)
+            return
+        super().handle_error(request, client_address)
 
     def serve_in_background(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="prima-api", daemon=True)

@@ -21,6 +21,7 @@ from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from prima.cli.arg_types import positive_int
 from prima.errors import InputError
 from prima.kernels import thread_env
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -55,7 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         help=f"model name or GGUF path, repeatable (default {DEFAULT_MODEL})",
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument(
+        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
     p.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per repetition (default 32)")
     p.add_argument("--reps", type=int, default=5, help="alternating repetitions per engine (default 5)")

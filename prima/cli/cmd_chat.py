@@ -2,13 +2,17 @@
 
 Each turn re-renders the whole conversation through the model's chat template and regenerates
 from the start of the context, which keeps the template logic in one place; `/reset` clears
-the history, `/exit` (or Ctrl-D) quits."""
+the history, `/exit` (or Ctrl-D) quits. In a terminal, lines are edited with readline (history
+kept in prima's cache directory) and Ctrl-C stops the reply being written."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from pathlib import Path
 
+from prima import paths
 from prima.cli.cmd_run import (
     add_chat_template_arg,
     add_sampling_args,
@@ -27,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=512, help="tokens per reply at most (default 512)")
     p.add_argument("-s", "--system", default=None, help="system prompt")
     add_chat_template_arg(p)
-    add_sampling_args(p)
-    p.set_defaults(func=run, temp=0.7)
+    add_sampling_args(p, temp=0.7)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,17 +47,20 @@ def run(args: argparse.Namespace) -> int:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
     if interactive:
+        _enable_line_editing()
         print(
-            f"prima chat with {loaded.name} ({loaded.path.name}); /reset clears, /exit quits", file=sys.stderr
+            f"prima chat with {loaded.name} ({loaded.path.name}); /reset clears, /exit or Ctrl-D quits, "
+            "Ctrl-C stops a reply",
+            file=sys.stderr,
         )
+    shown: list[str] = []  # the reply so far, kept if Ctrl-C stops it
+
+    def show(piece: str) -> None:
+        shown.append(piece)
+        _write(piece)
+
     try:
-        while True:
-            if interactive:
-                sys.stderr.write("> ")
-                sys.stderr.flush()
-            line = sys.stdin.readline()
-            if not line:
-                break
+        while (line := _read_line(interactive)) is not None:
             text = line.strip()
             if not text:
                 continue
@@ -63,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 history = history[:1] if args.system else []
                 continue
             history.append({"role": "user", "content": text})
+            shown.clear()
             try:
                 ids = chat_prompt_ids(loaded.gguf.metadata, tok, history, template)
                 result = session.generate(
@@ -72,18 +80,67 @@ def run(args: argparse.Namespace) -> int:
                     stop_ids=sorted(tok.stop_ids),
                     stop_strings=args.stop,
                     decoder=tok.stream_decoder(),
-                    on_text=_write,
+                    on_text=show,
                 )
+                reply = result.text
             except InputError as exc:
                 history.pop()
                 print(f"\nprima: {exc}", file=sys.stderr)
                 continue
+            except KeyboardInterrupt:
+                # Ctrl-C stops this reply, not the chat: keep what was shown as the turn.
+                reply = "".join(shown)
+                print(" [stopped]", file=sys.stderr, end="")
             sys.stdout.write("\n")
             sys.stdout.flush()
-            history.append({"role": "assistant", "content": result.text})
+            history.append({"role": "assistant", "content": reply})
     finally:
         session.close()
+        _save_history(interactive)
     return 0
+
+
+HISTORY_LINES = 1000
+
+
+def _history_file() -> Path:
+    return paths.cache_root() / "chat_history"
+
+
+def _enable_line_editing() -> None:
+    """readline's editing keys and history (kept across chats) for input(), where available."""
+    try:
+        import readline
+    except ImportError:  # not on every platform; plain input() still works
+        return
+    readline.set_history_length(HISTORY_LINES)
+    with contextlib.suppress(OSError):
+        readline.read_history_file(_history_file())
+
+
+def _save_history(interactive: bool) -> None:
+    readline = sys.modules.get("readline")
+    if not interactive or readline is None:
+        return
+    with contextlib.suppress(OSError):
+        _history_file().parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(_history_file())
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next line typed (None at end of input). At the prompt, Ctrl-C abandons the line, as
+    in a shell, and Ctrl-D ends the chat on a fresh line."""
+    if not interactive:
+        return sys.stdin.readline() or None
+    while True:
+        try:
+            return input("> ")
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+        except EOFError:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            return None
 
 
 def _write(text: str) -> None:

@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    from prima.cli.primad import parse_bytes
+    from prima.cli.arg_types import parse_bytes
     from prima.model.gguf_file import GGUFFile
     from prima.model.registry import resolve_model
     from prima.model.synth import SynthSpec, describe, spec_for_size, write_synth_model

@@ -17,7 +17,9 @@ from prima.net.codec import PROTOCOL_VERSION
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("nodes", help="list the primad daemons found on the LAN over mDNS")
     parser.add_argument(
+        "--discover-timeout",
         "--timeout",
+        dest="timeout",
         type=float,
         default=discovery.DEFAULT_BROWSE_S,
         help=f"seconds to listen for answers (default {discovery.DEFAULT_BROWSE_S:g})",
@@ -26,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--expect", type=int, default=None, help="stop listening as soon as this many nodes answered"
     )
     parser.add_argument(
+        "--mdns-interface",
         "--interface",
+        dest="interface",
         action="append",
         metavar="IP",
         help=f"this device's address to browse on; repeat for several (default: ${discovery.INTERFACES_ENV}, "
@@ -52,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {p.message}")
     wanted = max(args.expect or 1, 1)
     if len(adverts) < wanted:
+        found = f"found {len(adverts)} of the {wanted} node(s) expected" if args.expect else "found no node"
         print(
-            f"prima: found {len(adverts)} node(s) in {args.timeout:g} s, wanted {wanted}; check that primad "
-            "runs without --no-mdns on this network, try --interface <this device's LAN IP>, or use "
+            f"prima: {found} in {args.timeout:g} s; check that primad "
+            "runs without --no-mdns on this network, try --mdns-interface <this device's LAN IP>, or use "
             "--nodes host:port,... where multicast is blocked (Wi-Fi client isolation, containers)",
             file=sys.stderr,
         )

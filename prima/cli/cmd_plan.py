@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prima.cli.engine_options import add_discovery_args, discover_addresses, parse_nodes
+from prima.cli.engine_options import DEFAULT_CTX, add_discovery_args, discover_addresses, parse_nodes
 from prima.cluster.coordinator import connect_nodes
 from prima.cluster.daemon import model_fingerprint
 from prima.cluster.planner import HaldaOptions, plan_ring
@@ -58,7 +58,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--reprofile", action="store_true", help="have the daemons measure themselves again first"
     )
     parser.add_argument("--save", type=Path, help="also write the devices and model to this JSON file")
-    parser.add_argument("--ctx", type=int, help="context length to size the KV cache for (tokens)")
+    parser.add_argument(
+        "-c",
+        "--ctx",
+        type=int,
+        help=f"context length to size the KV cache for (tokens; default {DEFAULT_CTX}, as run)",
+    )
     parser.add_argument("--max-rounds", type=int, help="consider at most this many rounds k")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
@@ -147,7 +152,7 @@ def _model_profile(arg: str | None, from_file: ModelProfile | None, ctx: int | N
             raise InputError(f"{target}: a model profile is a JSON object")
         return _with_ctx(ModelProfile.from_dict(raw), ctx)
     with GGUFFile(resolve_model(target, download=False)) as gguf:
-        return ModelProfile.from_gguf(gguf, ctx_tokens=ctx)
+        return ModelProfile.from_gguf(gguf, ctx_tokens=ctx or DEFAULT_CTX)
 
 
 def _with_ctx(model: ModelProfile, ctx: int | None) -> ModelProfile:

@@ -18,7 +18,9 @@ _GIB = float(1 << 30)
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("profile", help="measure this device's memory, disk and compute")
     parser.add_argument(
-        "--model", help="GGUF path or known model name: read its file for the disk speed, time its formats"
+        "-m",
+        "--model",
+        help="GGUF path or known model name: read its file for the disk speed, time its formats",
     )
     parser.add_argument("--node-id", help="name of this device in plans (default: host name)")
     parser.add_argument("--address", default="", help="host:port where this device's primad listens")

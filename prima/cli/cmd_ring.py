@@ -1,6 +1,7 @@
 """`prima ring`: local rings and the state of running daemons.
 
 prima ring up -n 3            start 3 primad on 127.0.0.1 (advertised over mDNS there) until Ctrl-C
+prima ring up -n 3 --detach   the same in the background; `prima ring down` stops them
 prima ring status --nodes h:p,h:p   what each daemon holds (plan, windows, residency)
 """
 
@@ -9,26 +10,46 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import threading
+import time
+from pathlib import Path
+from typing import Any
 
+import psutil
+
+from prima import paths
+from prima.cli.arg_types import parse_budget, positive_int
 from prima.cli.engine_options import parse_nodes
 from prima.cluster.local_ring import LocalRing
+from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL
 from prima.net.client import NodeClient
+
+STOP_TIMEOUT_S = 15.0  # a daemon sends its mDNS goodbye and stops its server within this
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ring", help="start a local ring of primad daemons, or inspect running ones")
     rs = p.add_subparsers(dest="ring_command", metavar="ACTION", required=True)
     up = rs.add_parser("up", help="start N primad on 127.0.0.1 and keep them running until Ctrl-C")
-    up.add_argument("-n", "--nodes", type=int, default=3, help="number of daemons (default 3)")
+    up.add_argument("-n", "--nodes", type=positive_int, default=3, help="number of daemons (default 3)")
     up.add_argument(
         "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
     )
-    up.add_argument("-t", "--threads", type=int, default=None, help="compute threads per daemon")
+    up.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads per daemon")
     up.add_argument("--mem-budget", default=None, help="--mem-budget for every daemon (e.g. 200M)")
     up.add_argument("--json", action="store_true", help="print the nodes as one JSON line")
+    up.add_argument(
+        "-d",
+        "--detach",
+        action="store_true",
+        help="leave the daemons running in the background (stop: ring down)",
+    )
     up.set_defaults(func=ring_up)
+    down = rs.add_parser("down", help="stop the daemons `prima ring up --detach` started")
+    down.set_defaults(func=ring_down)
     st = rs.add_parser("status", help="print what each daemon reports (Info RPC)")
     st.add_argument("--nodes", required=True, metavar="HOST:PORT,...", help="daemons to ask")
     st.add_argument("--json", action="store_true", help="print JSON")
@@ -36,7 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    if args.mem_budget:
+        parse_budget(args.mem_budget)  # refused here, in primad's words, before any daemon starts
     budgets = [args.mem_budget] * args.nodes if args.mem_budget else None
+    if args.detach:
+        return _ring_up_detached(args, budgets)
     with LocalRing.start(
         args.nodes, args.model, threads=args.threads, mem_budgets=budgets, mdns=True
     ) as ring:
@@ -78,3 +103,71 @@ def ring_status(args: argparse.Namespace) -> int:
                 f"waited {res.wait_ms:.0f} ms for reads"
             )
     return 0
+
+
+def _ring_up_detached(args: argparse.Namespace, budgets: list[str] | None) -> int:
+    state = paths.ring_state_file()
+    running = [n for n in _recorded_nodes(state) if _is_primad(n["pid"])]
+    if running:
+        raise InputError(
+            f"a detached ring is already up ({', '.join(n['node_id'] for n in running)}); "
+            "stop it with `prima ring down` first"
+        )
+    logs = state.parent / "ring-logs"
+    ring = LocalRing.start(
+        args.nodes,
+        args.model,
+        threads=args.threads,
+        mem_budgets=budgets,
+        mdns=True,
+        detach=True,
+        log_dir=logs,
+    )
+    nodes = [{"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in ring.nodes]
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"nodes": nodes}) + "\n")
+    if args.json:
+        print(json.dumps(nodes))
+    else:
+        for n in ring.nodes:
+            print(f"{n.node_id}  {n.address}  pid {n.pid}")
+        print(f"running in the background (logs in {logs}); stop with: prima ring down")
+    return 0
+
+
+def ring_down(args: argparse.Namespace) -> int:
+    """SIGTERM each daemon of the detached ring (only if that pid is still a primad), wait for
+    them to withdraw their adverts and exit, then forget the ring."""
+    del args
+    state = paths.ring_state_file()
+    nodes = _recorded_nodes(state)
+    if not nodes:
+        raise InputError(f"no detached ring is recorded in {state}; start one with `prima ring up --detach`")
+    live = [n for n in nodes if _is_primad(n["pid"])]
+    for n in live:
+        os.kill(n["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(_is_primad(n["pid"]) for n in live) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stubborn = [n for n in live if _is_primad(n["pid"])]
+    for n in stubborn:
+        os.kill(n["pid"], signal.SIGKILL)
+    state.unlink()
+    print(f"stopped {len(live)} daemon(s)" + (f" ({len(stubborn)} killed)" if stubborn else ""))
+    return 0
+
+
+def _recorded_nodes(state: Path) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads(state.read_text())["nodes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _is_primad(pid: int) -> bool:
+    """True while `pid` is a live primad (not a zombie, not a recycled pid of another program)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and "prima.cli.primad" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False

@@ -17,9 +17,9 @@ from prima.model.chat_template import model_chat_template, read_chat_template
 from prima.model.loader import LoadedModel
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, temp: float = 0.0) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    g.add_argument("--temp", type=float, default=temp, help=f"temperature; 0 = greedy (default {temp:g})")
     g.add_argument(
         "--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)"
     )
@@ -79,7 +79,9 @@ def warn_if_no_chat_template(loaded: LoadedModel, template: str | None, *, run_h
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text for a prompt", description=__doc__)
     add_model_args(p)
-    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the prompt text; - reads it from stdin")
+    source.add_argument("-f", "--file", type=Path, help="read the prompt from this file")
     p.add_argument(
         "-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)"
     )
@@ -91,9 +93,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt of -p TEXT, -p - (stdin) or -f FILE, as given (a file's final newline kept,
+    as llama-cli keeps it)."""
+    if args.file is not None:
+        try:
+            return args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read the prompt from {args.file}: {exc}") from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
 def run(args: argparse.Namespace) -> int:
+    args.prompt = read_prompt(args)
     if not args.prompt:
-        raise InputError("the prompt is empty: give some text with -p")
+        raise InputError("the prompt is empty: give some text with -p TEXT, -p - (stdin) or -f FILE")
     if args.chat_template is not None and not args.chat:
         raise InputError("--chat-template only applies with --chat")
     template = chat_template_from_args(args)

@@ -41,8 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
     add_chat_template_arg(p)
-    add_sampling_args(p)
-    p.set_defaults(func=run, temp=0.7)
+    add_sampling_args(p, temp=0.7)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

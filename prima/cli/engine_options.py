@@ -14,31 +14,45 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.daemon import model_fingerprint
-from prima.cluster.local_ring import LocalRing
-from prima.cluster.planner import HaldaOptions
-from prima.engine.generate import Engine, GenerationResult, TextDecoder, generate
-from prima.engine.local import local_engine
-from prima.engine.sampling import SamplerConfig
+from prima.cli.arg_types import positive_int
+from prima.cli.progress import stage
+from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
-from prima.model.loader import LoadedModel, load_model
-from prima.model.registry import DEFAULT_MODEL
+from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
-from prima.net.codec import WireDType
-from prima.scheduler.profile import ModelProfile
+
+# The engines, the ring and the model code (numba, grpc) load when a session opens, not when
+# the flags are declared: `--help` stays fast.
+if TYPE_CHECKING:
+    from prima.cluster.coordinator import Ring
+    from prima.engine.generate import Engine, GenerationResult, TextDecoder
+    from prima.engine.sampling import SamplerConfig
+    from prima.model.loader import LoadedModel
+
+WIRE_DTYPES = (
+    "f32",
+    "f16",
+    "bf16",
+    "q8_block",
+)  # prima.net.codec.WireDType's names (a test keeps them equal)
 
 log = logging.getLogger("prima.cli")
+
+DEFAULT_CTX = 2048  # tokens; `prima plan` sizes the KV cache for the same
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
     )
-    parser.add_argument("-c", "--ctx", type=int, default=2048, help="context size in tokens (default 2048)")
     parser.add_argument(
-        "-t", "--threads", type=int, default=None, help="compute threads (default: all cores)"
+        "-c", "--ctx", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})"
+    )
+    parser.add_argument(
+        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
     )
     parser.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
     parser.add_argument(
@@ -56,7 +70,10 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
         "--local", action="store_true", help="run on this device only; do not look for daemons"
     )
     where.add_argument(
-        "--local-ring", type=int, metavar="N", help="start N primad daemons on 127.0.0.1 for this command"
+        "--local-ring",
+        type=int,
+        metavar="N",
+        help="start N primad daemons on 127.0.0.1 for this command",
     )
     where.add_argument(
         "--nodes", metavar="HOST:PORT,...", help="running daemons in ring order; the first is the head"
@@ -80,7 +97,7 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--wire-dtype",
         default="f32",
-        choices=[d.name.lower() for d in WireDType],
+        choices=WIRE_DTYPES,
         help="activation encoding between nodes (default f32, exact)",
     )
 
@@ -147,6 +164,8 @@ class Session:
     ) -> GenerationResult:
         """Generate on the engine; on a ring the head samples (Generate RPC) so only token ids
         cross the network, unless the prompt's logits are wanted (`need_logits`)."""
+        from prima.engine.generate import GenerationResult, generate
+
         if self.ring is None or need_logits:
             return generate(
                 self.engine,
@@ -207,11 +226,14 @@ def _mode(args: argparse.Namespace) -> str:
 
 def open_session(args: argparse.Namespace) -> Session:
     """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
+    from prima.cluster.daemon import model_fingerprint
+    from prima.cluster.local_ring import LocalRing
+    from prima.model.loader import load_model
+
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
     if args.local:
-        loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
-        return Session(loaded, local_engine(loaded, args.ctx))
+        return _local_session(args, resolve_model(args.model))
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
     if local_ring is not None and local_ring < 1:
@@ -226,11 +248,15 @@ def open_session(args: argparse.Namespace) -> Session:
                 file=sys.stderr,
             )
     if not local_ring and not addresses:
-        loaded = load_model(args.model, backend=args.backend, threads=args.threads, mode=_mode(args))
-        return Session(loaded, local_engine(loaded, args.ctx))
+        return _local_session(args, loaded.path)
     closers: list[Callable[[], None]] = []
     try:
         if local_ring:
+            _check_windows(args, [f"node{i}" for i in range(local_ring)], loaded.weights.config.n_layers)
+            # Compiled here once, before the daemons start: they then load the kernels from the
+            # cache instead of compiling side by side while the coordinator's calls time out.
+            ensure_compiled(loaded.path, on_stage=stage)
+            stage(f"starting {local_ring} primad daemon(s) on 127.0.0.1")
             exact = ("--exact",) if _mode(args) == "exact" else ()
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
             closers.append(local.close)
@@ -244,14 +270,40 @@ def open_session(args: argparse.Namespace) -> Session:
         raise
 
 
+def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:
+    """PlanError for --windows/--rounds that cannot cover the model on these nodes, raised
+    before any daemon is started for them."""
+    from prima.scheduler.plan import plan_from_window_sizes
+
+    windows = parse_windows(args.windows)
+    if windows is not None:
+        plan_from_window_sizes([(n, "") for n in names], windows, args.rounds or 1, n_layers)
+
+
+def _local_session(args: argparse.Namespace, path: Path) -> Session:
+    """The whole model on this device, its kernels compiled (once) before the model loads."""
+    from prima.engine.local import local_engine
+    from prima.model.loader import load_model
+
+    ensure_compiled(path, on_stage=stage)
+    loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
+    return Session(loaded, local_engine(loaded, args.ctx))
+
+
 def connect_ring(
     args: argparse.Namespace, loaded: LoadedModel, addresses: list[str], *, pick_head: bool
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
     (with `pick_head`, the node with the most memory becomes the head)."""
+    from prima.cluster.coordinator import Ring
+    from prima.cluster.planner import HaldaOptions
+    from prima.net.codec import WireDType
+    from prima.scheduler.profile import ModelProfile
+
     windows = parse_windows(args.windows)
     halda = None
     if windows is None and args.rounds is None:
+        stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
         model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
         halda = HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
     return Ring.connect(

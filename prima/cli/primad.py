@@ -23,42 +23,19 @@ from contextlib import ExitStack
 
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
+from prima.cli.arg_types import parse_budget, positive_int
+from prima.cli.progress import stage
 from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.loader import load_model
-from prima.model.registry import DEFAULT_MODEL
+from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
 
 READY_PREFIX = "PRIMAD_READY "
-
-
-def parse_bytes(text: str) -> int:
-    """'0', '123456', '512M', '1.5G' -> bytes."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    scale = units.get(t[-1:], 1)
-    number = t[:-1] if t[-1:] in units else t
-    try:
-        value = float(number)
-    except ValueError:
-        raise InputError(f"cannot read {text!r} as bytes; use e.g. 800M, 2G or 123456") from None
-    if value < 0:
-        raise InputError(f"a size must be >= 0, got {text}")
-    return int(value * scale)
-
-
-def parse_budget(text: str) -> int | None:
-    """--mem-budget: 'auto' -> None (what the cgroup or host leaves, read when a plan arrives),
-    '0' -> 0 (no limit), else bytes."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return parse_bytes(text)
-    except InputError:
-        raise InputError(f"--mem-budget {text!r}: use auto, 0 (no limit) or a size such as 800M or 2G") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of layer weights to keep resident: auto (default: what this device's memory "
         "cgroup or RAM leaves, measured when a plan arrives), a size such as 800M, or 0 for no limit",
     )
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument(
+        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
+    )
     p.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
     p.add_argument(
         "--exact",
@@ -141,9 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
+    path = resolve_model(args.model)
+    # Before the ready line: a coordinator's calls then never wait on a compile.
+    ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
     # Map the file and check the model; a node validates its layers only when a plan names them.
     loaded = load_model(
-        args.model,
+        path,
         backend=args.backend,
         threads=args.threads,
         layers=range(0),

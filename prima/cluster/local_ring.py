@@ -5,17 +5,22 @@ finds them by discovery."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import selectors
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
 from prima.net.discovery import INTERFACES_ENV
 
@@ -23,6 +28,7 @@ log = logging.getLogger("prima.cluster")
 
 READY_PREFIX = "PRIMAD_READY "
 DEFAULT_START_TIMEOUT_S = 120.0
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,15 @@ class LocalRing:
         log_dir: Path | None = None,
         names: Sequence[str] | None = None,
         mdns: bool = False,
+        detach: bool = False,
         preexec: Sequence[Callable[[], None] | None] | None = None,
     ) -> LocalRing:
         """Start `n` daemons (named node0..node{n-1} unless `names`) and wait until each prints
         its ready line. `models` and `mem_budgets` optionally give each node its own file or
-        budget; `mdns` lets them advertise on 127.0.0.1; `preexec[i]` runs in daemon i's process before
-        it starts (e.g. joining a memory cgroup, see cluster.emulate)."""
+        budget; `mdns` lets them advertise on 127.0.0.1. The daemons end with this process
+        (Linux), unless `detach`: then they run on in their own session until stopped.
+        `preexec[i]` runs in daemon i's process before it starts (e.g. joining a memory cgroup,
+        see cluster.emulate)."""
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
         names = list(names) if names else [f"node{i}" for i in range(n)]
@@ -68,11 +77,17 @@ class LocalRing:
         # Daemons on one machine share its cores: split them, and cap BLAS pools too, whose
         # spinning worker threads would otherwise starve the other daemons.
         threads = threads or max(1, (os.cpu_count() or 1) // n)
+        # One compile here, not n side by side in daemons racing their start timeout.
+        ensure_compiled(models[0] if models else model)
         env = dict(os.environ)
         for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
         env[INTERFACES_ENV] = "127.0.0.1"
+        # The kernel signals a child when the *thread* that forked it ends: only the main
+        # thread's lifetime is the process's.
+        tie = not detach and threading.current_thread() is threading.main_thread()
         procs: list[subprocess.Popen[str]] = []
+        logs: list[int] = []  # a descriptor of each daemon's stderr file
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -84,29 +99,28 @@ class LocalRing:
                     cmd.append("--no-mdns")
                 if mem_budgets and mem_budgets[i]:
                     cmd += ["--mem-budget", mem_budgets[i]]
-                before = preexec[i] if preexec else None
-                if log_dir:
-                    with open(log_dir / f"node{i}.log", "w") as stderr:  # the child keeps its own copy
-                        procs.append(
-                            subprocess.Popen(
-                                cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=before
-                            )
-                        )
-                else:
+                # stderr goes to a file (a log, or an unnamed temporary one) so that a daemon that
+                # exits early can be quoted; the child keeps its own copy of the descriptor.
+                with open(log_dir / f"node{i}.log", "w+") if log_dir else tempfile.TemporaryFile("w+") as err:
                     procs.append(
                         subprocess.Popen(
                             cmd,
                             stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL,
+                            stderr=err,
                             text=True,
                             env=env,
-                            preexec_fn=before,
+                            start_new_session=detach,
+                            preexec_fn=_before_exec(tie, preexec[i] if preexec else None),
                         )
                     )
-            nodes = [_wait_ready(p, names[i], timeout_s) for i, p in enumerate(procs)]
+                    logs.append(os.dup(err.fileno()))
+            nodes = [_wait_ready(p, names[i], timeout_s, logs[i]) for i, p in enumerate(procs)]
         except BaseException:
             _stop(procs)
             raise
+        finally:
+            for fd in logs:
+                os.close(fd)
         log.info("local ring up: %s", ", ".join(f"{n.node_id}@{n.address}" for n in nodes))
         return cls(procs, nodes)
 
@@ -129,8 +143,9 @@ class LocalRing:
         self.close()
 
 
-def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> LocalNode:
-    """Read the daemon's stdout until its ready line, the process exits, or time runs out."""
+def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float, stderr_fd: int) -> LocalNode:
+    """Read the daemon's stdout until its ready line, the process exits (NodeError quoting its
+    stderr), or time runs out."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
@@ -141,13 +156,48 @@ def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> Loc
                 continue
             line = proc.stdout.readline()
             if not line:
-                raise NodeError(f"primad {name} exited with code {proc.wait(timeout=5)} before it was ready")
+                code = proc.wait(timeout=5)
+                said = _tail(stderr_fd)
+                raise NodeError(
+                    f"primad {name} exited with code {code} before it was ready"
+                    + (f": {said}" if said else "")
+                )
             if line.startswith(READY_PREFIX):
                 ready = json.loads(line[len(READY_PREFIX) :])
                 return LocalNode(ready["node_id"], ready["address"], int(ready["pid"]), ready.get("metrics_port"))
         raise NodeError(f"primad {name} was not ready within {timeout_s:.0f} s")
     finally:
         sel.close()
+
+
+def _tail(fd: int, max_bytes: int = 4096) -> str:
+    """The last error line a daemon wrote (its own `primad: error: ...` if there is one)."""
+    size = os.fstat(fd).st_size
+    text = os.pread(fd, max_bytes, max(0, size - max_bytes)).decode(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [""])[-1]
+
+
+def _before_exec(tie: bool, extra: Callable[[], None] | None) -> Callable[[], None] | None:
+    """What a daemon's child process runs before exec: tie it to its parent, then `extra`."""
+    if not tie:
+        return extra
+
+    def run() -> None:
+        _end_with_parent()
+        if extra is not None:
+            extra()
+
+    return run
+
+
+def _end_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, so that a killed `prima run
+    --local-ring` or `prima ring up` leaves no daemon behind, even without running its cleanup."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop(procs: list[subprocess.Popen[str]]) -> None:

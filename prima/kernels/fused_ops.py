@@ -127,10 +127,7 @@ def _rope_row(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> No
         x[b] = x0 * sin[f] + x1 * cos[f]
 
 
-_ATTN_FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
-
-
-@njit(cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+@njit(cache=True, inline="always")
 def _attend(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -176,7 +173,7 @@ def _attend(
             o[j] += p * vr[j]
 
 
-@njit(parallel=True, cache=True, fastmath=_ATTN_FASTMATH)
+@njit(parallel=True, cache=True)
 def _attention_parallel(q, k_cache, v_cache, t, positions, scale, window):  # noqa: ANN001, ANN202
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for item in prange(q.shape[0] * q.shape[1]):
@@ -184,7 +181,7 @@ def _attention_parallel(q, k_cache, v_cache, t, positions, scale, window):  # no
     return out
 
 
-@njit(cache=True, fastmath=_ATTN_FASTMATH)
+@njit(cache=True)
 def _attention_serial(q, k_cache, v_cache, t, positions, scale, window):  # noqa: ANN001, ANN202
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for item in range(q.shape[0] * q.shape[1]):

@@ -13,7 +13,6 @@ from numba import carray, njit
 
 from prima.kernels.legacy_quants import _f16, lane_sum, nibbles, stack_f32
 
-_FASTMATH = {"contract"}
 QK = 256
 
 
@@ -43,7 +42,7 @@ def _scale_q3_k(row: np.ndarray, o: int, k: int) -> np.float32:
 # Q2_K: 84-byte super-block of 256: scales[16] (low nibble scale, high nibble min, one per 16
 # elements), qs[64] (2-bit values), d f16, dmin f16. Element h*128 + s*32 + j (h < 2, s < 4,
 # j < 32) is bits 2s of qs[h*32 + j]; its sub-block (scale index) is element // 16.
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q2_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -95,7 +94,7 @@ def deq_q2_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # Q3_K: 110-byte super-block of 256: hmask[32] (high bits), qs[64] (low 2 bits), scales[12]
 # (16 packed 6-bit scales, see _scale_q3_k), d f16. Element h*128 + s*32 + j takes bits 2s of
 # qs[h*32 + j] and bit 4h + s of hmask[j]; a clear high bit means "subtract 4".
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q3_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -144,7 +143,7 @@ def deq_q3_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # Q4_K: 144-byte super-block of 256: d, dmin f16, 12 bytes of 6-bit scales/mins (8 sub-blocks
 # of 32), 128 bytes of nibbles. Byte g*32 + j holds element g*64 + j (low nibble, sub-block 2g)
 # and element g*64 + 32 + j (high nibble, sub-block 2g + 1).
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q4_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -193,7 +192,7 @@ def deq_q4_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # Q5_K: 176-byte super-block of 256: d, dmin f16, 12 bytes of scales/mins (as Q4_K), qh[32],
 # qs[128] (nibbles as Q4_K). Element g*64 + j takes bit 2g of qh[j] as its fifth bit; element
 # g*64 + 32 + j takes bit 2g + 1.
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q5_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -250,7 +249,7 @@ def deq_q5_k(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 # Q6_K: 210-byte super-block of 256: ql[128] (low nibbles), qh[64] (2 high bits), scales[16]
 # int8 (one per 16 elements), d f16; value = d * scale * (q - 32). Within half h (128 elements),
 # chunk c (32 elements) takes nibble c // 2 of ql[64h + 32 (c % 2) + j] and bits 2c of qh[32h + j].
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q6_k(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)

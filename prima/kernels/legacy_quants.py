@@ -19,8 +19,6 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_FASTMATH = {"contract"}
-
 
 @njit(cache=True, inline="always")
 def _f16(lut: np.ndarray, row: np.ndarray, o: int) -> np.float32:
@@ -74,7 +72,7 @@ def _u32(row: np.ndarray, o: int) -> np.uint32:
 
 # Q4_0: 18-byte block of 32: d f16, 16 bytes of nibbles; the low nibble of byte j is element j,
 # the high nibble element j + 16; value = d * (q - 8).
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q4_0(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -108,7 +106,7 @@ def deq_q4_0(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 # Q4_1: 20-byte block of 32: d f16, m f16, 16 bytes of nibbles (as Q4_0); value = d * q + m.
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q4_1(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -145,7 +143,7 @@ def deq_q4_1(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 # Q5_0: 22-byte block of 32: d f16, qh (32 high bits, little-endian u32: bit j belongs to element
 # j), 16 bytes of low nibbles (as Q4_0); value = d * ((nibble | high << 4) - 16).
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q5_0(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -188,7 +186,7 @@ def deq_q5_0(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 # Q5_1: 24-byte block of 32: d f16, m f16, qh u32 (as Q5_0), 16 bytes of low nibbles;
 # value = d * (nibble | high << 4) + m.
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q5_1(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)
@@ -230,7 +228,7 @@ def deq_q5_1(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 # Q8_0: 34-byte block of 32: d f16, 32 int8; value = d * q.
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def dot_q8_0(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
     acc = carray(stack_f32(32), 32)

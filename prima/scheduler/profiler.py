@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from prima import paths
 from prima.model.gguf_file import GGUFFile
 from prima.scheduler.memory import read_memory_limit
 from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
@@ -32,7 +33,7 @@ log = logging.getLogger("prima.scheduler")
 
 KernelBench = Callable[[str], float]
 MiB = 1 << 20
-DEFAULT_PROBE_DIR = Path.home() / ".cache" / "prima"
+DEFAULT_PROBE_DIR = paths.cache_root()
 
 
 @dataclass(frozen=True)

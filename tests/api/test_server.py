@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from functools import cache
@@ -295,6 +296,35 @@ def test_disconnecting_stream_client_frees_the_engine(server: ApiServer, engine:
     assert abandoned < 100
     status, health = _request(server, "GET", "/health")
     assert health["busy"] is False
+
+
+def test_a_stream_client_resetting_the_connection_prints_no_traceback(
+    server: ApiServer, capfd: pytest.CaptureFixture[str]
+) -> None:
+    body = json.dumps({"prompt": FRANCE, "max_tokens": 200, "stream": True}).encode()
+    host, port = server.server_address[:2]
+    sock = socket.create_connection((str(host), port), timeout=HTTP_TIMEOUT_S)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    assert b"HTTP/1.1 200" in sock.recv(4096)
+    # Hang up with a reset (linger 0), as a killed client does.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    status, _ = _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 2})
+    assert status == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_connection_errors_outside_a_request_are_not_tracebacks(
+    server: ApiServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        server.handle_error(None, ("127.0.0.1", 1))
+    assert capsys.readouterr().err == ""
 
 
 # --- bad input -------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from prima.model.registry import KNOWN_MODELS, KnownModel, WheelMember
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PRIMA_CACHE", str(tmp_path))
-    return tmp_path
+    (tmp_path / "models").mkdir()
+    return tmp_path / "models"
 
 
 def test_models_list_table_marks_default_and_status(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

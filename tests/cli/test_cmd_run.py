@@ -1,78 +1,55 @@
-"""`prima run --chat`: the model's template, a --chat-template file, and a clear warning (once)
-when the model ships no template, on a tiny model written by tests/tiny_models.py."""
+"""`prima run` reads its prompt from -p TEXT, -p - (stdin) or -f FILE, as llama-cli does."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from prima.cli.main import main
-from prima.model.gguf_file import GGUFFile
-from prima.model.tokenizer import Tokenizer
-from tests.tiny_models import CHATML_TEMPLATE, write_tiny_model
+from prima.kernels import compile_cache
+
+PROMPT = "The capital of France is"
 
 
-def _prompt_ids(capsys: pytest.CaptureFixture[str], path: Path, *extra: str) -> tuple[list[int], str]:
-    argv = ["run", "-m", str(path), "--local", "--exact", "-p", "Hi there", "-n", "2", "--json", *extra]
-    assert main(argv) == 0
-    captured = capsys.readouterr()
-    return json.loads(captured.out)["prompt_token_ids"], captured.err
-
-
-def _chatml_ids(path: Path) -> list[int]:
-    with GGUFFile(path) as gguf:
-        tok = Tokenizer.from_gguf(gguf.metadata)
-    return tok.encode("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
-
-
-def test_chat_without_model_template_warns_once_and_names_the_flag(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    path = write_tiny_model(tmp_path / "bare.gguf", chat_template=None)
-    _, err = _prompt_ids(capsys, path, "--chat")
-    assert err.count("ships no chat template") == 1
-    assert "--chat-template FILE" in err
-
-
-def test_chat_template_file_replaces_the_fallback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_tiny_model(tmp_path / "bare.gguf", chat_template=None)
-    template = tmp_path / "chatml.jinja"
-    template.write_text(CHATML_TEMPLATE, encoding="utf-8")
-    ids, err = _prompt_ids(capsys, path, "--chat", "--chat-template", str(template))
-    assert ids == _chatml_ids(path)
-    assert "chat template" not in err
-
-
-def test_model_template_is_used_without_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_tiny_model(tmp_path / "chatml.gguf")
-    ids, err = _prompt_ids(capsys, path, "--chat")
-    assert ids == _chatml_ids(path)
-    assert "chat template" not in err
-
-
-def test_bad_chat_template_file_fails_before_loading(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    broken = tmp_path / "broken.jinja"
-    broken.write_text("{% for m in messages %}", encoding="utf-8")
-    argv = [
-        "run",
+def _run(model: Path, *argv: str, stdin: str | None = None) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(compile_cache.cache_dir())}
+    cmd = [
+        sys.executable,
         "-m",
-        str(tmp_path / "absent.gguf"),
+        "prima.cli.main",
+        "run",
         "--local",
-        "-p",
-        "x",
-        "--chat",
-        "--chat-template",
-        str(broken),
+        "-m",
+        str(model),
+        "-n",
+        "1",
+        "--json",
+        *argv,
     ]
-    assert main(argv) == 1
-    assert "not a valid Jinja template" in capsys.readouterr().err  # not "no such model file"
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
-def test_chat_template_without_chat_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_tiny_model(tmp_path / "chatml.gguf")
-    assert main(["run", "-m", str(path), "--local", "-p", "x", "--chat-template", str(path)]) == 1
-    assert "only applies with --chat" in capsys.readouterr().err
+@pytest.mark.slow
+def test_prompt_from_stdin_and_from_a_file_equals_p(smollm2_path: Path, tmp_path: Path) -> None:
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT, encoding="utf-8")
+    given = _run(smollm2_path, "-p", PROMPT)
+    assert _run(smollm2_path, "-p", "-", stdin=PROMPT)["prompt_token_ids"] == given["prompt_token_ids"]
+    assert _run(smollm2_path, "-f", str(prompt_file))["prompt_token_ids"] == given["prompt_token_ids"]
+
+
+def test_unreadable_prompt_file_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--local", "-f", str(tmp_path / "missing.txt")]) == 1
+    assert "cannot read the prompt from" in capsys.readouterr().err
+
+
+def test_p_and_f_together_are_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "-p", "x", "-f", str(tmp_path / "x.txt")])

@@ -3,16 +3,23 @@ and the systemd unit passes `systemd-analyze verify` where that tool exists."""
 
 from __future__ import annotations
 
+import json
+import os
+import selectors
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from prima.cli import primad
 from prima.cli.main import build_parser
+from prima.net.client import NodeClient
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
 
 
 def _compose() -> dict:
@@ -58,7 +65,7 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed")
     # Verify a copy whose ExecStart binary exists here, so only the unit's syntax is judged.
     unit = (DEPLOY / "primad.service").read_text(encoding="utf-8")
-    unit = unit.replace("/usr/local/bin/primad", shutil.which("true") or "/bin/true")
+    unit = unit.replace("/opt/prima/bin/primad", shutil.which("true") or "/bin/true")
     unit = unit.replace("EnvironmentFile=/etc/prima/primad.env", f"EnvironmentFile=-{DEPLOY / 'primad.env'}")
     path = tmp_path / "primad.service"
     path.write_text(unit, encoding="utf-8")
@@ -73,3 +80,127 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     if proc.returncode != 0 and not errors:
         pytest.skip(f"systemd-analyze cannot run here: {proc.stderr.strip()[:200]}")
     assert not errors, "\n".join(errors)
+
+
+def _service_settings() -> dict[str, list[str]]:
+    """The unit's [Service] settings, each key's values in order."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for line in (DEPLOY / "primad.service").read_text(encoding="utf-8").splitlines():
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def _env_file() -> dict[str, str]:
+    return dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "primad.env").read_text(encoding="utf-8").splitlines()
+        if line and not line.startswith("#")
+    )
+
+
+def _sandbox_prefix() -> list[str]:
+    """unshare's arguments for a private mount namespace, or skip where there is none."""
+    tool = shutil.which("unshare")
+    if tool is None:
+        pytest.skip("unshare is not installed")
+    for prefix in (
+        [tool, "--mount", "--propagation", "private"],
+        [tool, "-r", "--mount", "--propagation", "private"],
+    ):
+        probe = subprocess.run(
+            [*prefix, "sh", "-c", "mount --bind / / && mount -o remount,bind,ro / /"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        if probe.returncode == 0:
+            return prefix
+    pytest.skip("no mount namespace here (unshare needs root or user namespaces)")
+
+
+@pytest.mark.slow
+def test_unit_starts_under_its_own_sandbox(smollm2_path: Path, tmp_path: Path) -> None:
+    """primad as the unit runs it: the install tree and home read-only (ProtectSystem=strict,
+    ProtectHome=read-only) and one writable cache directory (CacheDirectory=, XDG_CACHE_HOME)."""
+    from prima import paths
+    from prima.engine.warmup import ensure_compiled
+    from prima.kernels import compile_cache
+
+    service = _service_settings()
+    assert service["ProtectSystem"] == ["strict"]
+    assert service["ProtectHome"] == ["read-only"]
+    assert service["CacheDirectory"] == ["prima"]
+    assert "XDG_CACHE_HOME=/var/cache" in service["Environment"]
+    var_cache = tmp_path / "var-cache"  # stands for /var/cache
+    # A warm kernel cache, so that this test does not spend minutes compiling (the quick-start
+    # test covers the cold path); numba's entries are keyed on the source path, which is the same.
+    ensure_compiled(smollm2_path)
+    shutil.copytree(compile_cache.cache_dir(), var_cache / "prima" / "kernels" / paths.kernel_source_key())
+
+    env = _env_file()
+    exec_start = service["ExecStart"][0].split()
+    argv = [env.get(a[2:-1], a) if a.startswith("${") else a for a in exec_start[1:]]
+    argv += ["--host", "127.0.0.1", "--port", "0", "--no-mdns", "--model", str(smollm2_path)]
+    # Read-only: the checkout and interpreter (the install tree), home, and /var/cache itself;
+    # writable: only /var/cache/prima (numba's own fallback, $XDG_CACHE_HOME/numba, is not).
+    writable = var_cache / service["CacheDirectory"][0]
+    read_only = sorted({str(REPO), sys.prefix, sys.base_prefix, str(Path.home()), str(var_cache)})
+    binds = [f"mount --bind {d} {d} && mount -o remount,bind,ro {d} {d}" for d in read_only]
+    script = " && ".join([*binds, f"mount --bind {writable} {writable}"])
+    child_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(Path.home()),
+        "XDG_CACHE_HOME": str(var_cache),
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [*_sandbox_prefix(), "sh", "-c", f'{script} && exec "$@"', "sh"]
+    cmd += [sys.executable, "-m", "prima.cli.primad", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
+    try:
+        ready = _ready_line(proc, timeout_s=300)
+        assert ready, proc.stderr.read() if proc.poll() is not None else "no ready line"
+        assert NodeClient(json.loads(ready)["address"]).info().node_id == env["PRIMAD_NAME"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == 0
+
+
+def _ready_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """primad's ready line (its JSON), or "" if it exited or time ran out first."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not sel.select(timeout=left):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                return ""
+            if line.startswith(primad.READY_PREFIX):
+                return line[len(primad.READY_PREFIX) :]
+    return ""
+
+
+def test_container_cache_is_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Dockerfile's XDG_CACHE_HOME puts prima's cache on its VOLUME, the one compose shares."""
+    from prima import paths
+
+    docker = (DEPLOY / "Dockerfile").read_text(encoding="utf-8").splitlines()
+    env = dict(line.removeprefix("ENV ").split("=", 1) for line in docker if line.startswith("ENV "))
+    volume = json.loads(next(line for line in docker if line.startswith("VOLUME ")).removeprefix("VOLUME "))
+    monkeypatch.delenv("PRIMA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", env["XDG_CACHE_HOME"])
+    assert [str(paths.cache_root())] == volume
+    compose = _compose()
+    for name, svc in compose["services"].items():
+        mounts = {m.split(":")[1]: m.split(":")[0] for m in svc["volumes"]}
+        assert str(paths.cache_root()) in mounts, name

@@ -220,3 +220,56 @@ def test_load_model_preloads_every_kernel_the_forward_pass_uses(smollm2_path: Pa
     assert preloaded["new"] == []
     assert not preloaded["scipy_linalg"]  # numba asks for it; prima's kernels never use it
     np.testing.assert_array_equal(np.load(tmp_path / "preload.npy"), np.load(tmp_path / "lazy.npy"))
+
+
+def test_no_kernel_lets_llvm_change_its_arithmetic() -> None:
+    """numba links a copy of every callee into each caller, and the JIT binds a call by name to
+    whichever copy was loaded first. With fastmath flags (contract, reassoc, ...) each copy is
+    rounded as its own module's optimizer chose, so the bits would depend on load order."""
+    flagged = sorted(d.__name__ for d in jit_memory.kernel_dispatchers() if d.targetoptions.get("fastmath"))
+    assert flagged == []
+
+
+# Runs in a fresh process: one exact Q4_K matmul; "leaf" first loads the dot kernel on its own,
+# so that the matmul's call to it binds to that copy instead of the one inside the matmul's code.
+LOAD_ORDER = """
+import sys
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from prima.kernels import k_quants, matmul
+from prima.kernels.quants import F16_TABLE
+from tests.kernels.weights import random_qtensor
+
+w = random_qtensor(Q.Q4_K, 32, 256, seed=1)
+x = np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)
+if sys.argv[1] == "leaf":
+    k_quants.dot_q4_k(w.raw[0], x, F16_TABLE, np.zeros((1, 32), np.float32), 0)
+np.save(sys.argv[2], matmul.matmul(w, x, False))
+"""
+
+
+@pytest.mark.slow
+def test_kernel_bits_do_not_depend_on_how_the_kernels_were_loaded(tmp_path: Path) -> None:
+    """Compiled in this process, loaded from numba's cache, or loaded after a callee's own copy:
+    the same bits (a daemon that preloads and a coordinator that compiles must agree)."""
+    env = {
+        **os.environ,
+        "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    results = []
+    for i, mode in enumerate(("cold", "warm", "leaf")):
+        out = tmp_path / f"{i}.npy"
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(LOAD_ORDER), mode, str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=900,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(np.load(out))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])

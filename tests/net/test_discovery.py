@@ -276,4 +276,4 @@ def test_nodes_command_fails_when_too_few_answer(
 ) -> None:
     monkeypatch.setattr(discovery, "browse", lambda *a, **k: [_advert("node0", 7600)])
     assert main(["nodes", "--expect", "2", "--timeout", "0.1"]) == 1
-    assert "found 1 node(s) in 0.1 s, wanted 2" in capsys.readouterr().err
+    assert "found 1 of the 2 node(s) expected in 0.1 s" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""`prima chat` in a terminal (a pseudo-terminal here): readline editing, Ctrl-C stops the reply
+and the chat goes on, Ctrl-D ends it on a fresh line."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prima.kernels import compile_cache
+
+WAIT_S = 120.0
+
+
+class Terminal:
+    """A child process on a pseudo-terminal; reads are bounded by a deadline."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+        os.close(slave)
+        self.seen = b""
+
+    def read_until(self, marker: bytes, timeout_s: float = WAIT_S) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        start = len(self.seen)
+        while marker not in self.seen[start:]:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {marker!r} in {self.seen[-2000:]!r}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # the child closed the terminal
+                    chunk = b""
+                assert chunk, f"the chat ended before {marker!r}: {self.seen[-2000:]!r}"
+                self.seen += chunk
+        return self.seen[start:]
+
+    def read_some(self, timeout_s: float = WAIT_S) -> bytes:
+        """Whatever the child writes next (at least one byte)."""
+        ready = select.select([self.master], [], [], timeout_s)[0]
+        assert ready, f"nothing more after {self.seen[-2000:]!r}"
+        chunk = os.read(self.master, 4096)
+        self.seen += chunk
+        return chunk
+
+    def write(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def close(self) -> int:
+        """Wait for the child, reading what it still writes (bounded, like every read here)."""
+        try:
+            code = self.proc.wait(timeout=WAIT_S)
+            while select.select([self.master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # EIO: the child's side is closed
+                    break
+                if not chunk:
+                    break
+                self.seen += chunk
+            return code
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            os.close(self.master)
+
+
+@pytest.mark.slow
+def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> None:
+    # Its own history file (PRIMA_CACHE), the kernels this session already compiled.
+    env = {**os.environ, "PRIMA_CACHE": str(tmp_path), "NUMBA_CACHE_DIR": str(compile_cache.cache_dir())}
+    env["TERM"] = "xterm"
+    argv = [sys.executable, "-m", "prima.cli.main", "chat", "--local", "-m", str(smollm2_path), "-n", "400"]
+    argv += ["--temp", "0"]
+    term = Terminal(argv, env)
+    try:
+        term.read_until(b"> ")
+        # Left arrow twice, then "c": readline edits the line to "cab" (no escape codes reach it).
+        term.write(b"ab\x1b[D\x1b[Dc\r")
+        term.read_until(b"\n")  # the line as entered
+        term.read_some()  # the reply has started: interrupt it at once, long before its end
+        term.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        term.read_until(b"[stopped]")
+        term.read_until(b"> ")  # the chat goes on
+        term.write(b"\x04")  # Ctrl-D
+        assert term.close() == 0
+        assert term.seen.rsplit(b"> ", 1)[1].startswith(b"\r\n")  # the shell's prompt starts a new line
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+    history = (tmp_path / "chat_history").read_text()
+    assert "cab" in history
+    assert "\x1b" not in history
