@@ -307,30 +307,33 @@ def _streaming_rows(
 ) -> None:
     """A device that may stream: s = 1 when it does, p its pinned layers, y the layers it rereads
     per token, and T >= its own time (reads + its part of the trip)."""
-    most = k * per_round  # k*u never exceeds this
+    # Big-M constants as small as the rows allow (a tighter LP relaxation, less branching):
+    # u <= S always, and u <= R, p = 0 when s = 0.
     b = c.layer_weight_bytes
+    most = k * cap.streaming  # k*u never exceeds this
     prog.var(s, 0, 1, 0.0)
     prog.var(p, 0, most, 0.0)
     prog.var(y, 0, most, 0.0)
     # u <= R + (S - R) s: resident, or streaming with the larger limit.
     prog.row({**u, s: -(cap.streaming - cap.resident)}, -math.inf, cap.resident)
-    # Streaming: p*b + (k*KV + b)*u + b <= room (bytes); void when s = 0 (big M).
+    # Streaming: p*b + (k*KV + b)*u + b <= room (bytes); void when s = 0.
     room = c.ram_budget_bytes - c.fixed_bytes - b
-    big = b * most + (k * c.layer_kv_bytes + b) * per_round
+    per_u = k * c.layer_kv_bytes + b
+    big = max(0, per_u * cap.resident - room)
     mem = {p: float(b), s: float(big)}
     for j, v in u.items():
-        mem[j] = mem.get(j, 0.0) + v * (k * c.layer_kv_bytes + b)
+        mem[j] = mem.get(j, 0.0) + v * per_u
     prog.row(mem, -math.inf, room + big)
-    prog.row({p: 1, s: -most}, -math.inf, 0)  # p <= k W s
+    prog.row({p: 1, s: -most}, -math.inf, 0)  # p <= k S s
     pin = {p: 1.0}
     for j, v in u.items():
         pin[j] = pin.get(j, 0.0) - k * v
     prog.row(pin, -math.inf, 0)  # p <= k u
-    # y >= k u - p - kW (1 - s)
-    reread = {y: 1.0, p: 1.0, s: -float(most)}
+    # y >= k u - p - k R (1 - s)
+    reread = {y: 1.0, p: 1.0, s: -float(k * cap.resident)}
     for j, v in u.items():
         reread[j] = reread.get(j, 0.0) - k * v
-    prog.row(reread, -float(most), math.inf)
+    prog.row(reread, -float(k * cap.resident), math.inf)
     # T >= d y + own (the head's own time includes its hop to the next node, through h).
     row = {t: 1.0, y: -c.disk_ms_per_layer}
     for j, v in own.items():
