@@ -41,4 +41,6 @@ def parse_budget(text: str) -> int | None:
     try:
         return parse_bytes(text)
     except InputError:
-        raise InputError(f"--mem-budget {text!r}: use auto, 0 (no limit) or a size such as 800M or 2G") from None
+        raise InputError(
+            f"--mem-budget: cannot read {text!r} as bytes; use auto, 0 (no limit) or a size such as 800M or 2G"
+        ) from None

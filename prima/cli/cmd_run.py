@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,7 +15,9 @@ from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
 from prima.model.chat_template import model_chat_template, read_chat_template
-from prima.model.loader import LoadedModel
+
+if TYPE_CHECKING:  # the loader imports numba; --help must not
+    from prima.model.loader import LoadedModel
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, temp: float = 0.0) -> None:
