@@ -35,7 +35,8 @@ class MemoryLimit:
     host_available: int  # psutil's `available`: free + reclaimable page cache
     cgroup_limit: int | None  # the tightest cgroup limit above us, None if none
     cgroup_usage: int  # what the cgroup is charged now (anonymous + page cache)
-    cgroup_anon: int  # of which not reclaimable: anonymous memory, shmem
+    cgroup_anon: int  # of which not reclaimable in practice: anonymous memory, shmem, and file
+    # pages mapped now (the code of Python, numpy, numba: reclaiming them only makes them fault back)
     own_rss: int  # this process's resident set, anonymous part
     source: str  # "host", "cgroup v1 <path>", "cgroup v2 <path>"
 
@@ -158,9 +159,13 @@ def _read_cgroup(version: int, mount: Path, path: Path) -> tuple[int, int, int, 
     usage = _read_int(where / ("memory.current" if version == 2 else "memory.usage_in_bytes")) or 0
     stat = _stat(where / "memory.stat")
     if version == 2:
-        anon = stat.get("anon", 0) + stat.get("shmem", 0)
+        anon = stat.get("anon", 0) + stat.get("shmem", 0) + stat.get("file_mapped", 0)
     else:
-        anon = stat.get("total_rss", stat.get("rss", 0)) + stat.get("total_shmem", stat.get("shmem", 0))
+        anon = (
+            stat.get("total_rss", stat.get("rss", 0))
+            + stat.get("total_shmem", stat.get("shmem", 0))
+            + stat.get("total_mapped_file", stat.get("mapped_file", 0))
+        )
     return limit, usage, anon, "/" + str(where.relative_to(mount))
 
 

@@ -127,7 +127,8 @@ def resident_bytes(gguf: GGUFFile, span: Span) -> int:
 
 def stream_buffer_bytes(window_bytes: Sequence[int], layer_bytes: Sequence[int]) -> int:
     """Room for streamed layers: the next window read in full while the last layer of this one
-    computes. The scheduler's cost model assumes the same (cost_model.stream_buffer_layers)."""
+    computes. The scheduler's cost model assumes the same (cost_model.stream_buffer_layers);
+    when that is more than half the budget, LayerWindows keeps two layers in flight instead."""
     return max(window_bytes, default=0) + max(layer_bytes, default=0)
 
 
@@ -184,7 +185,10 @@ class LayerWindows:
                 "raise the budget or give this node fewer layers"
             )
         room = stream_buffer_bytes(self.sizes, list(self._bytes.values()))
-        room = max(min(room, self.budget_bytes), biggest)
+        if room > self.budget_bytes // 2:
+            # A window ahead would crowd out the pinned layers (one round, or a budget just short
+            # of the layers): keep two layers in flight instead and pin the rest.
+            room = min(2 * biggest, self.budget_bytes)
         pinned: list[int] = []
         used = 0
         for layer in self.order:

@@ -29,7 +29,7 @@ def test_v1_takes_the_tightest_limit_up_the_hierarchy(tmp_path: Path) -> None:
         mount / "slice",
         memory__limit_in_bytes=str(600 * MiB),
         memory__usage_in_bytes=str(300 * MiB),
-        memory__stat=f"total_rss {200 * MiB}\ntotal_cache {100 * MiB}\ntotal_shmem 0\n",
+        memory__stat=f"total_rss {180 * MiB}\ntotal_cache {100 * MiB}\ntotal_shmem 0\ntotal_mapped_file {20 * MiB}\n",
     )
     _write(mount / "slice" / "node", memory__limit_in_bytes=str(2**63 - 4096))
     limit, usage, anon, where = _read_cgroup(1, mount, mount / "slice" / "node")
@@ -43,7 +43,7 @@ def test_v2_reads_max_and_high_and_ignores_max(tmp_path: Path) -> None:
         memory__max="max",
         memory__high=str(450 * MiB),
         memory__current=str(50 * MiB),
-        memory__stat=f"anon {40 * MiB}\nfile {10 * MiB}\nshmem {1 * MiB}\n",
+        memory__stat=f"anon {38 * MiB}\nfile {10 * MiB}\nshmem {1 * MiB}\nfile_mapped {2 * MiB}\n",
     )
     assert _read_cgroup(2, tmp_path, tmp_path / "box") == (450 * MiB, 50 * MiB, 41 * MiB, "/box")
     _write(tmp_path / "free", memory__max="max")
