@@ -208,7 +208,7 @@ def main() -> int:
         "--disk-mbps", type=float, default=0, help="disk-read throttle per process, MB/s (0 = none)"
     )
     p.add_argument("-n", type=int, default=16, help="tokens to generate (default 16)")
-    p.add_argument("--threads", type=int, default=2, help="threads of llama.cpp and prima alone (default 2)")
+    p.add_argument("--threads", type=int, default=2, help="threads of llama.cpp, prima alone and each daemon (default 2)")
     p.add_argument("--skip", action="append", default=[], choices=("llama", "single", "ring"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before giving up")
     p.add_argument("--primad-arg", dest="primad_args", action="append", default=[], help="extra primad flag")
