@@ -30,12 +30,12 @@ from prima.model.loader import LoadedModel
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
-from prima.scheduler.memory import read_memory_limit
+from prima.scheduler.memory import MemoryLimit, read_memory_limit
 from prima.scheduler.plan import Hop, Plan
 from prima.scheduler.profile import ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
 from prima.weights.kv_cache import KVCache
-from prima.weights.window import LayerWindows, Residency
+from prima.weights.window import PAGE, LayerWindows, Residency, Span, resident_bytes
 
 from .node_profile import measure_node
 from .ring_engine import RingEngine
@@ -168,7 +168,11 @@ class NodeRuntime:
                 refresh=refresh,
                 cache_dir=self.profile_cache_dir,
             )
-        device = found.profile
+        # Memory is read now, as the planner will use it: the cached profile's is from another time.
+        limit = self._memory_limit()
+        device = dataclasses.replace(
+            found.profile, ram_total_bytes=limit.total, ram_available_bytes=limit.weights_budget()
+        )
         if peer_address:
             peer = NodeClient(peer_address)
             try:
@@ -180,12 +184,18 @@ class NodeRuntime:
             )
         return NodeProfile(device, self.budget_bytes or 0, found.measured_unix_s)
 
+    def _memory_limit(self) -> MemoryLimit:
+        """This process's memory limit, the model file's own resident pages not counted as code."""
+        data = self.loaded.gguf.data
+        model_span = Span(0, data.size // PAGE * PAGE)
+        return read_memory_limit(ours_mapped=resident_bytes(self.loaded.gguf, model_span))
+
     def _window_budget(self, is_head: bool) -> int:
         """Bytes of layer weights this node keeps resident: --mem-budget as given, or (auto) what
         its cgroup or host leaves now, less the output head the head node reads every token."""
         if self.budget_bytes is not None:
             return self.budget_bytes
-        limit = read_memory_limit()
+        limit = self._memory_limit()
         budget = limit.weights_budget()
         if is_head:
             budget -= ModelProfile.from_gguf(self.loaded.gguf).head_resident_bytes

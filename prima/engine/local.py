@@ -16,7 +16,7 @@ from prima.model.transformer import Transformer
 from prima.scheduler.memory import read_memory_limit
 from prima.scheduler.plan import Window
 from prima.scheduler.profile import ModelProfile
-from prima.weights.window import LayerWindows
+from prima.weights.window import PAGE, LayerWindows, Span, resident_bytes
 
 log = logging.getLogger("prima.engine")
 
@@ -94,7 +94,8 @@ def local_engine(
     cgroup or host leaves now); if the layers do not fit it, they stream."""
     cfg = loaded.model.config
     if budget_bytes is None:
-        limit = read_memory_limit()
+        data = loaded.gguf.data
+        limit = read_memory_limit(ours_mapped=resident_bytes(loaded.gguf, Span(0, data.size // PAGE * PAGE)))
         budget_bytes = limit.weights_budget() - ModelProfile.from_gguf(loaded.gguf).head_resident_bytes
         log.info("%s; layer budget %d MiB", limit.describe(), budget_bytes >> 20)
     # One window per layer: the stream buffer then holds two layers, and the rest can be pinned.

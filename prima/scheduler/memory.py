@@ -35,8 +35,10 @@ class MemoryLimit:
     host_available: int  # psutil's `available`: free + reclaimable page cache
     cgroup_limit: int | None  # the tightest cgroup limit above us, None if none
     cgroup_usage: int  # what the cgroup is charged now (anonymous + page cache)
-    cgroup_anon: int  # of which not reclaimable in practice: anonymous memory, shmem, and file
-    # pages mapped now (the code of Python, numpy, numba: reclaiming them only makes them fault back)
+    cgroup_anon: int  # of which not reclaimable: anonymous memory and shmem
+    # ... nor, in practice, file pages mapped now (the code of Python, numpy, numba: reclaimed,
+    # they fault straight back); the caller's own model pages are left out (`ours_mapped`)
+    cgroup_mapped_file: int
     own_rss: int  # this process's resident set, anonymous part
     source: str  # "host", "cgroup v1 <path>", "cgroup v2 <path>"
 
@@ -46,7 +48,7 @@ class MemoryLimit:
         kernel must reclaim: the host's available memory, capped by the cgroup's room."""
         if self.cgroup_limit is None:
             return self.host_available
-        room = self.cgroup_limit - self.cgroup_anon
+        room = self.cgroup_limit - self.cgroup_anon - self.cgroup_mapped_file
         return max(0, min(self.host_available, room))
 
     @property
@@ -64,22 +66,25 @@ class MemoryLimit:
             return f"{self.host_available / mib:.0f} MiB available of {self.host_total / mib:.0f} MiB (host)"
         return (
             f"{self.available / mib:.0f} MiB available: {self.source} limit {self.cgroup_limit / mib:.0f} MiB, "
-            f"{self.cgroup_anon / mib:.0f} MiB of it anonymous (this process {self.own_rss / mib:.0f} MiB)"
+            f"{self.cgroup_anon / mib:.0f} MiB of it anonymous and {self.cgroup_mapped_file / mib:.0f} MiB mapped code "
+            f"(this process {self.own_rss / mib:.0f} MiB)"
         )
 
 
-def read_memory_limit(pid: int | str = "self", root: Path = CGROUP_ROOT) -> MemoryLimit:
-    """The memory that bounds process `pid`, from /proc and the cgroup filesystem."""
+def read_memory_limit(pid: int | str = "self", root: Path = CGROUP_ROOT, ours_mapped: int = 0) -> MemoryLimit:
+    """The memory that bounds process `pid`, from /proc and the cgroup filesystem. `ours_mapped`:
+    bytes of the model file resident now, which the caller manages itself (not counted as code)."""
     vm = psutil.virtual_memory()
     own = _own_anon_rss(pid)
-    limit, usage, anon, source = None, 0, 0, "host"
+    limit, usage, anon, mapped, source = None, 0, 0, 0, "host"
     for version, base, path in _cgroup_paths(pid, root):
         found = _read_cgroup(version, base, path)
         if found is not None:
-            limit, usage, anon, where = found
+            limit, usage, anon, mapped, where = found
+            mapped = max(0, mapped - ours_mapped)
             source = f"cgroup v{version} {where}"
             break
-    return MemoryLimit(int(vm.total), int(vm.available), limit, usage, anon, own, source)
+    return MemoryLimit(int(vm.total), int(vm.available), limit, usage, anon, mapped, own, source)
 
 
 def _own_anon_rss(pid: int | str) -> int:
@@ -149,8 +154,9 @@ def _tightest(path: Path, names: tuple[str, ...], mount: Path) -> tuple[int, Pat
     return best
 
 
-def _read_cgroup(version: int, mount: Path, path: Path) -> tuple[int, int, int, str] | None:
-    """(limit, usage, anonymous, where) of the tightest limit above `path`, None if unlimited."""
+def _read_cgroup(version: int, mount: Path, path: Path) -> tuple[int, int, int, int, str] | None:
+    """(limit, usage, anonymous, mapped file, where) of the tightest limit above `path`, None if
+    unlimited."""
     limits = ("memory.max", "memory.high") if version == 2 else ("memory.limit_in_bytes",)
     found = _tightest(path, limits, mount)
     if found is None:
@@ -159,14 +165,12 @@ def _read_cgroup(version: int, mount: Path, path: Path) -> tuple[int, int, int, 
     usage = _read_int(where / ("memory.current" if version == 2 else "memory.usage_in_bytes")) or 0
     stat = _stat(where / "memory.stat")
     if version == 2:
-        anon = stat.get("anon", 0) + stat.get("shmem", 0) + stat.get("file_mapped", 0)
+        anon = stat.get("anon", 0) + stat.get("shmem", 0)
+        mapped = stat.get("file_mapped", 0)
     else:
-        anon = (
-            stat.get("total_rss", stat.get("rss", 0))
-            + stat.get("total_shmem", stat.get("shmem", 0))
-            + stat.get("total_mapped_file", stat.get("mapped_file", 0))
-        )
-    return limit, usage, anon, "/" + str(where.relative_to(mount))
+        anon = stat.get("total_rss", stat.get("rss", 0)) + stat.get("total_shmem", stat.get("shmem", 0))
+        mapped = stat.get("total_mapped_file", stat.get("mapped_file", 0))
+    return limit, usage, anon, mapped, "/" + str(where.relative_to(mount))
 
 
 def process_major_faults(pid: int | str = "self") -> int:

@@ -32,8 +32,9 @@ def test_v1_takes_the_tightest_limit_up_the_hierarchy(tmp_path: Path) -> None:
         memory__stat=f"total_rss {180 * MiB}\ntotal_cache {100 * MiB}\ntotal_shmem 0\ntotal_mapped_file {20 * MiB}\n",
     )
     _write(mount / "slice" / "node", memory__limit_in_bytes=str(2**63 - 4096))
-    limit, usage, anon, where = _read_cgroup(1, mount, mount / "slice" / "node")
-    assert (limit, usage, anon, where) == (600 * MiB, 300 * MiB, 200 * MiB, "/slice")
+    limit, usage, anon, mapped, where = _read_cgroup(1, mount, mount / "slice" / "node")
+    assert mapped == 20 * MiB
+    assert (limit, usage, anon, where) == (600 * MiB, 300 * MiB, 180 * MiB, "/slice")
 
 
 def test_v2_reads_max_and_high_and_ignores_max(tmp_path: Path) -> None:
@@ -45,7 +46,7 @@ def test_v2_reads_max_and_high_and_ignores_max(tmp_path: Path) -> None:
         memory__current=str(50 * MiB),
         memory__stat=f"anon {38 * MiB}\nfile {10 * MiB}\nshmem {1 * MiB}\nfile_mapped {2 * MiB}\n",
     )
-    assert _read_cgroup(2, tmp_path, tmp_path / "box") == (450 * MiB, 50 * MiB, 41 * MiB, "/box")
+    assert _read_cgroup(2, tmp_path, tmp_path / "box") == (450 * MiB, 50 * MiB, 39 * MiB, 2 * MiB, "/box")
     _write(tmp_path / "free", memory__max="max")
     assert _read_cgroup(2, tmp_path, tmp_path / "free") is None
 
@@ -56,15 +57,16 @@ def test_available_is_the_cgroup_room_not_the_hosts() -> None:
         host_available=20 << 30,
         cgroup_limit=450 * MiB,
         cgroup_usage=300 * MiB,
-        cgroup_anon=120 * MiB,
+        cgroup_anon=100 * MiB,
+        cgroup_mapped_file=20 * MiB,
         own_rss=100 * MiB,
         source="cgroup v1 /x",
     )
-    # Page cache in the group can be reclaimed for weights; anonymous memory cannot.
+    # Page cache in the group can be reclaimed for weights; anonymous memory and mapped code cannot.
     assert lim.available == 330 * MiB
     assert lim.total == 450 * MiB
     assert lim.weights_budget() == 330 * MiB - MIN_RESERVE_BYTES
-    host = MemoryLimit(8 << 30, 6 << 30, None, 0, 0, 100 * MiB, "host")
+    host = MemoryLimit(8 << 30, 6 << 30, None, 0, 0, 0, 100 * MiB, "host")
     assert host.available == 6 << 30
     assert host.weights_budget() == (6 << 30) - int(0.05 * (8 << 30))
 
