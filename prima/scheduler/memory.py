@@ -21,10 +21,11 @@ log = logging.getLogger("prima.scheduler")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Limits at or above this are "no limit" (v1 reports a page-rounded 2^63 - 1).
 _UNLIMITED = 1 << 60
-# Leave this share of the memory a node may use to the owner's apps and to allocator slack.
-RESERVE_FRACTION = 0.05
+# Leave this share of the memory a node may use to the owner's apps and to what the daemon
+# allocates after a plan arrives (relay buffers, logits, numpy temporaries; measured ~50 MiB).
+RESERVE_FRACTION = 0.10
 # ... and at least this much, for activations, gRPC buffers and the KV cache's first pages.
-MIN_RESERVE_BYTES = 48 << 20
+MIN_RESERVE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def test_available_is_the_cgroup_room_not_the_hosts() -> None:
     assert lim.weights_budget() == 330 * MiB - MIN_RESERVE_BYTES
     host = MemoryLimit(8 << 30, 6 << 30, None, 0, 0, 0, 100 * MiB, "host")
     assert host.available == 6 << 30
-    assert host.weights_budget() == (6 << 30) - int(0.05 * (8 << 30))
+    assert host.weights_budget() == (6 << 30) - int(0.10 * (8 << 30))
 
 
 PROBE = (
