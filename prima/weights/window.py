@@ -154,7 +154,7 @@ class LayerWindows:
         self._window_end = {w.end - 1 for w in self.windows}
         self.owned_bytes = sum(self.sizes)
         self.budget_bytes = budget_bytes
-        self.limited = 0 < budget_bytes < self.owned_bytes
+        self.limited = self._short_of(budget_bytes)
         self.pinned, self.stream_room = self._choose_pinned()
         self._fd = os.open(gguf.path, os.O_RDONLY)
         self._read_exactly = False
@@ -205,6 +205,13 @@ class LayerWindows:
         )
         return frozenset(pinned), self.budget_bytes - used
 
+    def _short_of(self, budget_bytes: int) -> bool:
+        """Whether the layers must stream under `budget_bytes`. A shortfall under half a layer is
+        left to the budget's reserve: streaming a layer every token for the sake of a megabyte
+        (a session's KV cache, say) would cost far more than it saves."""
+        slack = max(self._bytes.values(), default=0) // 2
+        return 0 < budget_bytes and self.owned_bytes > budget_bytes + slack
+
     def _no_read_around(self) -> None:
         """Read exactly what is asked for: the kernel's read-around (on a fault or a read) would
         pull in neighbouring layers the budget has no room for."""
@@ -221,7 +228,7 @@ class LayerWindows:
         it back): the pinned set is chosen again; layers that stop being pinned stream from now."""
         with self._cv:
             self.budget_bytes = budget_bytes
-            self.limited = 0 < budget_bytes < self.owned_bytes
+            self.limited = self._short_of(budget_bytes)
             pinned, room = self._choose_pinned()
             for layer in self._loaded:
                 if layer in self.pinned and layer not in pinned:
