@@ -209,6 +209,12 @@ def main() -> int:
     )
     p.add_argument("-n", type=int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--threads", type=int, default=2, help="threads of llama.cpp, prima alone and each daemon (default 2)")
+    p.add_argument(
+        "--node-threads",
+        type=int,
+        default=0,
+        help="threads of each daemon (default: --threads); on some CPUs one is faster (issue #14)",
+    )
     p.add_argument("--skip", action="append", default=[], choices=("llama", "single", "ring"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before giving up")
     p.add_argument("--primad-arg", dest="primad_args", action="append", default=[], help="extra primad flag")
