@@ -27,10 +27,13 @@ class Terminal:
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
         os.close(slave)
         self.seen = b""
+        self.pos = 0  # where the last marker matched ended: the next search starts there
 
     def read_until(self, marker: bytes, timeout_s: float = WAIT_S) -> bytes:
+        """Output up to and including `marker`, searched from the end of the last match (a chunk
+        may already hold the next marker)."""
         deadline = time.monotonic() + timeout_s
-        start = len(self.seen)
+        start = self.pos
         while marker not in self.seen[start:]:
             left = deadline - time.monotonic()
             assert left > 0, f"no {marker!r} in {self.seen[-2000:]!r}"
@@ -41,7 +44,8 @@ class Terminal:
                     chunk = b""
                 assert chunk, f"the chat ended before {marker!r}: {self.seen[-2000:]!r}"
                 self.seen += chunk
-        return self.seen[start:]
+        self.pos = self.seen.index(marker, start) + len(marker)
+        return self.seen[start : self.pos]
 
     def read_some(self, timeout_s: float = WAIT_S) -> bytes:
         """Whatever the child writes next (at least one byte)."""
@@ -49,6 +53,7 @@ class Terminal:
         assert ready, f"nothing more after {self.seen[-2000:]!r}"
         chunk = os.read(self.master, 4096)
         self.seen += chunk
+        self.pos = len(self.seen)
         return chunk
 
     def write(self, data: bytes) -> None:
