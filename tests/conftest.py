@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -52,6 +53,18 @@ def _model_path(name: str) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return _model_path("smollm2-135m")
+
+
+@pytest.fixture
+def private_copy(smollm2_path: Path, tmp_path: Path) -> Path:
+    """SmolLM2 copied where no other process maps it, so its page cache (mincore) reflects only
+    this test; synced, since dirty pages cannot be dropped."""
+    dst = tmp_path / "model.gguf"
+    shutil.copyfile(smollm2_path, dst)
+    fd = os.open(dst, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return dst
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,6 @@ is below its layers keeps its resident weights within the budget and the output 
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,17 +38,6 @@ def test_vanished_node_is_named(three_nodes: LocalRing) -> None:
             list(ring.generate([1, 2, 3], max_tokens=2, sampler=GREEDY, n_ctx=N_CTX))
     finally:
         ring.close()
-
-
-@pytest.fixture
-def private_copy(smollm2_path: Path, tmp_path: Path) -> Path:
-    """The budgeted node maps its own copy, so no other process holds its pages in the cache."""
-    dst = tmp_path / "model.gguf"
-    shutil.copyfile(smollm2_path, dst)
-    fd = os.open(dst, os.O_RDONLY)
-    os.fsync(fd)  # dirty pages cannot be dropped
-    os.close(fd)
-    return dst
 
 
 def test_mem_budget_keeps_weights_resident_within_it(

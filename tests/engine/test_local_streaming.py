@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from prima.engine.generate import generate
 from prima.engine.local import LocalEngine, local_engine
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import LoadedModel, load_model
-
-
-@pytest.fixture
-def private_copy(smollm2_path: Path, tmp_path: Path) -> Path:
-    """A copy no other process maps, so what mincore reports is this test's doing."""
-    dst = tmp_path / "model.gguf"
-    shutil.copyfile(smollm2_path, dst)
-    fd = os.open(dst, os.O_RDONLY)
-    os.fsync(fd)  # dirty pages cannot be dropped
-    os.close(fd)
-    return dst
 
 
 def test_streaming_engine_gives_the_same_tokens(private_copy: Path) -> None:
