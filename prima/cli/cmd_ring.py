@@ -21,7 +21,7 @@ import psutil
 
 from prima import paths
 from prima.cli.arg_types import parse_budget, positive_int
-from prima.cli.engine_options import parse_nodes
+from prima.cli.engine_options import add_discovery_args, discover_addresses, parse_nodes
 from prima.cluster.local_ring import LocalRing
 from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL
@@ -51,7 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     down = rs.add_parser("down", help="stop the daemons `prima ring up --detach` started")
     down.set_defaults(func=ring_down)
     st = rs.add_parser("status", help="print what each daemon reports (Info RPC)")
-    st.add_argument("--nodes", required=True, metavar="HOST:PORT,...", help="daemons to ask")
+    st.add_argument(
+        "--nodes", default=None, metavar="HOST:PORT,...", help="daemons to ask (default: those found over mDNS)"
+    )
+    add_discovery_args(st)
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=ring_status)
 
@@ -81,8 +84,14 @@ def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> in
 
 
 def ring_status(args: argparse.Namespace) -> int:
+    addresses = parse_nodes(args.nodes) if args.nodes else discover_addresses(args, None)
+    if not addresses:
+        raise InputError(
+            f"no primad answered over mDNS within {args.discover_timeout:g} s; start one (prima ring up) "
+            "or name them with --nodes host:port,..."
+        )
     rows = []
-    for address in parse_nodes(args.nodes):
+    for address in addresses:
         client = NodeClient(address)
         try:
             rows.append((address, client.info()))

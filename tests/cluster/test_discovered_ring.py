@@ -125,6 +125,26 @@ def test_plan_prints_a_plan_for_the_discovered_nodes(
     assert sum(n["layers"] for n in doc["nodes"]) == 30
 
 
+def test_ring_status_finds_the_ring_without_nodes(
+    ring: LocalRing, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["ring", "status", "--json", "--expect", "3", "--discover-timeout", "10"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted(r["address"] for r in rows) == sorted(ring.addresses)
+    assert sorted(r["node_id"] for r in rows) == ["node0", "node1", "node2"]
+
+
+def test_ring_status_with_no_daemon_says_what_to_do(
+    mdns_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(discovery.SERVICE_TYPE_ENV, f"_pe{secrets.token_hex(4)}._tcp.local.")
+        assert main(["ring", "status", "--discover-timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "no primad answered" in err
+    assert "--nodes" in err
+
+
 def test_duplicate_node_ids_are_reported_clearly(
     mdns_env: None, smollm2_path: Path, ring_logs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
