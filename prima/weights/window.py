@@ -181,8 +181,9 @@ class LayerWindows:
         biggest = max(self._bytes.values())
         if biggest > self.budget_bytes:
             raise PlanError(
-                f"--mem-budget {self.budget_bytes} bytes is below one layer of {biggest} bytes; "
-                "raise the budget or give this node fewer layers"
+                f"this node may keep {self.budget_bytes >> 20} MiB of layers resident (--mem-budget, or what "
+                f"its memory leaves), below one layer of {biggest >> 20} MiB: free memory, raise the "
+                "budget, or give this node fewer layers"
             )
         room = stream_buffer_bytes(self.sizes, list(self._bytes.values()))
         if room > self.budget_bytes // 2:

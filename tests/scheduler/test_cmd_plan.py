@@ -40,3 +40,25 @@ def test_cmd_plan_reports_a_bad_devices_file(tmp_path, capsys):
     path.write_text('{"devices": [{"node_id": "a"}]}')
     assert main(["plan", "--devices", str(path)]) == 1
     assert "missing field" in capsys.readouterr().err
+
+
+def test_cmd_plan_shows_what_a_streaming_device_pins_and_rereads(tmp_path, capsys, make_device, make_model):
+    """The scenario of test_halda's streaming case: 'tiny' holds 2 of its layers and streams the rest."""
+    path = tmp_path / "devices.json"
+    devices = [
+        make_device("home", ram_gib=1.8, disk_gbps=0.0),
+        make_device("tiny", ram_gib=0.6, disk_gbps=3.0),
+    ]
+    model = make_model(n_layers=12, layer_mib=200, kv_mib=2)
+    path.write_text(devices_to_json(devices, model))
+    assert main(["plan", "--devices", str(path), "--json"]) == 0
+    rows = {r["node_id"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
+    home, tiny = rows["home"], rows["tiny"]
+    assert not home["streams"]
+    assert home["reread_bytes_per_token"] == 0
+    assert tiny["streams"]
+    assert 0 <= tiny["pinned_layers"] < tiny["layers"]
+    assert tiny["reread_bytes_per_token"] == (tiny["layers"] - tiny["pinned_layers"]) * model.layer_bytes
+    assert tiny["ram_needed_bytes"] <= tiny["ram_budget_bytes"]
+    assert main(["plan", "--devices", str(path)]) == 0
+    assert "READ/TOK" in capsys.readouterr().out
