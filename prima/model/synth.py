@@ -160,8 +160,12 @@ def write_synth_model(
     """Write `spec` as a GGUF at `path` with the tokenizer of `tokenizer_from`; returns the path.
     Tensors are generated one at a time, so memory stays at about one tensor."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.touch()
+    except OSError as exc:
+        raise InputError(f"cannot write {out}: {exc.strerror}; choose another path") from None
     rng = np.random.default_rng(spec.seed)
     w = GGUFWriter(str(tmp), spec.arch)
     w.add_name(f"prima-synth-{spec.arch}-{spec.n_layers}L-{spec.d_model}-{spec.qtype}")

@@ -293,7 +293,10 @@ class LayerWindows:
     def _load_here(self, layer: int) -> None:
         """Read `layer` on the compute thread (no prefetch thread): a counted miss."""
         self.stats.misses += 1
-        self._read(layer)
+        try:
+            self._read(layer)
+        except OSError as exc:  # compute then faults the pages in itself
+            log.warning("reading layer %d failed: %s; computing from demand faults", layer, exc)
         self._mark_loaded(layer)
 
     # -- the prefetch thread -------------------------------------------------------------------

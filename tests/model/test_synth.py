@@ -58,6 +58,13 @@ def test_spec_for_size_picks_the_layer_count() -> None:
     assert abs(total - 1_000_000_000) <= spec.layer_bytes() / 2
 
 
+def test_unwritable_output_is_an_input_error(tmp_path: Path, smollm2_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(InputError, match="cannot write"):
+        write_synth_model(blocker / "model.gguf", SynthSpec(**SMALL), smollm2_path)
+
+
 def test_bad_synth_shapes_are_input_errors() -> None:
     with pytest.raises(InputError, match="heads"):
         SynthSpec(d_model=100, n_heads=3)
