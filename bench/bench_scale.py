@@ -208,7 +208,9 @@ def main() -> int:
         "--disk-mbps", type=float, default=0, help="disk-read throttle per process, MB/s (0 = none)"
     )
     p.add_argument("-n", type=int, default=16, help="tokens to generate (default 16)")
-    p.add_argument("--threads", type=int, default=2, help="threads of llama.cpp, prima alone and each daemon (default 2)")
+    p.add_argument(
+        "--threads", type=int, default=2, help="threads of llama.cpp, prima alone and each daemon (default 2)"
+    )
     p.add_argument(
         "--node-threads",
         type=int,

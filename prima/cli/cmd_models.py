@@ -34,9 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--heads", type=int, default=32, help="attention heads (default 32)")
     synth.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     synth.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3"))
-    synth.add_argument("--type", dest="qtype", default="Q4_1", help="weight type: Q4_1 (default), Q4_0, Q8_0, F16, F32")
     synth.add_argument(
-        "--tokenizer-from", default=DEFAULT_MODEL, help=f"model whose tokenizer to copy (default {DEFAULT_MODEL})"
+        "--type", dest="qtype", default="Q4_1", help="weight type: Q4_1 (default), Q4_0, Q8_0, F16, F32"
+    )
+    synth.add_argument(
+        "--tokenizer-from",
+        default=DEFAULT_MODEL,
+        help=f"model whose tokenizer to copy (default {DEFAULT_MODEL})",
     )
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=run_synth)

@@ -52,7 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     down.set_defaults(func=ring_down)
     st = rs.add_parser("status", help="print what each daemon reports (Info RPC)")
     st.add_argument(
-        "--nodes", default=None, metavar="HOST:PORT,...", help="daemons to ask (default: those found over mDNS)"
+        "--nodes",
+        default=None,
+        metavar="HOST:PORT,...",
+        help="daemons to ask (default: those found over mDNS)",
     )
     add_discovery_args(st)
     st.add_argument("--json", action="store_true", help="print JSON")

@@ -427,7 +427,9 @@ class NodeRuntime:
             relay = session.relays.get(dest)
             if relay is None:
                 sid = session.session_id
-                relay = layout.clients[dest].relay(lambda err: self._fail(sid, str(err), "relay"), layout.wire_dtype)
+                relay = layout.clients[dest].relay(
+                    lambda err: self._fail(sid, str(err), "relay"), layout.wire_dtype
+                )
                 session.relays[dest] = relay
         try:
             with metrics.NODE_RELAY_SEND.time():

@@ -164,7 +164,9 @@ def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float, stderr
                 )
             if line.startswith(READY_PREFIX):
                 ready = json.loads(line[len(READY_PREFIX) :])
-                return LocalNode(ready["node_id"], ready["address"], int(ready["pid"]), ready.get("metrics_port"))
+                return LocalNode(
+                    ready["node_id"], ready["address"], int(ready["pid"]), ready.get("metrics_port")
+                )
         raise NodeError(f"primad {name} was not ready within {timeout_s:.0f} s")
     finally:
         sel.close()

@@ -45,6 +45,8 @@ VECTORS: tuple[str, ...] = (
     "post_attention_norm",
     "post_ffw_norm",
 )
+
+
 @njit(cache=True, inline="always")
 def _int8_kernel(fmt: int) -> bool:
     return (
@@ -172,8 +174,19 @@ def decode_layer(  # noqa: ANN201
     xn = fused_ops.rms_norm(x, attn_norm, eps)
     qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
     q, k, v = fused_ops.qkv_rope(
-        qkv, n_heads, n_kv_heads, head_dim, q_bias, k_bias, v_bias, q_norm, k_norm, eps, positions,
-        inv_freq, neox,
+        qkv,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        q_bias,
+        k_bias,
+        v_bias,
+        q_norm,
+        k_norm,
+        eps,
+        positions,
+        inv_freq,
+        neox,
     )
     for i in range(positions.shape[0]):
         k_cache[positions[i]] = k[i]
@@ -244,9 +257,26 @@ class FusedBlock:
     ) -> np.ndarray:
         cfg = self.config
         return decode_layer(
-            x, self.ws, self.fmts, int8, F16_TABLE, self.vecs, k_cache, v_cache, t, positions,
-            self.inv_freq, fused_ops.is_neox(cfg.rope_type), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-            cfg.norm_eps, cfg.attn_scale, self.window, cfg.ffn_dim, cfg.activation == "gelu",
+            x,
+            self.ws,
+            self.fmts,
+            int8,
+            F16_TABLE,
+            self.vecs,
+            k_cache,
+            v_cache,
+            t,
+            positions,
+            self.inv_freq,
+            fused_ops.is_neox(cfg.rope_type),
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+            cfg.attn_scale,
+            self.window,
+            cfg.ffn_dim,
+            cfg.activation == "gelu",
             ops.gelu_fp16_table() if cfg.activation == "gelu" else _NO_TABLE,
         )
 

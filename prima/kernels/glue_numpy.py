@@ -49,7 +49,11 @@ def qkv_rope(
     kv0 = n_heads * head_dim
     v0 = kv0 + n_kv_heads * head_dim
     parts = []
-    for lo, hi, heads, bias in ((0, kv0, n_heads, q_bias), (kv0, v0, n_kv_heads, k_bias), (v0, None, n_kv_heads, v_bias)):
+    for lo, hi, heads, bias in (
+        (0, kv0, n_heads, q_bias),
+        (kv0, v0, n_kv_heads, k_bias),
+        (v0, None, n_kv_heads, v_bias),
+    ):
         part = qkv[:, lo:hi] + bias if bias.size else qkv[:, lo:hi]
         parts.append(np.ascontiguousarray(part, dtype=np.float32).reshape(n, heads, head_dim))
     q, k, v = parts

@@ -135,14 +135,20 @@ def _accumulate_unsigned(builder, acc, scale, u, x):  # noqa: ANN001, ANN202
         i32x8 = ir.VectorType(_I32, 8)
         zero = ir.Constant(i32x8, [0] * 8)
         lanes = _x86(
-            builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, zero, builder.bitcast(u, i32x8),
+            builder,
+            "llvm.x86.avx512.vpdpbusd.256",
+            i32x8,
+            zero,
+            builder.bitcast(u, i32x8),
             builder.bitcast(x, i32x8),
         )
         _scaled_add(builder, acc, scale, lanes)
         return
     pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), u, x)
     ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
-    _scaled_add(builder, acc, scale, _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones))
+    _scaled_add(
+        builder, acc, scale, _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones)
+    )
 
 
 def _x86(builder, name, ret, *args):  # noqa: ANN001, ANN202
@@ -162,7 +168,9 @@ def _scaled_add(builder, acc, scale, lanes):  # noqa: ANN001, ANN202
     fty = ir.VectorType(ir.FloatType(), n)
     pf = builder.sitofp(lanes, fty)
     sv = builder.insert_element(ir.Constant(fty, ir.Undefined), scale, ir.Constant(_I32, 0))
-    sv = builder.shuffle_vector(sv, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+    sv = builder.shuffle_vector(
+        sv, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n)
+    )
     ptr = builder.bitcast(acc, fty.as_pointer())
     fmuladd = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(fty, [fty, fty, fty]), f"llvm.fmuladd.v{n}f32"
@@ -305,7 +313,10 @@ def dot_q6x32(typingctx, acc, dx, s0, s1, w, lo, hi, lshift, hshift, x, xo):  # 
         s1 = builder.trunc(args[3], _I16) if a[3].bitwidth > 16 else builder.sext(args[3], _I16)
         if AVX2:
             pairs = _x86(
-                builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), _psign(builder, v, v),
+                builder,
+                "llvm.x86.avx2.pmadd.ub.sw",
+                ir.VectorType(_I16, 16),
+                _psign(builder, v, v),
                 _psign(builder, xv, v),
             )
             scales = ir.Constant(ir.VectorType(_I16, 16), ir.Undefined)
@@ -543,13 +554,29 @@ def qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
                         ls = 4 * (c >> 1)
                         # The scales are int8: reinterpret the unsigned bytes.
                         dot_q6x32(
-                            acc0p, d * xd[k, b], (np.int32(w[r, s]) ^ 128) - 128,
-                            (np.int32(w[r, s + 1]) ^ 128) - 128, w, wr + o + h * 64, ho, ls, 2 * c,
-                            xq, xk + b * 32,
+                            acc0p,
+                            d * xd[k, b],
+                            (np.int32(w[r, s]) ^ 128) - 128,
+                            (np.int32(w[r, s + 1]) ^ 128) - 128,
+                            w,
+                            wr + o + h * 64,
+                            ho,
+                            ls,
+                            2 * c,
+                            xq,
+                            xk + b * 32,
                         )
                         dot_q6x32(
-                            acc1p, d * xd[k, b + 1], (np.int32(w[r, s + 2]) ^ 128) - 128,
-                            (np.int32(w[r, s + 3]) ^ 128) - 128, w, wr + o + h * 64 + 32, ho, ls,
-                            2 * c + 2, xq, xk + b * 32 + 32,
+                            acc1p,
+                            d * xd[k, b + 1],
+                            (np.int32(w[r, s + 2]) ^ 128) - 128,
+                            (np.int32(w[r, s + 3]) ^ 128) - 128,
+                            w,
+                            wr + o + h * 64 + 32,
+                            ho,
+                            ls,
+                            2 * c + 2,
+                            xq,
+                            xk + b * 32 + 32,
                         )
             out[k, c0 + r - r0] = hsum(acc0p) + hsum(acc1p)

@@ -57,5 +57,12 @@ def load_model(
     # Before any weight page is read: see prima.kernels.jit_memory (peak RSS).
     jit_memory.preload_and_release()
     cfg = weights.config
-    log.info("loaded %s: %s, %d layers, d=%d, vocab %d", path.name, cfg.arch, cfg.n_layers, cfg.d_model, cfg.vocab_size)
+    log.info(
+        "loaded %s: %s, %d layers, d=%d, vocab %d",
+        path.name,
+        cfg.arch,
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.vocab_size,
+    )
     return LoadedModel(path, gguf, weights, model)

@@ -95,7 +95,9 @@ def capacity(cost: DeviceCost, rounds: int, per_round: int) -> Capacity:
     streaming = -1
     if cost.can_stream:
         # Pinning nothing: all the KV cache plus a stream buffer of u + 1 layers.
-        streaming = _fit(room - cost.layer_weight_bytes, k * cost.layer_kv_bytes + cost.layer_weight_bytes, per_round)
+        streaming = _fit(
+            room - cost.layer_weight_bytes, k * cost.layer_kv_bytes + cost.layer_weight_bytes, per_round
+        )
         if streaming <= resident:
             streaming = -1  # streaming lets it hold no more layers
     accel = _fit(cost.accel_budget_bytes, k * cost.layer_ram_bytes, per_round) if cost.has_accel else 0
@@ -247,6 +249,7 @@ def _build_program(costs: Sequence[DeviceCost], n_layers: int, rounds: int) -> _
 
     def col(m: int, var: int) -> int:
         return _PER_DEVICE * m + var
+
     prog.var(t, 0, math.inf, 1.0)  # T, the objective
     trip: dict[int, float] = {t: 1}  # T - (the trip round the ring) >= kappa
     head_hop = costs[0].hop_ms
@@ -280,7 +283,9 @@ def _build_program(costs: Sequence[DeviceCost], n_layers: int, rounds: int) -> _
         for j, v in own.items():
             trip[j] = trip.get(j, 0.0) - v
         if cap.streaming >= 0:
-            _streaming_rows(prog, c, k, per_round, cap, u, own, s, y, p, t, head_hop if m == 0 and m_count > 1 else 0.0, h)
+            _streaming_rows(
+                prog, c, k, per_round, cap, u, own, s, y, p, t, head_hop if m == 0 and m_count > 1 else 0.0, h
+            )
         else:
             prog.row(u, -math.inf, cap.resident)
     prog.row(trip, costs[0].fixed_ms, math.inf)

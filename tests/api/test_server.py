@@ -184,7 +184,9 @@ def test_metrics_move_during_a_generation(server: ApiServer) -> None:
     after = _metrics(server)
     generated = body["usage"]["completion_tokens"]
     prompt = body["usage"]["prompt_tokens"]
-    assert after["prima_generated_tokens_total{}"] - before.get("prima_generated_tokens_total{}", 0) == generated
+    assert (
+        after["prima_generated_tokens_total{}"] - before.get("prima_generated_tokens_total{}", 0) == generated
+    )
     assert after["prima_prompt_tokens_total{}"] - before.get("prima_prompt_tokens_total{}", 0) == prompt
     assert after["prima_requests_total{outcome=ok}"] - before.get("prima_requests_total{outcome=ok}", 0) == 1
     ttft = "prima_time_to_first_token_seconds_count{}"

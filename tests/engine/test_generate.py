@@ -22,12 +22,24 @@ def _smollm2() -> LoadedModel:
 def test_stop_string_cuts_text_and_is_not_streamed() -> None:
     m = _smollm2()
     ids = prompt_ids(m.tokenizer, "The capital of France is")
-    full = generate(LocalEngine(m.model, 256), ids, max_tokens=12, sampler=SamplerConfig(),
-                    decoder=m.tokenizer.stream_decoder())
+    full = generate(
+        LocalEngine(m.model, 256),
+        ids,
+        max_tokens=12,
+        sampler=SamplerConfig(),
+        decoder=m.tokenizer.stream_decoder(),
+    )
     assert "\n" in full.text  # llama.cpp's greedy text: " Paris.\n\nThe ..."
     pieces: list[str] = []
-    cut = generate(LocalEngine(m.model, 256), ids, max_tokens=12, sampler=SamplerConfig(),
-                   stop_strings=["\n"], decoder=m.tokenizer.stream_decoder(), on_text=pieces.append)
+    cut = generate(
+        LocalEngine(m.model, 256),
+        ids,
+        max_tokens=12,
+        sampler=SamplerConfig(),
+        stop_strings=["\n"],
+        decoder=m.tokenizer.stream_decoder(),
+        on_text=pieces.append,
+    )
     assert cut.stop_reason == "stop_string"
     assert cut.text == full.text.split("\n")[0]
     assert "".join(pieces) == cut.text
@@ -36,8 +48,14 @@ def test_stop_string_cuts_text_and_is_not_streamed() -> None:
 def test_eos_stops_a_chat_reply() -> None:
     m = _smollm2()
     ids = chat_prompt_ids(m.gguf.metadata, m.tokenizer, [{"role": "user", "content": "Say hi."}])
-    r = generate(LocalEngine(m.model, 512), ids, max_tokens=64, sampler=SamplerConfig(),
-                 stop_ids=sorted(m.tokenizer.stop_ids), decoder=m.tokenizer.stream_decoder())
+    r = generate(
+        LocalEngine(m.model, 512),
+        ids,
+        max_tokens=64,
+        sampler=SamplerConfig(),
+        stop_ids=sorted(m.tokenizer.stop_ids),
+        decoder=m.tokenizer.stream_decoder(),
+    )
     assert r.stop_reason == "eos"
     assert r.text.strip()
     assert r.timings.generated_tokens == len(r.token_ids)

@@ -49,7 +49,9 @@ def _decode(loaded: LoadedModel, fused: bool, ids: list[int], n_step: int) -> li
         for s in range(0, len(ids), n_step):
             chunk = np.array(ids[s : s + n_step])
             h = model.embed(chunk)
-            out.append(model.forward_layers(h, np.arange(s, s + chunk.size), 0, model.config.n_layers, cache_))
+            out.append(
+                model.forward_layers(h, np.arange(s, s + chunk.size), 0, model.config.n_layers, cache_)
+            )
         return out
 
 
@@ -113,7 +115,10 @@ def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
 ) -> None:
     """q/k/v (or gate/up) whose formats differ run as one launch per run of equal formats; the
     result is the concatenation of matmul_many's, whatever the grouping."""
-    ws = [random_qtensor(q, rows, 256, seed=i) for i, (q, rows) in enumerate(zip(formats, (64, 32, 32), strict=True))]
+    ws = [
+        random_qtensor(q, rows, 256, seed=i)
+        for i, (q, rows) in enumerate(zip(formats, (64, 32, 32), strict=True))
+    ]
     x = np.random.default_rng(2).standard_normal((2, 256)).astype(np.float32)
     raws = [w.raw.view() for w in ws]
     for r in raws:

@@ -24,7 +24,9 @@ def test_gguf_index_matches_gguf_py_on_real_model(smollm2_path: Path) -> None:
         assert info.shape == tuple(int(d) for d in reversed(t.shape))
         assert info.n_bytes == t.n_bytes
         assert info.offset == t.data_offset
-        assert np.array_equal(ours.tensor_bytes(t.name).reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+        assert np.array_equal(
+            ours.tensor_bytes(t.name).reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8)
+        )
     assert ours.metadata["llama.block_count"] == 30
     assert ours.metadata["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -76,7 +76,11 @@ def test_windows_are_bit_identical_to_one_pass(tag: str, cuts: list[int]) -> Non
     loaded = _load(tag)
     model = loaded.model
     n = model.config.n_layers
-    ids = np.array(load_oracle(tag)["prompts"][0]["prompt_token_ids"]) if ORACLE_DIR.is_dir() else np.arange(2, 9)
+    ids = (
+        np.array(load_oracle(tag)["prompts"][0]["prompt_token_ids"])
+        if ORACLE_DIR.is_dir()
+        else np.arange(2, 9)
+    )
     positions = np.arange(ids.size)
 
     whole = model.forward_layers(model.embed(ids), positions, 0, n, model.new_cache(64))

@@ -111,7 +111,9 @@ def test_cost_model_disk_overlaps_the_rest_of_the_ring(make_device, make_model):
     devices = [make_device("head", ram_gib=4.0), make_device("small", ram_gib=0.5, disk_gbps=0.2)]
     head, small = ring_costs(devices, model)
     t = predict_ms_per_token(devices, model, 3, [2, 2])
-    trip = head.fixed_ms + 3 * (2 * head.cpu_ms_per_layer + head.hop_ms + 2 * small.cpu_ms_per_layer + small.hop_ms)
+    trip = head.fixed_ms + 3 * (
+        2 * head.cpu_ms_per_layer + head.hop_ms + 2 * small.cpu_ms_per_layer + small.hop_ms
+    )
     reread = 6 - pinned_layers(small, 3, 2)
     own = reread * small.disk_ms_per_layer + 3 * (2 * small.cpu_ms_per_layer + small.hop_ms)
     assert reread > 0

@@ -43,7 +43,9 @@ def brute_force(devices: Sequence[DeviceProfile], model: ModelProfile) -> float:
                 if per_round < len(members):
                     continue
                 for windows in compositions(per_round, len(members)):
-                    choices = [range(w + 1) if c.has_accel else range(1) for c, w in zip(ring, windows, strict=True)]
+                    choices = [
+                        range(w + 1) if c.has_accel else range(1) for c, w in zip(ring, windows, strict=True)
+                    ]
                     for accel in itertools.product(*choices):
                         best = min(best, ring_time_ms(ring, k, windows, accel))
     return best
