@@ -19,10 +19,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.local_ring import LocalRing
-from prima.cluster.planner import HaldaOptions
-from prima.engine.generate import GenerationResult, generate
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.planner import HaldaOptions
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerateRequest, collect, generate, stream_text
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import load_model
@@ -40,11 +40,8 @@ def decode_ms_per_token(ring: Ring, ids: list[int], n: int) -> tuple[float, floa
     """(median, best) over RUNS of (time from the first token to the last) / (tokens - 1), after a warm-up."""
     samples = []
     for run in range(RUNS + 1):
-        result = None
-        for event in ring.stream(ids, max_tokens=4 if run == 0 else n, sampler=SamplerConfig(), n_ctx=N_CTX):
-            if isinstance(event, GenerationResult):
-                result = event
-        assert result is not None
+        request = GenerateRequest(tuple(ids), 4 if run == 0 else n, SamplerConfig(), n_ctx=N_CTX)
+        result = collect(stream_text(ring.generate(request), ids))
         if run:
             samples.append(result.timings.generate_ms / max(result.timings.generated_tokens - 1, 1))
     return statistics.median(samples), min(samples)

@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.local_ring import LocalRing
-from prima.engine.generate import generate
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerateRequest, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import load_model
@@ -36,11 +36,11 @@ def ms_per_token_local(model: str, n: int, threads: int | None) -> tuple[float, 
 
 
 def ms_per_token_ring(ring: Ring, ids: list[int], n: int) -> float:
-    list(ring.generate(ids, max_tokens=4, sampler=SamplerConfig(), n_ctx=512))  # warm up every node
+    list(ring.generate(GenerateRequest(tuple(ids), 4, SamplerConfig(), n_ctx=512)))  # warm up every node
     t0 = time.perf_counter()
     first = None
     count = 0
-    for event in ring.generate(ids, max_tokens=n, sampler=SamplerConfig(), n_ctx=512):
+    for event in ring.generate(GenerateRequest(tuple(ids), n, SamplerConfig(), n_ctx=512)):
         if isinstance(event, int):
             count += 1
             if first is None:

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prima.cli.arg_types import parse_bytes
-from prima.cluster.emulate import EmulatedDevice, cgroups_writable, disk_of, drop_page_cache
-from prima.cluster.local_ring import LocalRing
+from prima.coordinator.emulate import EmulatedDevice, cgroups_writable, disk_of, drop_page_cache
+from prima.coordinator.local_ring import LocalRing
 from prima.model.registry import DEFAULT_MODEL, cache_dir, resolve_model
 from prima.model.synth import spec_for_size, write_synth_model
 from prima.net.client import NodeClient

@@ -42,3 +42,8 @@ class NodeError(PrimaError):
 
 class ProtocolError(PrimaError):
     """A message on the wire is malformed, oversized, or inconsistent with the session."""
+
+
+class GenerationCancelled(PrimaError):
+    """Whoever asked for a generation went away (a client disconnected, a server is stopping);
+    raised where the generation checks between tokens."""

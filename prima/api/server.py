@@ -35,9 +35,9 @@ from prima.api.openai_schema import (
     stream_chunk,
     usage_chunk,
 )
-from prima.api.service import CompletionService, GenerationCancelled, ServerBusyError
+from prima.api.service import CompletionService, ServerBusyError
 from prima.engine.generate import GenerationResult
-from prima.errors import ContextFullError, InputError, NodeError, PrimaError
+from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
 
 log = logging.getLogger("prima.api")
 

@@ -1,9 +1,10 @@
-"""Turn a parsed request into a generation on the one engine, one request at a time.
+"""Turn a parsed request into a generation on the one Generator (this device or a ring), one
+request at a time.
 
-An engine holds one KV cache, so generations are serialized through a FIFO queue. A request whose
-client has gone (or a server that is shutting down) stops at the next token: the engine is
-wrapped so every `forward` first asks `cancelled()`, which frees the engine for the next request
-without waiting for `max_tokens`.
+Generations are serialized through a FIFO queue. A request whose client has gone (or a server
+that is shutting down) stops at the next token: before each token the service asks
+`cancelled()` and, if so, closes the generation, which frees the generator for the next
+request without waiting for `max_tokens` (on a ring, the head ends the generation too).
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from prima import metrics
 from prima.api.openai_schema import GenerationRequest, RequestError
-from prima.engine.generate import Engine, GenerationResult, stream
+from prima.engine.generate import (
+    GenerateRequest,
+    GenerationDone,
+    GenerationResult,
+    Generator,
+    TokenEvent,
+    stream_text,
+)
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
-from prima.errors import PrimaError
+from prima.errors import GenerationCancelled, PrimaError
 from prima.model.loader import LoadedModel
 
 log = logging.getLogger("prima.api")
@@ -32,10 +38,6 @@ Cancelled = Callable[[], bool]
 
 class ServerBusyError(PrimaError):
     """Too many requests are already waiting for the engine; the client should retry later."""
-
-
-class GenerationCancelled(PrimaError):
-    """The client went away (or the server is stopping); raised inside the generation loop."""
 
 
 class EngineQueue:
@@ -93,29 +95,28 @@ class EngineQueue:
                 self._busy = False
 
 
-class _CancellableEngine:
-    """The engine as `stream()` sees it, checking for cancellation before each forward pass."""
-
-    def __init__(self, engine: Engine, cancelled: Cancelled) -> None:
-        self._engine = engine
-        self._cancelled = cancelled
-        self.n_ctx = engine.n_ctx
-        self._calls = 0
-
-    def reset(self) -> None:
-        self._engine.reset()
-
-    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
-        if self._cancelled():
-            raise GenerationCancelled(
-                "generation cancelled: the client disconnected or the server is stopping"
-            )
-        t0 = time.perf_counter()
-        logits = self._engine.forward(token_ids)
-        if self._calls:  # the first call is the prompt; the rest are decode steps
-            metrics.TOKEN_LATENCY.observe(time.perf_counter() - t0)
-        self._calls += 1
-        return logits
+def _watched(events: Iterator[TokenEvent], cancelled: Cancelled) -> Iterator[TokenEvent]:
+    """`events`, ended with GenerationCancelled as soon as `cancelled()` turns true between two
+    tokens; the time between tokens goes to the per-token latency histogram."""
+    try:
+        t = None
+        while True:
+            if cancelled():
+                raise GenerationCancelled(
+                    "generation cancelled: the client disconnected or the server is stopping"
+                )
+            event = next(events, None)
+            if event is None:
+                return
+            now = time.perf_counter()
+            if t is not None and not isinstance(event, GenerationDone):
+                metrics.TOKEN_LATENCY.observe(now - t)
+            t = now
+            yield event
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass(frozen=True)
@@ -139,29 +140,27 @@ class PreparedGeneration:
 
 
 class CompletionService:
-    """Owns the loaded model and its engine; the HTTP layer calls `prepare` then `run`."""
+    """Owns the loaded model and its generator; the HTTP layer calls `prepare` then `run`."""
 
     def __init__(
         self,
         loaded: LoadedModel,
-        engine: Engine,
+        generator: Generator,
         model_id: str,
+        n_ctx: int,
         defaults: ServeDefaults | None = None,
         queue: EngineQueue | None = None,
         chat_template: str | None = None,
     ) -> None:
         self.loaded = loaded
         self.chat_template = chat_template  # None: the model's own (or its fallback)
-        self.engine = engine
+        self.generator = generator
+        self.n_ctx = n_ctx
         self.model_id = model_id
         self.defaults = defaults or ServeDefaults()
         self.queue = queue or EngineQueue()
         self.created = int(time.time())
         self._closing = threading.Event()
-
-    @property
-    def n_ctx(self) -> int:
-        return self.engine.n_ctx
 
     def close(self) -> None:
         """Stop accepting work; running generations end at their next token."""
@@ -205,7 +204,7 @@ class CompletionService:
         )
 
     def run(self, prep: PreparedGeneration, cancelled: Cancelled) -> Iterator[str | GenerationResult]:
-        """Wait for the engine, then yield text pieces and finally the GenerationResult.
+        """Wait for the generator, then yield text pieces and finally the GenerationResult.
 
         The engine is released when the iterator finishes, raises, or is closed early, so a
         caller that stops iterating (a broken pipe) frees it too."""
@@ -229,14 +228,16 @@ class CompletionService:
         outcome = "cancelled"
         try:
             tok = self.loaded.tokenizer
-            for event in stream(
-                _CancellableEngine(self.engine, stop),
-                prep.prompt_ids,
-                max_tokens=prep.max_tokens,
-                sampler=prep.sampler,
-                stop_ids=sorted(tok.stop_ids),
-                stop_strings=prep.stop_strings,
-                decoder=tok.stream_decoder(),
+            request = GenerateRequest(
+                tuple(prep.prompt_ids),
+                prep.max_tokens,
+                prep.sampler,
+                tuple(sorted(tok.stop_ids)),
+                n_ctx=self.n_ctx,
+            )
+            events = _watched(self.generator.generate(request), stop)
+            for event in stream_text(
+                events, prep.prompt_ids, stop_strings=prep.stop_strings, decoder=tok.stream_decoder()
             ):
                 if first:
                     metrics.TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)

@@ -73,14 +73,9 @@ def run(args: argparse.Namespace) -> int:
             shown.clear()
             try:
                 ids = chat_prompt_ids(loaded.gguf.metadata, tok, history, template)
+                request = session.request(ids, max_tokens=args.n_predict, sampler=sampler)
                 result = session.generate(
-                    ids,
-                    max_tokens=args.n_predict,
-                    sampler=sampler,
-                    stop_ids=sorted(tok.stop_ids),
-                    stop_strings=args.stop,
-                    decoder=tok.stream_decoder(),
-                    on_text=show,
+                    request, stop_strings=args.stop, decoder=tok.stream_decoder(), on_text=show
                 )
                 reply = result.text
             except InputError as exc:

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from prima.cli.engine_options import DEFAULT_CTX, add_discovery_args, discover_addresses, parse_nodes
-from prima.cluster.coordinator import connect_nodes
-from prima.cluster.daemon import model_fingerprint
-from prima.cluster.planner import HaldaOptions, plan_ring
+from prima.coordinator.planner import HaldaOptions, plan_ring
+from prima.coordinator.ring import connect_nodes
 from prima.errors import InputError, PlanError
 from prima.model.gguf_file import GGUFFile
 from prima.model.loader import load_model
@@ -117,7 +116,7 @@ def _plan_running(args: argparse.Namespace) -> tuple[list[DeviceProfile], ModelP
     fingerprint = None
     if args.model is None or not args.model.endswith(".json"):
         loaded = load_model(args.model or DEFAULT_MODEL, layers=range(0))
-        fingerprint = model_fingerprint(loaded)
+        fingerprint = loaded.gguf.fingerprint()
     model = _model_profile(args.model, None, args.ctx)
     if args.nodes:
         addresses = parse_nodes(args.nodes)

@@ -22,7 +22,7 @@ import psutil
 from prima import paths
 from prima.cli.arg_types import parse_budget, positive_int
 from prima.cli.engine_options import add_discovery_args, discover_addresses, parse_nodes
-from prima.cluster.local_ring import LocalRing
+from prima.coordinator.local_ring import LocalRing
 from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL
 from prima.net.client import NodeClient

@@ -127,15 +127,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             ids = prompt_ids(tok, args.prompt)
         stream_out = None if args.json else _write_stdout
-        result = session.generate(
+        request = session.request(
             ids,
             max_tokens=args.n_predict,
             sampler=sampler_from_args(args),
-            stop_ids=sorted(tok.stop_ids),
-            stop_strings=args.stop,
-            decoder=tok.stream_decoder(),
-            on_text=stream_out,
-            need_logits=args.logits_out is not None,
+            want_prompt_logits=args.logits_out is not None,
+        )
+        result = session.generate(
+            request, stop_strings=args.stop, decoder=tok.stream_decoder(), on_text=stream_out
         )
     finally:
         session.close()

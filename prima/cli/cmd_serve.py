@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     model_id = args.model_id or _model_id(args.model)
     service = CompletionService(
         session.loaded,
-        session.engine,
+        session.generator,
         model_id,
+        session.n_ctx,
         defaults=defaults,
         queue=EngineQueue(max_waiting=args.max_queue),
         chat_template=template,

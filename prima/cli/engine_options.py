@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,8 +27,8 @@ from prima.net import discovery
 # The engines, the ring and the model code (numba, grpc) load when a session opens, not when
 # the flags are declared: `--help` stays fast.
 if TYPE_CHECKING:
-    from prima.cluster.coordinator import Ring
-    from prima.engine.generate import Engine, GenerationResult, TextDecoder
+    from prima.coordinator.ring import Ring
+    from prima.engine.generate import GenerateRequest, GenerationResult, Generator, TextDecoder
     from prima.engine.sampling import SamplerConfig
     from prima.model.loader import LoadedModel
 
@@ -142,61 +142,63 @@ def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> lis
 
 @dataclass
 class Session:
-    """What a text-generating command needs: the model (tokenizer, metadata) and an engine;
-    `ring` when the layers run on daemons (its head can sample: Ring.stream)."""
+    """What a text-generating command needs: the model (tokenizer, metadata) and a Generator
+    that runs requests on this device or on a ring (`ring`, whose head samples)."""
 
     loaded: LoadedModel
-    engine: Engine
+    generator: Generator
+    n_ctx: int
     closers: list[Callable[[], None]] = field(default_factory=list)
     ring: Ring | None = None
 
-    def generate(
+    def request(
         self,
         prompt_ids: Sequence[int],
         *,
         max_tokens: int,
         sampler: SamplerConfig,
-        stop_ids: Sequence[int] = (),
+        want_prompt_logits: bool = False,
+    ) -> GenerateRequest:
+        """A request for this session's model and context, stopping at the model's stop ids."""
+        from prima.engine.generate import GenerateRequest
+
+        return GenerateRequest(
+            tuple(int(t) for t in prompt_ids),
+            max_tokens,
+            sampler,
+            tuple(sorted(self.loaded.tokenizer.stop_ids)),
+            n_ctx=self.n_ctx,
+            want_prompt_logits=want_prompt_logits,
+        )
+
+    def stream(
+        self,
+        request: GenerateRequest,
+        *,
+        stop_strings: Sequence[str] = (),
+        decoder: TextDecoder | None = None,
+    ) -> Iterator[str | GenerationResult]:
+        """Text pieces, then the GenerationResult; closing it early cancels the generation."""
+        from prima.engine.generate import check_prompt, stream_text
+
+        check_prompt(request.prompt_ids, request.max_tokens, self.n_ctx)  # before any network
+        return stream_text(
+            self.generator.generate(request), request.prompt_ids, stop_strings=stop_strings, decoder=decoder
+        )
+
+    def generate(
+        self,
+        request: GenerateRequest,
+        *,
         stop_strings: Sequence[str] = (),
         decoder: TextDecoder | None = None,
         on_text: Callable[[str], None] | None = None,
-        need_logits: bool = False,
     ) -> GenerationResult:
-        """Generate on the engine; on a ring the head samples (Generate RPC) so only token ids
-        cross the network, unless the prompt's logits are wanted (`need_logits`)."""
-        from prima.engine.generate import GenerationResult, generate
+        from prima.engine.generate import collect
 
-        if self.ring is None or need_logits:
-            return generate(
-                self.engine,
-                prompt_ids,
-                max_tokens=max_tokens,
-                sampler=sampler,
-                stop_ids=stop_ids,
-                stop_strings=stop_strings,
-                decoder=decoder,
-                on_text=on_text,
-            )
-        events = self.ring.stream(
-            prompt_ids,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            n_ctx=self.engine.n_ctx,
-            stop_ids=stop_ids,
-            stop_strings=stop_strings,
-            decoder=decoder,
-        )
-        for event in events:
-            if isinstance(event, GenerationResult):
-                return event
-            if on_text:
-                on_text(event)
-        raise AssertionError("Ring.stream always ends with a GenerationResult")
+        return collect(self.stream(request, stop_strings=stop_strings, decoder=decoder), on_text)
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close:
-            close()
         for c in reversed(self.closers):
             c()
 
@@ -226,8 +228,7 @@ def _mode(args: argparse.Namespace) -> str:
 
 def open_session(args: argparse.Namespace) -> Session:
     """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
-    from prima.cluster.daemon import model_fingerprint
-    from prima.cluster.local_ring import LocalRing
+    from prima.coordinator.local_ring import LocalRing
     from prima.model.loader import load_model
 
     local_ring = getattr(args, "local_ring", None)
@@ -240,7 +241,7 @@ def open_session(args: argparse.Namespace) -> Session:
         raise InputError(f"--local-ring needs at least 1 daemon, got {local_ring}")
     addresses = parse_nodes(nodes) if nodes else []
     if not local_ring and not nodes:
-        addresses = discover_addresses(args, model_fingerprint(loaded))
+        addresses = discover_addresses(args, loaded.gguf.fingerprint())
         if not addresses:
             print(
                 f"prima: no primad answered over mDNS within {args.discover_timeout:g} s; running on this "
@@ -263,7 +264,8 @@ def open_session(args: argparse.Namespace) -> Session:
             addresses = local.addresses
         ring = connect_ring(args, loaded, addresses, pick_head=not local_ring and not nodes)
         closers.append(ring.close)
-        return Session(loaded, ring.engine(args.ctx), closers, ring)
+        n_ctx = min(args.ctx, loaded.weights.config.context_length)
+        return Session(loaded, ring, n_ctx, closers, ring)
     except BaseException:
         for c in reversed(closers):
             c()
@@ -282,12 +284,15 @@ def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) ->
 
 def _local_session(args: argparse.Namespace, path: Path) -> Session:
     """The whole model on this device, its kernels compiled (once) before the model loads."""
+    from prima.engine.generate import LocalGenerator
     from prima.engine.local import local_engine
     from prima.model.loader import load_model
 
     ensure_compiled(path, on_stage=stage)
     loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
-    return Session(loaded, local_engine(loaded, args.ctx))
+    engine = local_engine(loaded, args.ctx)
+    generator = LocalGenerator(engine)
+    return Session(loaded, generator, engine.n_ctx, [generator.close])
 
 
 def connect_ring(
@@ -295,8 +300,8 @@ def connect_ring(
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
     (with `pick_head`, the node with the most memory becomes the head)."""
-    from prima.cluster.coordinator import Ring
-    from prima.cluster.planner import HaldaOptions
+    from prima.coordinator.planner import HaldaOptions
+    from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
     from prima.scheduler.profile import ModelProfile
 

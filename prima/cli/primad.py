@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import prima.kernels.thread_env  # noqa: F401
 from prima.cli.arg_types import parse_budget, positive_int
 from prima.cli.progress import stage
-from prima.cluster.daemon import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.loader import load_model

@@ -75,6 +75,134 @@ class GenerationResult:
     prompt_logits: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation as every path takes it, on this device or on a ring's head: what to
+    continue, how far, how to sample, where to stop. `want_prompt_logits` asks for the prompt's
+    last-token logits once, with the end of the generation (`prima run --logits-out`)."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    stop_ids: tuple[int, ...] = ()
+    n_ctx: int = 2048
+    ubatch: int = 0  # prompt micro-batch size in tokens; 0 = the engine's default
+    want_prompt_logits: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    """The last event of a generation: why it stopped, and the sampling side's timings."""
+
+    stop_reason: str  # "eos" or "length"; stop strings are matched where the text is decoded
+    prompt_ms: float
+    generate_ms: float
+    prompt_logits: np.ndarray | None = None
+
+
+TokenEvent = int | GenerationDone
+
+
+class Generator(Protocol):
+    """Anything that runs a GenerateRequest: this device (LocalGenerator) or a ring (the
+    coordinator's Ring, the head daemon). It yields token ids as they are sampled, then one
+    GenerationDone; closing the iterator early cancels the generation."""
+
+    n_ctx: int
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]: ...
+
+
+def sample_tokens(
+    engine: Engine, request: GenerateRequest, clock: Callable[[], float] = time.perf_counter
+) -> Iterator[TokenEvent]:
+    """The generation loop: prefill the prompt, then sample and decode until a stop id or the
+    token budget. The one place tokens are sampled, on whatever engine runs the layers."""
+    prompt, max_tokens = check_prompt(request.prompt_ids, request.max_tokens, engine.n_ctx)
+    sample = Sampler(request.sampler)
+    stops = set(request.stop_ids)
+    history = list(prompt)
+    engine.reset()
+    t0 = clock()
+    logits = engine.forward(prompt)
+    prompt_logits = logits if request.want_prompt_logits else None
+    t1 = clock()
+    stop_reason = "length"
+    for step in range(max_tokens):
+        token = sample.sample(logits, history)
+        if token in stops:
+            stop_reason = "eos"
+            break
+        history.append(token)
+        yield token
+        if step + 1 < max_tokens:
+            logits = engine.forward([token])
+    yield GenerationDone(stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits)
+
+
+class LocalGenerator:
+    """A Generator over one engine on this device (one request at a time: it holds one cache)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.n_ctx = engine.n_ctx
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        return sample_tokens(self.engine, request)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+def stream_text(
+    events: Iterator[TokenEvent],
+    prompt_ids: Sequence[int],
+    *,
+    stop_strings: Sequence[str] = (),
+    decoder: TextDecoder | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[str | GenerationResult]:
+    """Token events as the user sees them: text pieces as they become valid UTF-8 (a stop string
+    is never shown and ends the generation, closing `events`), then the GenerationResult. The
+    timings are this side's: the prompt time runs until the first event arrives."""
+    result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids], stop_reason="length")
+    text = StopText(decoder, stop_strings)
+    t0 = clock()
+    t1: float | None = None
+    try:
+        for event in events:
+            if t1 is None:
+                t1 = clock()  # the prompt has run and the first token is sampled
+            if isinstance(event, GenerationDone):
+                result.stop_reason = event.stop_reason
+                result.prompt_logits = event.prompt_logits
+                break
+            result.token_ids.append(int(event))
+            piece = text.feed(int(event))
+            if piece:
+                yield piece
+            if text.stopped:
+                result.stop_reason = "stop_string"
+                break
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()  # cancels a generation that is still going (on a ring: on the head)
+    tail = text.finish()
+    if tail:
+        yield tail
+    t2 = clock()
+    t1 = t2 if t1 is None else t1
+    result.text = text.text
+    result.timings.prompt_tokens = len(result.prompt_token_ids)
+    result.timings.prompt_ms = (t1 - t0) * 1000
+    result.timings.generated_tokens = len(result.token_ids)
+    result.timings.generate_ms = (t2 - t1) * 1000
+    yield result
+
+
 def generate(
     engine: Engine,
     prompt_ids: Sequence[int],
@@ -87,74 +215,38 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> GenerationResult:
-    """Run prefill and decode; call `on_text` with each new piece of valid UTF-8 text."""
-    for event in stream(
-        engine,
-        prompt_ids,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        stop_ids=stop_ids,
-        stop_strings=stop_strings,
-        decoder=decoder,
-        clock=clock,
-    ):
-        if isinstance(event, str):
-            if on_text:
-                on_text(event)
-        else:
+    """Generate on one engine and return the result (the prompt's logits included); call
+    `on_text` with each new piece of valid UTF-8 text."""
+    request = GenerateRequest(
+        tuple(int(t) for t in prompt_ids),
+        max_tokens,
+        sampler,
+        tuple(int(t) for t in stop_ids),
+        n_ctx=engine.n_ctx,
+        want_prompt_logits=True,
+    )
+    return collect(
+        stream_text(
+            sample_tokens(engine, request, clock),
+            request.prompt_ids,
+            stop_strings=stop_strings,
+            decoder=decoder,
+            clock=clock,
+        ),
+        on_text,
+    )
+
+
+def collect(
+    events: Iterator[str | GenerationResult], on_text: Callable[[str], None] | None = None
+) -> GenerationResult:
+    """Drain `stream_text`'s events, handing text to `on_text`; the GenerationResult."""
+    for event in events:
+        if isinstance(event, GenerationResult):
             return event
-    raise AssertionError("stream() always ends with a GenerationResult")
-
-
-def stream(
-    engine: Engine,
-    prompt_ids: Sequence[int],
-    *,
-    max_tokens: int,
-    sampler: SamplerConfig,
-    stop_ids: Sequence[int] = (),
-    stop_strings: Sequence[str] = (),
-    decoder: TextDecoder | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Iterator[str | GenerationResult]:
-    """Yield text pieces as they become valid UTF-8, then the GenerationResult last."""
-    prompt, max_tokens = check_prompt(prompt_ids, max_tokens, engine.n_ctx)
-    result = GenerationResult(prompt_token_ids=prompt)
-    sample = Sampler(sampler)
-    stops = set(int(t) for t in stop_ids)
-    history = list(prompt)
-
-    engine.reset()
-    t0 = clock()
-    logits = engine.forward(prompt)
-    t1 = clock()
-    result.prompt_logits = logits
-    result.timings.prompt_tokens = len(prompt)
-    result.timings.prompt_ms = (t1 - t0) * 1000
-    text = StopText(decoder, stop_strings)
-    result.stop_reason = "length"
-    for step in range(max_tokens):
-        token = sample.sample(logits, history)
-        if token in stops:
-            result.stop_reason = "eos"
-            break
-        result.token_ids.append(token)
-        history.append(token)
-        piece = text.feed(token)
-        if piece:
-            yield piece
-        if text.stopped:
-            result.stop_reason = "stop_string"
-            break
-        if step + 1 < max_tokens:
-            logits = engine.forward([token])
-    tail = text.finish()
-    if tail:
-        yield tail
-    result.text = text.text
-    result.timings.generated_tokens = len(result.token_ids)
-    result.timings.generate_ms = (clock() - t1) * 1000
-    yield result
+        if on_text:
+            on_text(event)
+    raise AssertionError("stream_text always ends with a GenerationResult")
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int, n_ctx: int) -> tuple[list[int], int]:

@@ -226,6 +226,9 @@ class _Cursor:
         return StringArray(self.array, np.array(starts, dtype=np.uint32 if self.pos < 1 << 31 else np.int64))
 
 
+FINGERPRINT_SAMPLES = 16  # pages of the file hashed into its fingerprint
+
+
 class GGUFFile:
     """A GGUF model file opened read-only: `metadata` (decoded key/values), `tensors` (index by
     name), and `tensor_bytes(name)` / `tensor_array(name)` as zero-copy views into the mmap."""
@@ -317,6 +320,18 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def fingerprint(self) -> str:
+        """sha256 over the file size, the header and a few pages spread over the file: cheap (no
+        full read) and equal for copies of one file on different devices, so nodes and the
+        coordinator can check they run the same model."""
+        data = self.data
+        h = hashlib.sha256(str(data.size).encode())
+        h.update(data[: self.data_offset].tobytes())
+        for i in range(FINGERPRINT_SAMPLES):
+            at = data.size * i // FINGERPRINT_SAMPLES
+            h.update(data[at : at + 4096].tobytes())
+        return h.hexdigest()
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of tensor `name` shaped (rows, row_bytes): a view, never a copy."""

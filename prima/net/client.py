@@ -1,5 +1,5 @@
 """Talking to one primad: unary calls with deadlines, the per-session Relay stream to a successor,
-and the coordinator's Generate / Forward streams to the head.
+and the coordinator's Generate stream to the head.
 
 Every gRPC failure leaves this module as a NodeError naming the node and its address (or, for a
 status the peer chose, the peer's own message), so callers never see grpc exceptions.
@@ -10,15 +10,12 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import grpc
-import numpy as np
 
-from prima.engine.sampling import SamplerConfig
+from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, ProtocolError
 from prima.net import codec
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
@@ -132,47 +129,25 @@ class NodeClient:
     ) -> RelayStream:
         return RelayStream(self, on_error, wire_dtype)
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        sampler: SamplerConfig,
-        stop_ids: Sequence[int] = (),
-        n_ctx: int,
-        ubatch: int = 0,
-    ) -> Iterator[int | GenerateDone]:
-        """Token ids as the head samples them, then one GenerateDone. Closing the iterator early
-        cancels the generation on the head."""
-        req = pb.GenerateRequest(
-            prompt_ids=[int(t) for t in prompt_ids],
-            max_tokens=max_tokens,
-            sampler=codec.sampler_to_proto(sampler),
-            stop_ids=[int(t) for t in stop_ids],
-            n_ctx=n_ctx,
-            ubatch=ubatch,
-        )
-        call = self.stub.Generate(req)
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        """Token ids as the head samples them, then one GenerationDone. Closing the iterator
+        early cancels the generation on the head."""
+        call = self.stub.Generate(codec.generate_request_to_proto(request))
         try:
             for reply in call:
-                if reply.done:
-                    yield GenerateDone(reply.stop_reason, reply.prompt_ms, reply.generate_ms)
+                event = codec.token_event_from_proto(reply)
+                yield event
+                if isinstance(event, GenerationDone):
                     return
-                yield reply.token_id
         except grpc.RpcError as exc:
             raise node_error(self.name, self.address, exc, "Generate") from None
+        except ProtocolError as exc:
+            raise NodeError(f"node {self.name} at {self.address} sent an unusable reply: {exc}") from None
         finally:
             call.cancel()
 
     def close(self) -> None:
         self.channel.close()
-
-
-@dataclass(frozen=True)
-class GenerateDone:
-    stop_reason: str
-    prompt_ms: float
-    generate_ms: float
 
 
 class RelayStream:
@@ -212,42 +187,3 @@ class RelayStream:
 
     def close(self) -> None:
         self._queue.put(_END)
-
-
-class ForwardStream:
-    """The coordinator's side of a Forward call: send token ids, get the last token's logits.
-    One call stays open for the whole session."""
-
-    def __init__(self, client: NodeClient, n_ctx: int, ubatch: int = 0) -> None:
-        self.client = client
-        self.n_ctx = n_ctx
-        self.ubatch = ubatch
-        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._call = client.stub.Forward(self._iterate())
-        self._lock = threading.Lock()
-
-    def _iterate(self) -> Iterator[pb.ForwardRequest]:
-        while True:
-            item = self._requests.get()
-            if item is _END:
-                return
-            yield item  # type: ignore[misc]
-
-    def forward(self, token_ids: Sequence[int], reset: bool) -> np.ndarray:
-        with self._lock:
-            self._requests.put(
-                pb.ForwardRequest(
-                    token_ids=[int(t) for t in token_ids], reset=reset, n_ctx=self.n_ctx, ubatch=self.ubatch
-                )
-            )
-            try:
-                reply = next(self._call)
-            except grpc.RpcError as exc:
-                raise node_error(self.client.name, self.client.address, exc, "Forward") from None
-            except StopIteration:
-                raise NodeError(f"head {self.client.address} closed the Forward stream") from None
-        return codec.decode_tensor(reply.logits)
-
-    def close(self) -> None:
-        self._requests.put(_END)
-        self._call.cancel()

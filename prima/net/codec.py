@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError, PlanError, ProtocolError
 from prima.net.proto import prima_pb2 as pb
@@ -24,7 +25,7 @@ from prima.scheduler.plan import NodeAssignment, Plan, Window
 from prima.scheduler.profile import DeviceProfile
 from prima.weights.window import Residency
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 Q8_BLOCK = 32
 MAX_TENSOR_BYTES = 256 << 20  # hard ceiling whatever the caller allows
 
@@ -355,3 +356,49 @@ def sampler_from_proto(msg: pb.SamplerSettings) -> SamplerConfig:
         repeat_last_n=msg.repeat_last_n,
         seed=msg.seed if msg.has_seed else None,
     )
+
+
+def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_ids=list(req.prompt_ids),
+        max_tokens=req.max_tokens,
+        sampler=sampler_to_proto(req.sampler),
+        stop_ids=list(req.stop_ids),
+        n_ctx=req.n_ctx,
+        ubatch=req.ubatch,
+        want_prompt_logits=req.want_prompt_logits,
+    )
+
+
+def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> GenerateRequest:
+    """The request a coordinator sent, checked against the model (InputError says what is off)."""
+    bad = [t for t in [*msg.prompt_ids, *msg.stop_ids] if t >= vocab_size]
+    if bad:
+        raise InputError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab_size}")
+    return GenerateRequest(
+        prompt_ids=tuple(msg.prompt_ids),
+        max_tokens=msg.max_tokens,
+        sampler=sampler_from_proto(msg.sampler),
+        stop_ids=tuple(msg.stop_ids),
+        n_ctx=msg.n_ctx or 2048,
+        ubatch=msg.ubatch,
+        want_prompt_logits=msg.want_prompt_logits,
+    )
+
+
+def token_event_to_proto(event: TokenEvent) -> pb.GenerateReply:
+    if not isinstance(event, GenerationDone):
+        return pb.GenerateReply(token_id=int(event))
+    reply = pb.GenerateReply(
+        done=True, stop_reason=event.stop_reason, prompt_ms=event.prompt_ms, generate_ms=event.generate_ms
+    )
+    if event.prompt_logits is not None:
+        reply.prompt_logits.CopyFrom(encode_tensor(np.asarray(event.prompt_logits, dtype=np.float32)))
+    return reply
+
+
+def token_event_from_proto(msg: pb.GenerateReply) -> TokenEvent:
+    if not msg.done:
+        return int(msg.token_id)
+    logits = decode_tensor(msg.prompt_logits) if msg.HasField("prompt_logits") else None
+    return GenerationDone(msg.stop_reason, msg.prompt_ms, msg.generate_ms, logits)

@@ -1,6 +1,6 @@
 """The gRPC face of a daemon: decode requests, call the node runtime, encode replies.
 
-The runtime (prima.cluster.daemon) is passed in as a NodeHandler, so this layer holds no state
+The runtime (prima.daemon.runtime) is passed in as a NodeHandler, so this layer holds no state
 and imports nothing above it. A PrimaError raised while handling a call ends that call with the
 status from prima.net.status and the error's message; the daemon keeps serving.
 """
@@ -8,15 +8,12 @@ status from prima.net.status and the error's message; the daemon keeps serving.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Protocol, TypeVar
 
 import grpc
-import numpy as np
 
-from prima.engine.generate import GenerationResult
-from prima.engine.sampling import SamplerConfig
+from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import PrimaError
 from prima.net import codec
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
@@ -29,16 +26,11 @@ log = logging.getLogger("prima.net")
 T = TypeVar("T")
 
 
-class ForwardSession(Protocol):
-    def forward(self, token_ids: list[int], reset: bool) -> np.ndarray: ...
-
-    def close(self) -> None: ...
-
-
 class NodeHandler(Protocol):
     """What the servicer needs from the node runtime."""
 
     d_model: int
+    vocab_size: int
     max_batch_tokens: int
 
     def info(self) -> NodeStatus: ...
@@ -53,18 +45,7 @@ class NodeHandler(Protocol):
 
     def abort(self, session_id: str, node_id: str, message: str) -> None: ...
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampler: SamplerConfig,
-        stop_ids: list[int],
-        n_ctx: int,
-        cancelled: threading.Event,
-        ubatch: int = 0,
-    ) -> Iterator[int | GenerationResult]: ...
-
-    def open_forward(self, n_ctx: int, ubatch: int = 0) -> ForwardSession: ...
+    def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]: ...
 
     def profile(self, peer_address: str, refresh: bool) -> NodeProfile: ...
 
@@ -127,46 +108,17 @@ class NodeServicer(pb_grpc.NodeServicer):
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateReply]:
-        cancelled = threading.Event()
-        context.add_callback(cancelled.set)
+        """Run a generation on this head and stream its events; a coordinator that hangs up
+        ends it at the next token (the iterator is closed, which closes the ring session)."""
+        h = self.handler
         events = self._guard(
-            context,
-            lambda: self.handler.generate(
-                list(request.prompt_ids),
-                request.max_tokens,
-                codec.sampler_from_proto(request.sampler),
-                list(request.stop_ids),
-                request.n_ctx,
-                cancelled,
-                request.ubatch,
-            ),
+            context, lambda: h.generate(codec.generate_request_from_proto(request, vocab_size=h.vocab_size))
         )
-        while True:
-            event = self._guard(context, lambda: next(events, None))
-            if event is None:
-                return
-            if isinstance(event, GenerationResult):
-                t = event.timings
-                yield pb.GenerateReply(
-                    done=True, stop_reason=event.stop_reason, prompt_ms=t.prompt_ms, generate_ms=t.generate_ms
-                )
-                return
-            yield pb.GenerateReply(token_id=event)
-
-    def Forward(
-        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.ForwardReply]:
-        session: ForwardSession | None = None
         try:
-            for request in request_iterator:
-                if session is None:
-                    session = self._guard(
-                        context, lambda r=request: self.handler.open_forward(r.n_ctx, r.ubatch)
-                    )
-                logits = self._guard(
-                    context, lambda r=request, s=session: s.forward(list(r.token_ids), r.reset)
-                )
-                yield pb.ForwardReply(logits=codec.encode_tensor(logits))
+            while context.is_active():
+                event = self._guard(context, lambda: next(events, None))
+                if event is None:
+                    return
+                yield codec.token_event_to_proto(event)
         finally:
-            if session is not None:
-                session.close()
+            events.close()

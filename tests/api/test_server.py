@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, ServeDefaults
-from prima.engine.generate import GenerationResult, generate
+from prima.engine.generate import GenerationResult, LocalGenerator, generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
@@ -66,7 +66,9 @@ def engine() -> CountingEngine:
 @pytest.fixture(scope="module")
 def server(engine: CountingEngine) -> Iterator[ApiServer]:
     defaults = ServeDefaults(sampler=SamplerConfig(), max_tokens=12)  # greedy unless a request says otherwise
-    service = CompletionService(_smollm2(), engine, "smollm2-135m", defaults=defaults)
+    service = CompletionService(
+        _smollm2(), LocalGenerator(engine), "smollm2-135m", engine.n_ctx, defaults=defaults
+    )
     srv = ApiServer(("127.0.0.1", 0), service)
     thread = srv.serve_in_background()
     yield srv

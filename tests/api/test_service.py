@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from prima.api.openai_schema import ChatMessage, GenerationRequest
-from prima.api.service import CompletionService, EngineQueue, GenerationCancelled, ServerBusyError
+from prima.api.service import CompletionService, EngineQueue, ServerBusyError
+from prima.engine.generate import LocalGenerator
 from prima.engine.local import LocalEngine
+from prima.errors import GenerationCancelled
 from prima.model.loader import load_model
 from tests.tiny_models import CHATML_TEMPLATE, write_tiny_model
 
@@ -102,8 +104,9 @@ def test_chat_template_given_to_the_service_renders_chat_requests(tmp_path: Path
     loaded = load_model(write_tiny_model(tmp_path / "bare.gguf", chat_template=None), mode="exact")
     req = GenerationRequest(kind="chat", model=None, messages=(ChatMessage("user", "hi"),))
     engine = LocalEngine(loaded.model, n_ctx=64)
-    fallback = CompletionService(loaded, engine, "bare").prepare(req)
-    given = CompletionService(loaded, engine, "bare", chat_template=CHATML_TEMPLATE).prepare(req)
+    generator = LocalGenerator(engine)
+    fallback = CompletionService(loaded, generator, "bare", 64).prepare(req)
+    given = CompletionService(loaded, generator, "bare", 64, chat_template=CHATML_TEMPLATE).prepare(req)
     chatml = loaded.tokenizer.encode(
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", parse_special=True
     )

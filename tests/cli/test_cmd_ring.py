@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from prima.cli.main import main
-from prima.cluster.local_ring import LocalRing
+from prima.coordinator.local_ring import LocalRing
 from prima.errors import NodeError
 from prima.kernels import compile_cache
 

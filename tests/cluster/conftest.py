@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from prima.cluster.local_ring import LocalRing
-from prima.engine.generate import generate
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerateRequest, GenerationDone, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import load_model
@@ -25,6 +26,36 @@ def reference_tokens(model_path: Path, prompt_ids: Sequence[int], max_tokens: in
     engine = LocalEngine(loaded.model, n_ctx=N_CTX, ubatch=UBATCH)
     stops = sorted(loaded.tokenizer.stop_ids)
     return generate(engine, prompt_ids, max_tokens=max_tokens, sampler=GREEDY, stop_ids=stops).token_ids
+
+
+def ring_request(
+    prompt_ids: Sequence[int],
+    max_tokens: int = MAX_TOKENS,
+    stop_ids: Sequence[int] = (),
+    *,
+    ubatch: int = UBATCH,
+    want_prompt_logits: bool = False,
+) -> GenerateRequest:
+    """A greedy request with the tests' context and micro-batch size."""
+    return GenerateRequest(
+        tuple(prompt_ids),
+        max_tokens,
+        GREEDY,
+        tuple(stop_ids),
+        n_ctx=N_CTX,
+        ubatch=ubatch,
+        want_prompt_logits=want_prompt_logits,
+    )
+
+
+def ring_tokens(
+    ring: Ring, prompt_ids: Sequence[int], max_tokens: int = MAX_TOKENS, **kwargs: object
+) -> list[int]:
+    """The token ids the head samples for a greedy request; checks the stream ends with its
+    GenerationDone."""
+    events = list(ring.generate(ring_request(prompt_ids, max_tokens, **kwargs)))  # type: ignore[arg-type]
+    assert isinstance(events[-1], GenerationDone)
+    return [t for t in events if isinstance(t, int)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from prima.cluster.daemon import use_threads
+from prima.daemon.threads import use_threads
 
 
 def test_use_threads_sets_the_count_in_the_calling_thread_only() -> None:

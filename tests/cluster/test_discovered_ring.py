@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from prima.cli.main import main
-from prima.cluster.local_ring import LocalRing
+from prima.coordinator.local_ring import LocalRing
 from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import prompt_ids

@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.local_ring import LocalRing
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
 from prima.errors import NodeError
-from prima.net.client import GenerateDone
 from prima.weights.window import PAGE
 
-from .conftest import GREEDY, MAX_TOKENS, N_CTX, UBATCH, reference_tokens, start_ring
+from .conftest import reference_tokens, ring_tokens, start_ring
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +30,10 @@ def three_nodes(smollm2_path: Path, ring_logs: Path) -> Iterator[LocalRing]:
 def test_vanished_node_is_named(three_nodes: LocalRing) -> None:
     ring = Ring.connect(three_nodes.addresses)
     try:
-        first = list(ring.generate([1, 2, 3], max_tokens=2, sampler=GREEDY, n_ctx=N_CTX))
-        assert isinstance(first[-1], GenerateDone)
+        assert len(ring_tokens(ring, [1, 2, 3], 2)) == 2
         three_nodes.kill(2)
         with pytest.raises(NodeError, match="node2"):
-            list(ring.generate([1, 2, 3], max_tokens=2, sampler=GREEDY, n_ctx=N_CTX))
+            ring_tokens(ring, [1, 2, 3], 2)
     finally:
         ring.close()
 
@@ -56,10 +54,7 @@ def test_mem_budget_keeps_weights_resident_within_it(
     ):
         ring = Ring.connect(local.addresses, rounds=ROUNDS)
         try:
-            events = list(
-                ring.generate(prompt, max_tokens=MAX_TOKENS, sampler=GREEDY, n_ctx=N_CTX, ubatch=UBATCH)
-            )
-            tokens = [t for t in events if isinstance(t, int)]
+            tokens = ring_tokens(ring, prompt)
             res = ring.clients[1].info().residency
         finally:
             ring.close()

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.emulate import EmulatedDevice, cgroups_writable
+from prima.coordinator.emulate import EmulatedDevice, cgroups_writable
+from prima.coordinator.ring import Ring
 from prima.net.client import NodeClient
 
-from .conftest import GREEDY, MAX_TOKENS, N_CTX, UBATCH, reference_tokens, start_ring
+from .conftest import reference_tokens, ring_tokens, start_ring
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +40,7 @@ def test_daemon_in_a_cgroup_plans_with_its_limit(
             # No budget flag anywhere: node1 takes its half of the layers within its cgroup.
             ring = Ring.connect(local.addresses, window_sizes=[15, 15])
             try:
-                tokens = [
-                    t
-                    for t in ring.generate(
-                        prompt, max_tokens=MAX_TOKENS, sampler=GREEDY, n_ctx=N_CTX, ubatch=UBATCH
-                    )
-                    if isinstance(t, int)
-                ]
+                tokens = ring_tokens(ring, prompt)
                 info = ring.clients[1].info()
             finally:
                 ring.close()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prima.cluster.coordinator import Ring
+from prima.coordinator.ring import Ring
 
-from .conftest import GREEDY, N_CTX, start_ring
+from .conftest import ring_request, start_ring
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def test_daemon_metrics_move_during_a_generation(smollm2_path: Path, ring_logs: 
         tokens: list[int] = []
         during: list[dict[str, float]] = []
         try:
-            for event in ring.generate([1, 2, 3, 4], max_tokens=4, sampler=GREEDY, n_ctx=N_CTX):
+            for event in ring.generate(ring_request([1, 2, 3, 4], 4)):
                 if isinstance(event, int):
                     tokens.append(event)
                     if len(tokens) == 2:  # mid-generation: the session is open on both nodes

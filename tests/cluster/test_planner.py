@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from prima.cluster.planner import HaldaOptions, budgeted_device, plan_ring, ring_order
+from prima.coordinator.planner import HaldaOptions, budgeted_device, plan_ring, ring_order
 from prima.net.codec import NodeProfile
 from prima.scheduler.cost_model import device_cost, ram_layers, streams
 from prima.scheduler.profile import DeviceProfile, ModelProfile

@@ -10,13 +10,11 @@ from typing import Any
 
 import pytest
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.local_ring import LocalRing
-from prima.engine.generate import generate
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
 from prima.model.loader import load_model
-from prima.net.client import GenerateDone
 
-from .conftest import GREEDY, MAX_TOKENS, N_CTX, UBATCH, reference_tokens, start_ring
+from .conftest import reference_tokens, ring_tokens, start_ring
 
 pytestmark = pytest.mark.slow
 
@@ -39,16 +37,6 @@ def _prompt_ids(oracle: Callable[[str], dict[str, Any]], tag: str, name: str) ->
     return next(p["prompt_token_ids"] for p in oracle(tag)["prompts"] if p["name"] == name)
 
 
-def _ring_tokens(ring: Ring, prompt_ids: list[int], stop_ids: list[int]) -> list[int]:
-    events = list(
-        ring.generate(
-            prompt_ids, max_tokens=MAX_TOKENS, sampler=GREEDY, stop_ids=stop_ids, n_ctx=N_CTX, ubatch=UBATCH
-        )
-    )
-    assert isinstance(events[-1], GenerateDone)
-    return [t for t in events if isinstance(t, int)]
-
-
 def _check_model(
     local_ring: LocalRing, model_path: Path, tag: str, oracle: Callable[[str], dict[str, Any]]
 ) -> None:
@@ -60,7 +48,7 @@ def _check_model(
         try:
             assert len(ring.plan.hops()) == n_nodes * rounds
             for name in names:
-                got = _ring_tokens(ring, _prompt_ids(oracle, tag, name), stops)
+                got = ring_tokens(ring, _prompt_ids(oracle, tag, name), stop_ids=stops)
                 assert got == expected[name], f"{n_nodes} nodes, {rounds} round(s), prompt {name}"
         finally:
             ring.close()
@@ -78,19 +66,16 @@ def test_gemma3_ring_equals_single_device(
     _check_model(gemma3_ring, gemma3_path, "gemma3-270m", oracle)
 
 
-def test_hand_windows_and_forward_stream_equal_single_device(
+def test_hand_windows_equal_single_device(
     smollm2_ring: LocalRing, smollm2_path: Path, oracle: Callable[[str], dict[str, Any]]
 ) -> None:
-    """Uneven hand-set windows, driven through the coordinator-side engine (Forward RPC)."""
+    """Uneven hand-set windows over three rounds."""
     prompt = _prompt_ids(oracle, "smollm2-135m", "capital")
     expected = reference_tokens(smollm2_path, prompt)
     ring = Ring.connect(smollm2_ring.addresses[:3], window_sizes=[2, 4, 4], rounds=3)
     try:
-        engine = ring.engine(N_CTX, ubatch=UBATCH)
         stops = sorted(load_model(smollm2_path, layers=range(0)).tokenizer.stop_ids)
-        result = generate(engine, prompt, max_tokens=MAX_TOKENS, sampler=GREEDY, stop_ids=stops)
-        engine.close()
-        assert result.token_ids == expected
+        assert ring_tokens(ring, prompt, stop_ids=stops) == expected
         assert [n.windows[0].n_layers for n in ring.plan.nodes] == [2, 4, 4]
     finally:
         ring.close()

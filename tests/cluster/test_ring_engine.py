@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prima.cluster.ring_engine import RingEngine
+from prima.daemon.head import RingEngine
 from prima.net.codec import Activation
 from prima.scheduler.plan import Plan, plan_from_window_sizes
 

@@ -1,8 +1,8 @@
 """qwen2 and qwen3 across real primad processes against llama.cpp: the tiny oracle models on a
 2- and a 3-daemon ring, in exact mode and in the default q8 mode. Each oracle prompt's last-token
 logits must be within 1e-3 of llama.cpp's `f32` run (F32 weights: q8 computes them exactly too)
-and the greedy ids equal llama.cpp's, both through the coordinator's engine (Forward RPC) and with
-the head sampling (Generate RPC). One 3-daemon ring per model and mode, re-planned per size."""
+and the greedy ids equal llama.cpp's (the head samples; the prompt's logits come back once, with the
+end of the generation). One 3-daemon ring per model and mode, re-planned per size."""
 
 from __future__ import annotations
 
@@ -13,17 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prima.cluster.coordinator import Ring
-from prima.cluster.local_ring import LocalRing
-from prima.engine.generate import generate
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerationDone, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import load_model
-from prima.net.client import GenerateDone
 from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
 from tests.tiny_models import write_tiny_model
 
-from .conftest import N_CTX, UBATCH, start_ring
+from .conftest import N_CTX, ring_request, ring_tokens, start_ring
 
 pytestmark = pytest.mark.slow
 
@@ -47,23 +46,14 @@ def tiny_ring(request: pytest.FixtureRequest, ring_logs: Path) -> Iterator[tuple
 
 def _check(ring: Ring, prompt: dict[str, Any]) -> None:
     expected = prompt["f32"]["greedy_token_ids"]
-    ids = prompt["prompt_token_ids"]
-    engine = ring.engine(N_CTX, ubatch=UBATCH)
-    try:
-        result = generate(engine, ids, max_tokens=len(expected), sampler=GREEDY, stop_ids=STOP_IDS)
-    finally:
-        engine.close()
-    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
-    assert result.prompt_logits is not None
-    assert np.abs(np.asarray(result.prompt_logits) - f32).max() <= F32_TOLERANCE
-    assert result.token_ids == expected
-    events = list(
-        ring.generate(
-            ids, max_tokens=len(expected), sampler=GREEDY, stop_ids=STOP_IDS, n_ctx=N_CTX, ubatch=UBATCH
-        )
-    )
-    assert isinstance(events[-1], GenerateDone)
+    request = ring_request(prompt["prompt_token_ids"], len(expected), STOP_IDS, want_prompt_logits=True)
+    events = list(ring.generate(request))
+    done = events[-1]
+    assert isinstance(done, GenerationDone)
     assert [t for t in events if isinstance(t, int)] == expected
+    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    assert done.prompt_logits is not None
+    assert np.abs(np.asarray(done.prompt_logits) - f32).max() <= F32_TOLERANCE
 
 
 @pytest.mark.parametrize(("n_nodes", "rounds"), [(2, 1), (3, 1), (2, 2)])
@@ -90,7 +80,7 @@ def test_daemons_serve_a_vocabulary_prima_cannot_tokenize(tmp_path: Path, ring_l
     for local_ring in start_ring(2, path, ring_logs / "odd-pre"):
         ring = Ring.connect(local_ring.addresses, rounds=1)
         try:
-            events = list(ring.generate(prompt, max_tokens=6, sampler=GREEDY, n_ctx=N_CTX, ubatch=UBATCH))
+            got = ring_tokens(ring, prompt, 6)
         finally:
             ring.close()
-        assert [t for t in events if isinstance(t, int)] == want
+        assert got == want

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from prima.cluster.daemon import NodeRuntime
+from prima.daemon.runtime import NodeRuntime
 from prima.engine.sampling import SamplerConfig
 from prima.model.loader import load_model
 from prima.net import codec
@@ -137,3 +137,16 @@ def test_stale_plan_is_refused(daemon: tuple[pb_grpc.NodeStub, NodeRuntime]) -> 
 def test_valid_activation_is_accepted(daemon: tuple[pb_grpc.NodeStub, NodeRuntime]) -> None:
     stub, _ = daemon
     stub.Relay(iter([_activation()]), timeout=10)  # computed and forwarded (to a head that is not there)
+
+
+def test_generate_refuses_token_ids_outside_the_vocabulary(
+    daemon: tuple[pb_grpc.NodeStub, NodeRuntime],
+) -> None:
+    stub, runtime = daemon
+    req = pb.GenerateRequest(
+        prompt_ids=[1, runtime.vocab_size + 7], max_tokens=2, sampler=codec.sampler_to_proto(SamplerConfig())
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(req, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in info.value.details()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prima.cluster.emulate import EmulatedDevice, cgroups_writable
+from prima.coordinator.emulate import EmulatedDevice, cgroups_writable
 from prima.scheduler.memory import MIN_RESERVE_BYTES, MemoryLimit, _read_cgroup
 
 MiB = 1 << 20

@@ -206,52 +206,38 @@ class SamplerSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repeat_last_n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch")
+    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     UBATCH_FIELD_NUMBER: _ClassVar[int]
+    WANT_PROMPT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampler: SamplerSettings
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     n_ctx: int
     ubatch: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ...) -> None: ...
+    want_prompt_logits: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms")
+    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     done: bool
     stop_reason: str
     prompt_ms: float
     generate_ms: float
-    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ...) -> None: ...
-
-class ForwardRequest(_message.Message):
-    __slots__ = ("token_ids", "reset", "n_ctx", "ubatch")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    RESET_FIELD_NUMBER: _ClassVar[int]
-    N_CTX_FIELD_NUMBER: _ClassVar[int]
-    UBATCH_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    reset: bool
-    n_ctx: int
-    ubatch: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ...) -> None: ...
-
-class ForwardReply(_message.Message):
-    __slots__ = ("logits",)
-    LOGITS_FIELD_NUMBER: _ClassVar[int]
-    logits: Tensor
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    prompt_logits: Tensor
+    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("peer_address", "refresh")

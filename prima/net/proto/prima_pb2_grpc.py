@@ -80,11 +80,6 @@ class NodeStub:
                 request_serializer=prima_dot_v1_dot_prima__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=prima_dot_v1_dot_prima__pb2.GenerateReply.FromString,
                 _registered_method=True)
-        self.Forward = channel.stream_stream(
-                '/prima.v1.Node/Forward',
-                request_serializer=prima_dot_v1_dot_prima__pb2.ForwardRequest.SerializeToString,
-                response_deserializer=prima_dot_v1_dot_prima__pb2.ForwardReply.FromString,
-                _registered_method=True)
 
 
 class NodeServicer:
@@ -145,12 +140,6 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Forward(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,11 +187,6 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=prima_dot_v1_dot_prima__pb2.GenerateRequest.FromString,
                     response_serializer=prima_dot_v1_dot_prima__pb2.GenerateReply.SerializeToString,
-            ),
-            'Forward': grpc.stream_stream_rpc_method_handler(
-                    servicer.Forward,
-                    request_deserializer=prima_dot_v1_dot_prima__pb2.ForwardRequest.FromString,
-                    response_serializer=prima_dot_v1_dot_prima__pb2.ForwardReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,33 +432,6 @@ class Node:
             '/prima.v1.Node/Generate',
             prima_dot_v1_dot_prima__pb2.GenerateRequest.SerializeToString,
             prima_dot_v1_dot_prima__pb2.GenerateReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Forward(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/prima.v1.Node/Forward',
-            prima_dot_v1_dot_prima__pb2.ForwardRequest.SerializeToString,
-            prima_dot_v1_dot_prima__pb2.ForwardReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ from prima.scheduler import halda
 from prima.scheduler.plan import Plan
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 
-log = logging.getLogger("prima.cluster")
+log = logging.getLogger("prima.coordinator")
 
 
 @dataclass(frozen=True)

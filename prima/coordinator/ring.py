@@ -5,27 +5,23 @@ It tokenizes and detokenizes; the layers never run here."""
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
-import numpy as np
-
-from prima.engine.generate import GenerationResult, StopText, TextDecoder, check_prompt
-from prima.engine.sampling import SamplerConfig
+from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError
-from prima.net.client import ForwardStream, GenerateDone, NodeClient
+from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.scheduler.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
 from .planner import HaldaOptions, plan_ring
 
-log = logging.getLogger("prima.cluster")
+log = logging.getLogger("prima.coordinator")
 
 
 class Ring:
-    """Connected daemons under one plan. `engine(n_ctx)` is an Engine for `generate()`;
-    `generate(...)` streams tokens sampled on the head."""
+    """Connected daemons under one plan; a Generator (prima.engine.generate) whose tokens are
+    sampled on the head."""
 
     def __init__(self, clients: list[NodeClient], plan: Plan, devices: Sequence[DeviceProfile] = ()) -> None:
         self.clients = clients
@@ -102,74 +98,10 @@ class Ring:
         self.plan = plan
         log.info("%s", plan.describe())
 
-    def engine(self, n_ctx: int, ubatch: int = 0) -> RemoteEngine:
-        return RemoteEngine(self, n_ctx, ubatch)
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        sampler: SamplerConfig,
-        stop_ids: Sequence[int] = (),
-        n_ctx: int = 2048,
-        ubatch: int = 0,
-    ) -> Iterator[int | GenerateDone]:
-        return self.head.generate(
-            prompt_ids, max_tokens=max_tokens, sampler=sampler, stop_ids=stop_ids, n_ctx=n_ctx, ubatch=ubatch
-        )
-
-    def stream(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        sampler: SamplerConfig,
-        n_ctx: int,
-        stop_ids: Sequence[int] = (),
-        stop_strings: Sequence[str] = (),
-        decoder: TextDecoder | None = None,
-        ubatch: int = 0,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> Iterator[str | GenerationResult]:
-        """Like prima.engine.generate.stream, with the sampling done on the head (Generate RPC):
-        only token ids cross the network. Text pieces as they become valid UTF-8, then the
-        GenerationResult (no prompt logits). A stop string ends the call on the head."""
-        prompt, max_tokens = check_prompt(prompt_ids, max_tokens, n_ctx)
-        result = GenerationResult(prompt_token_ids=prompt, stop_reason="length")
-        text = StopText(decoder, stop_strings)
-        t0 = clock()
-        t1 = None
-        events = self.generate(
-            prompt, max_tokens=max_tokens, sampler=sampler, stop_ids=stop_ids, n_ctx=n_ctx, ubatch=ubatch
-        )
-        try:
-            for event in events:
-                if t1 is None:
-                    t1 = clock()  # the head has run the prompt and sampled once
-                if isinstance(event, GenerateDone):
-                    result.stop_reason = event.stop_reason or result.stop_reason
-                    break
-                result.token_ids.append(int(event))
-                piece = text.feed(int(event))
-                if piece:
-                    yield piece
-                if text.stopped:
-                    result.stop_reason = "stop_string"
-                    break
-        finally:
-            events.close()  # cancels the head's generation if it is still going
-        tail = text.finish()
-        if tail:
-            yield tail
-        t2 = clock()
-        t1 = t2 if t1 is None else t1
-        result.text = text.text
-        result.timings.prompt_tokens = len(prompt)
-        result.timings.prompt_ms = (t1 - t0) * 1000
-        result.timings.generated_tokens = len(result.token_ids)
-        result.timings.generate_ms = (t2 - t1) * 1000
-        yield result
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        """Run `request` on the head, which samples: token ids as they come, then a
+        GenerationDone. Closing the iterator early cancels the generation there."""
+        return self.head.generate(request)
 
     def info(self) -> list[NodeStatus]:
         return [c.info() for c in self.clients]
@@ -177,29 +109,6 @@ class Ring:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-
-
-class RemoteEngine:
-    """An Engine (for prima.engine.generate) whose forward passes run on the ring: token ids go
-    to the head over one Forward stream, the last token's f32 logits come back."""
-
-    def __init__(self, ring: Ring, n_ctx: int, ubatch: int = 0) -> None:
-        self.ring = ring
-        self.plan = ring.plan
-        self.n_ctx = n_ctx
-        self._stream = ForwardStream(ring.head, n_ctx, ubatch)
-        self._reset = True
-
-    def reset(self) -> None:
-        self._reset = True
-
-    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
-        logits = self._stream.forward([int(t) for t in np.asarray(token_ids).reshape(-1)], self._reset)
-        self._reset = False
-        return logits
-
-    def close(self) -> None:
-        self._stream.close()
 
 
 def connect_nodes(

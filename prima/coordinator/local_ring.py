@@ -24,7 +24,7 @@ from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
 from prima.net.discovery import INTERFACES_ENV
 
-log = logging.getLogger("prima.cluster")
+log = logging.getLogger("prima.coordinator")
 
 READY_PREFIX = "PRIMAD_READY "
 DEFAULT_START_TIMEOUT_S = 120.0

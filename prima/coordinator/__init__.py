@@ -1,0 +1,3 @@
+"""The coordinator's side of a ring: find and check the daemons (`ring`), plan with Halda over
+their profiles (`planner`), and rings of primad processes started on this machine (`local_ring`,
+`emulate` for memory- and disk-limited test devices)."""

@@ -1,0 +1,213 @@
+"""Generation on the ring, on its head (node 0 of the plan): embed here, send the hidden states
+round the ring hop by hop, apply the output head when they come back, sample here. Only token
+ids go back to the coordinator.
+
+Prefill is pipelined: the prompt is cut into micro-batches of `ubatch` tokens and all of them
+are injected into the ring before the first result is awaited, so while node 2 computes
+micro-batch 1, node 1 already computes micro-batch 2. Each node handles a session's batches in
+arrival order, so every layer's KV cache is still written front to back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import uuid
+from collections.abc import Generator
+from typing import Protocol
+
+import numpy as np
+
+from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, sample_tokens
+from prima.engine.local import DEFAULT_UBATCH
+from prima.errors import ContextFullError, InputError, NodeError
+from prima.model.transformer import Transformer
+from prima.net.codec import Activation
+from prima.net.status import NotReadyError
+from prima.scheduler.plan import Plan
+
+from .state import Layout, NodeSession
+from .threads import use_threads
+
+log = logging.getLogger("prima.daemon")
+
+
+class RingLink(Protocol):
+    """The head's side of the ring, as RingEngine needs it (Head below)."""
+
+    @property
+    def plan(self) -> Plan: ...
+
+    def open_ring_session(self, session_id: str, n_ctx: int) -> None: ...
+
+    def inject(self, act: Activation) -> None: ...
+
+    def receive(self, session_id: str) -> Activation: ...
+
+    def close_ring_session(self, session_id: str) -> None: ...
+
+
+class RingEngine:
+    """`forward(ids) -> last-token logits` over the ring; one instance is one session."""
+
+    def __init__(self, model: Transformer, link: RingLink, n_ctx: int, ubatch: int = DEFAULT_UBATCH) -> None:
+        if n_ctx <= 0:
+            raise InputError(f"context size must be positive, got {n_ctx}")
+        if ubatch <= 0:
+            raise InputError(f"micro-batch size must be positive, got {ubatch}")
+        self.model = model
+        self.link = link
+        self.plan = link.plan
+        self.n_ctx = min(n_ctx, model.config.context_length)
+        self.ubatch = ubatch
+        self.session_id = uuid.uuid4().hex
+        self.n_past = 0
+        self._seq = 0
+        link.open_ring_session(self.session_id, self.n_ctx)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def reset(self) -> None:
+        # Nodes need no message: the next batch writes from position 0, which truncates their caches.
+        self.n_past = 0
+
+    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size == 0:
+            raise InputError("nothing to compute: the token list is empty")
+        if self.n_past + ids.size > self.n_ctx:
+            raise ContextFullError(
+                f"{self.n_past + ids.size} tokens do not fit the context of {self.n_ctx}; "
+                "shorten the prompt, lower -n, or raise --ctx"
+            )
+        n_batches = 0
+        for s in range(0, ids.size, self.ubatch):
+            chunk = ids[s : s + self.ubatch]
+            positions = np.arange(self.n_past, self.n_past + chunk.size, dtype=np.int64)
+            act = Activation(
+                self.session_id, self.plan.epoch, 0, positions, self.model.embed(chunk), self._seq
+            )
+            self.link.inject(act)
+            self._seq += 1
+            self.n_past += chunk.size
+            n_batches += 1
+        last = None
+        for _ in range(n_batches):
+            last = self.link.receive(self.session_id)
+        assert last is not None
+        return self.model.output_logits(last.hidden[-1:])[0]
+
+    def close(self) -> None:
+        self.link.close_ring_session(self.session_id)
+
+
+class HeadHost(Protocol):
+    """What the head reads from the runtime that owns it."""
+
+    node_id: str
+    model: Transformer
+
+    def need_layout(self) -> Layout: ...
+
+    def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None: ...
+
+    def close_session(self, session_id: str) -> None: ...
+
+    def need_session(self, session_id: str) -> NodeSession: ...
+
+    def route(self, layout: Layout, session: NodeSession, act: Activation) -> None: ...
+
+
+class Head:
+    """The head node's ring sessions (a RingLink) and the generations run on them."""
+
+    def __init__(self, host: HeadHost, ring_timeout_s: float, threads: int | None = None) -> None:
+        self.host = host
+        self.ring_timeout_s = ring_timeout_s
+        self.threads = threads
+
+    @property
+    def plan(self) -> Plan:
+        return self.host.need_layout().plan
+
+    def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
+        """Token ids as sampled here, then a GenerationDone; runs in the caller's thread, and
+        closing the iterator ends the generation and its ring session."""
+        use_threads(self.threads)  # each call may come on another gRPC thread
+        engine = RingEngine(self.host.model, self, request.n_ctx, request.ubatch or DEFAULT_UBATCH)
+        closed = False
+        try:
+            for event in sample_tokens(engine, request):
+                if isinstance(event, GenerationDone):
+                    # Free the sessions before the coordinator hears the end: it may hang up then.
+                    engine.close()
+                    closed = True
+                yield event
+        finally:
+            if not closed:
+                engine.close()
+
+    # -- RingLink ------------------------------------------------------------------------------
+    def open_ring_session(self, session_id: str, n_ctx: int) -> None:
+        """Open the session here (collecting results) and on every other node of the plan."""
+        layout = self.host.need_layout()
+        if not layout.is_head:
+            raise NotReadyError(
+                f"node {self.host.node_id} is not the head of the plan; send this to {layout.plan.head.address}"
+            )
+        self.host.open_session(session_id, layout.plan.epoch, n_ctx)
+        self.host.need_session(session_id).results = queue.SimpleQueue()
+        try:
+            for client in layout.clients.values():
+                client.open_session(session_id, layout.plan.epoch, n_ctx)
+        except NodeError:
+            self.close_ring_session(session_id)
+            raise
+
+    def inject(self, act: Activation) -> None:
+        """Send a freshly embedded micro-batch into the ring."""
+        self.host.route(self.host.need_layout(), self.host.need_session(act.session_id), act)
+
+    def receive(self, session_id: str) -> Activation:
+        """The next micro-batch back from the ring; NodeError if a node failed or went quiet."""
+        results = self.host.need_session(session_id).results
+        assert results is not None, "opened by open_ring_session"
+        try:
+            item = results.get(timeout=self.ring_timeout_s)
+        except queue.Empty:
+            raise self._diagnose(session_id) from None
+        if isinstance(item, NodeError):
+            raise item
+        return item
+
+    def close_ring_session(self, session_id: str) -> None:
+        self.host.close_session(session_id)
+        try:
+            layout = self.host.need_layout()
+        except NotReadyError:
+            return
+        for client in layout.clients.values():
+            try:
+                client.close_session(session_id)
+            except NodeError as exc:
+                log.info("closing session %s: %s", session_id, exc)
+
+    def _diagnose(self, session_id: str) -> NodeError:
+        """Name the node(s) that stopped answering after the ring went quiet."""
+        layout = self.host.need_layout()
+        dead = []
+        for client in layout.clients.values():
+            try:
+                client.info(timeout_s=2.0)
+            except NodeError:
+                dead.append(f"{client.name} at {client.address}")
+        if dead:
+            return NodeError(
+                f"session {session_id}: node(s) {', '.join(dead)} stopped answering; restart them"
+            )
+        return NodeError(
+            f"session {session_id}: no answer from the ring within {self.ring_timeout_s:.0f} s "
+            "although every node is up; check the nodes' logs"
+        )

@@ -1,0 +1,275 @@
+"""The state of one primad behind the NodeHandler interface the gRPC servicer calls: its plan,
+its layer windows and its sessions. The compute thread (worker), ring generation (head) and
+self-measurement (profile) are parts it owns.
+
+RPC threads only validate and hand work on, which is why a malformed message can be answered
+synchronously with a status while the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Generator
+from pathlib import Path
+
+from prima import metrics
+from prima.engine.generate import GenerateRequest, TokenEvent
+from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
+from prima.model.loader import LoadedModel
+from prima.net.client import NodeClient
+from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
+from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
+from prima.scheduler.plan import Plan
+from prima.weights.kv_cache import KVCache
+from prima.weights.window import LayerWindows, Residency
+
+from .head import Head
+from .profile import node_profile, window_budget
+from .state import Layout, NodeSession
+from .threads import use_threads
+from .worker import Worker, deliver
+
+log = logging.getLogger("prima.daemon")
+
+DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_RING_TIMEOUT_S = 300.0
+
+
+class NodeRuntime:
+    """One daemon's plan and sessions; the servicer's NodeHandler."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        node_id: str,
+        *,
+        budget_bytes: int | None = None,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        ring_timeout_s: float = DEFAULT_RING_TIMEOUT_S,
+        threads: int | None = None,
+        profile_cache_dir: Path | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.node_id = node_id
+        self.d_model = loaded.model.config.d_model
+        self.vocab_size = loaded.model.config.vocab_size
+        self.max_batch_tokens = max_batch_tokens
+        self.budget_bytes = budget_bytes  # None: auto, measured at each plan load
+        self.threads = threads
+        self.profile_cache_dir = profile_cache_dir
+        self.fingerprint = loaded.gguf.fingerprint()
+        self._lock = threading.Lock()
+        self._profile_lock = threading.Lock()
+        self._layout: Layout | None = None
+        self._sessions: dict[str, NodeSession] = {}
+        self.worker = Worker(self, threads)
+        self.head = Head(self, ring_timeout_s, threads)
+
+    # -- info ----------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout | None:
+        return self._layout
+
+    def need_layout(self) -> Layout:
+        layout = self._layout
+        if layout is None:
+            raise NotReadyError(f"node {self.node_id} has no plan yet; send LoadPlan first")
+        return layout
+
+    @property
+    def plan(self) -> Plan:
+        return self.need_layout().plan
+
+    def info(self) -> NodeStatus:
+        layout = self._layout
+        cfg = self.model.config
+        return NodeStatus(
+            node_id=self.node_id,
+            protocol_version=PROTOCOL_VERSION,
+            model_name=self.loaded.name,
+            model_fingerprint=self.fingerprint,
+            n_layers=cfg.n_layers,
+            d_model=cfg.d_model,
+            healthy=True,
+            status="ready" if layout else "idle: waiting for a plan",
+            plan_epoch=layout.plan.epoch if layout else 0,
+            windows=layout.plan.nodes[layout.me].windows if layout else (),
+            residency=layout.windows.residency() if layout else None,
+            sessions=len(self._sessions),
+        )
+
+    def residency(self) -> Residency | None:
+        """What the current plan's layers hold in memory, None before a plan."""
+        layout = self._layout
+        return layout.windows.residency() if layout else None
+
+    def profile(self, peer_address: str = "", refresh: bool = False) -> NodeProfile:
+        use_threads(self.threads)
+        with self._profile_lock:
+            return node_profile(
+                self.loaded,
+                self.node_id,
+                self.fingerprint,
+                budget_bytes=self.budget_bytes,
+                peer_address=peer_address,
+                refresh=refresh,
+                cache_dir=self.profile_cache_dir,
+            )
+
+    # -- the plan ------------------------------------------------------------------------------
+    def load_plan(self, plan: Plan, node_id: str, wire_dtype: WireDType) -> NodeStatus:
+        """Take on this node's windows of `plan`; drops every session of the previous plan."""
+        cfg = self.model.config
+        if plan.n_layers != cfg.n_layers:
+            raise PlanError(
+                f"the plan covers {plan.n_layers} layers but this node's model {self.loaded.name} has "
+                f"{cfg.n_layers}; start every primad with the same --model"
+            )
+        ids = [n.node_id for n in plan.nodes]
+        if node_id not in ids:
+            raise PlanError(f"node id {node_id!r} is not in the plan (nodes: {ids})")
+        current = self._layout
+        if current and plan.epoch < current.plan.epoch:
+            raise StaleEpochError(
+                f"plan epoch {plan.epoch} is older than the loaded epoch {current.plan.epoch}; "
+                "send a plan with a higher epoch"
+            )
+        me = ids.index(node_id)
+        windows = plan.nodes[me].windows
+        for w in windows:
+            self.loaded.weights.validate(range(w.start, w.end))
+        auto = self.budget_bytes is None
+        budget = window_budget(self.loaded, self.node_id, me == 0) if auto else self.budget_bytes
+        assert budget is not None
+        layer_windows = LayerWindows(self.loaded.gguf, self.loaded.weights, windows, budget)
+        if layer_windows.limited:
+            layer_windows.release_all()  # start from a known resident set
+        layer_windows.start()
+        hops = tuple(plan.hops())
+        peers = {h.node_index for h in hops} | {0}
+        clients = {i: NodeClient(plan.nodes[i].address, plan.nodes[i].node_id) for i in peers if i != me}
+        layout = Layout(plan, me, hops, layer_windows, clients, wire_dtype, budget if auto else None)
+        with self._lock:
+            old, self._layout = self._layout, layout
+            sessions, self._sessions = self._sessions, {}
+        for s in sessions.values():
+            s.close()
+            if s.results is not None:
+                s.results.put(NodeError(f"session ended: node {self.node_id} loaded plan epoch {plan.epoch}"))
+        if old:
+            old.windows.close()
+            for c in old.clients.values():
+                c.close()
+        log.info("node %s: plan epoch %d, windows %s", node_id, plan.epoch, " ".join(map(str, windows)))
+        return self.info()
+
+    # -- sessions ------------------------------------------------------------------------------
+    def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
+        layout = self.need_layout()
+        if plan_epoch != layout.plan.epoch:
+            raise StaleEpochError(
+                f"session {session_id} is for plan epoch {plan_epoch} but node {self.node_id} runs epoch "
+                f"{layout.plan.epoch}; reload the plan on every node"
+            )
+        if not 0 < n_ctx <= self.model.config.context_length:
+            raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
+        session = NodeSession(
+            session_id, plan_epoch, n_ctx, KVCache(self.model.config, n_ctx, layout.layers())
+        )
+        with self._lock:
+            if session_id in self._sessions:
+                raise ProtocolError(f"session {session_id} is already open on node {self.node_id}")
+            self._sessions[session_id] = session
+            metrics.NODE_SESSIONS.set(len(self._sessions))
+        try:
+            self._fit_kv_caches(layout)
+        except PrimaError:
+            self.close_session(session_id)
+            raise
+
+    def _fit_kv_caches(self, layout: Layout) -> None:
+        """Under an auto budget, the sessions' KV caches (anonymous memory, allocated for their
+        whole context) come out of what the layers may keep resident."""
+        if layout.auto_budget is None:
+            return
+        kv = sum(s.cache.n_bytes for s in list(self._sessions.values()))
+        budget = layout.auto_budget - kv
+        if budget < layout.windows.largest_layer_bytes:
+            raise InputError(
+                f"node {self.node_id}: the sessions' KV caches ({kv >> 20} MiB) leave no room for its layers "
+                f"in {layout.auto_budget >> 20} MiB; lower --ctx or add a device"
+            )
+        layout.windows.set_budget(budget)
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            metrics.NODE_SESSIONS.set(len(self._sessions))
+        if session is not None:
+            session.close()
+            layout = self._layout
+            if layout is not None and session.epoch == layout.plan.epoch:
+                self._fit_kv_caches(layout)
+
+    def find_session(self, session_id: str) -> NodeSession | None:
+        return self._sessions.get(session_id)
+
+    def need_session(self, session_id: str) -> NodeSession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise UnknownSessionError(
+                f"node {self.node_id} has no session {session_id!r}; open it first (or it was closed)"
+            )
+        return session
+
+    # -- activations ---------------------------------------------------------------------------
+    def accept(self, act: Activation) -> None:
+        """Check an arriving activation against the plan and session, then queue it."""
+        layout = self.need_layout()
+        if act.plan_epoch != layout.plan.epoch:
+            raise StaleEpochError(
+                f"activation for plan epoch {act.plan_epoch} but node {self.node_id} runs epoch {layout.plan.epoch}"
+            )
+        session = self.need_session(act.session_id)
+        n_hops = len(layout.hops)
+        if act.hop_index > n_hops or (act.hop_index == n_hops and not layout.is_head):
+            raise ProtocolError(f"hop index {act.hop_index} is outside this plan's {n_hops} hops")
+        if act.hop_index < n_hops and layout.hops[act.hop_index].node_index != layout.me:
+            hop = layout.hops[act.hop_index]
+            raise ProtocolError(
+                f"hop {act.hop_index} (window {hop.window}) belongs to node "
+                f"{layout.plan.nodes[hop.node_index].node_id}, not {self.node_id}; the sender's plan differs"
+            )
+        if int(act.positions[-1]) >= session.n_ctx:
+            raise ProtocolError(
+                f"position {int(act.positions[-1])} is beyond the session's context of {session.n_ctx}"
+            )
+        if act.hop_index == n_hops:
+            deliver(session, act)
+        else:
+            self.worker.submit(act)
+
+    def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
+        self.worker.route(layout, session, act)
+
+    def abort(self, session_id: str, node_id: str, message: str) -> None:
+        """A node could not pass this session's activations on: end its generation here."""
+        session = self._sessions.get(session_id)
+        if session is not None and session.results is not None:
+            session.results.put(NodeError(message))
+
+    # -- the head ------------------------------------------------------------------------------
+    def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
+        return self.head.generate(request)
+
+    def shutdown(self) -> None:
+        """Finish the batch in hand, then close sessions and channels (bounded wait)."""
+        self.worker.stop()
+        layout = self._layout
+        for session_id in list(self._sessions):
+            self.close_session(session_id)
+        if layout:
+            for c in layout.clients.values():
+                c.close()

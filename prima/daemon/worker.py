@@ -1,0 +1,185 @@
+"""The compute thread of a daemon: each arriving activation goes through this node's windows,
+layer by layer, and is streamed straight on to the node of its next hop.
+
+Activations of every session go through one work queue and one thread, so a session's
+micro-batches reach each layer in the order they were sent and its KV caches are written front
+to back. RPC threads only validate and enqueue (NodeRuntime.accept).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Protocol
+
+from prima import metrics
+from prima.errors import NodeError, PrimaError, ProtocolError
+from prima.model.transformer import Transformer
+from prima.net.codec import Activation
+
+from .state import Layout, NodeSession
+from .threads import use_threads
+
+log = logging.getLogger("prima.daemon")
+
+
+class WorkerHost(Protocol):
+    """What the worker reads from the runtime that owns it: the current plan and sessions."""
+
+    node_id: str
+    model: Transformer
+
+    @property
+    def layout(self) -> Layout | None: ...
+
+    def find_session(self, session_id: str) -> NodeSession | None: ...
+
+
+class Worker:
+    """One compute thread with its queue, and the routing of finished activations."""
+
+    def __init__(self, host: WorkerHost, threads: int | None = None) -> None:
+        self.host = host
+        self.threads = threads
+        self._work: queue.SimpleQueue[Activation | None] = queue.SimpleQueue()
+        self._relay_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="primad-compute", daemon=True)
+        self._thread.start()
+
+    def submit(self, act: Activation) -> None:
+        self._work.put(act)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the batch in hand, then end the thread (bounded wait)."""
+        self._work.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    # -- computing -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        use_threads(self.threads)
+        pending: collections.deque[Activation | None] = collections.deque()
+        while True:
+            act = pending.popleft() if pending else self._work.get()
+            if act is None:
+                return
+            group = [act]
+            layout = self.host.layout
+            if layout is not None and layout.windows.limited:
+                # Streaming: micro-batches of one prompt waiting at the same hop go through each
+                # layer together, so a streamed layer is read once for all of them, not once each.
+                while True:
+                    try:
+                        pending.append(self._work.get_nowait())
+                    except queue.Empty:
+                        break
+                while pending and _same_hop(pending[0], act):
+                    group.append(pending.popleft())  # type: ignore[arg-type]
+            metrics.NODE_QUEUE_DEPTH.set(self._work.qsize() + len(pending))
+            try:
+                with metrics.NODE_COMPUTE.time():
+                    self._compute(group)
+            except PrimaError as exc:
+                self.fail(act.session_id, f"node {self.host.node_id}: {exc}", type(exc).__name__)
+            except ValueError as exc:  # a cache write with a gap: the session's batches were lost
+                self.fail(act.session_id, f"node {self.host.node_id} could not compute: {exc}", "cache_gap")
+
+    def _compute(self, group: list[Activation]) -> None:
+        """Run micro-batches of one session, all at the same hop, through this node's consecutive
+        hops, layer by layer (each layer for every micro-batch in order), then route each on."""
+        act = group[0]
+        layout = self.host.layout
+        session = self.host.find_session(act.session_id)
+        if layout is None or session is None or act.plan_epoch != layout.plan.epoch:
+            log.debug("dropping activation of closed session %s", act.session_id)
+            return
+        h = act.hop_index
+        hidden = [a.hidden for a in group]
+        windows = layout.windows
+        model = self.host.model
+        while h < len(layout.hops) and layout.hops[h].node_index == layout.me:
+            hop = layout.hops[h]
+            before = dataclasses.replace(windows.stats)
+            for layer in range(hop.window.start, hop.window.end):
+                # Layer by layer, so compute on one overlaps the prefetch thread reading the next.
+                windows.before_layer(layer)
+                for i, a in enumerate(group):
+                    hidden[i] = model.forward_layers(hidden[i], a.positions, layer, layer + 1, session.cache)
+                windows.after_layer(layer)
+            if log.isEnabledFor(logging.DEBUG):
+                now = windows.stats
+                log.debug(
+                    "window %s (%d tokens): compute %.1f ms, waited %.1f ms for reads; prefetch read "
+                    "%.1f MiB in %.1f ms",
+                    hop.window,
+                    sum(len(a.positions) for a in group),
+                    now.compute_ms - before.compute_ms,
+                    now.wait_ms - before.wait_ms,
+                    (now.bytes_read - before.bytes_read) / (1 << 20),
+                    now.read_ms - before.read_ms,
+                )
+            h += 1
+        for a, out in zip(group, hidden, strict=True):
+            self.route(layout, session, dataclasses.replace(a, hop_index=h, hidden=out))
+
+    # -- routing -------------------------------------------------------------------------------
+    def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
+        """Send `act` to the node of its hop: queued here if that is this node, delivered to
+        the session's results if it has been round the whole ring (on the head)."""
+        done = act.hop_index == len(layout.hops)
+        dest = 0 if done else layout.hops[act.hop_index].node_index
+        if dest == layout.me:
+            if done:
+                deliver(session, act)
+            else:
+                self._work.put(act)
+            return
+        if done:
+            # Only the last token's hidden state is needed for the logits.
+            act = dataclasses.replace(act, positions=act.positions[-1:], hidden=act.hidden[-1:])
+        with self._relay_lock:
+            relay = session.relays.get(dest)
+            if relay is None:
+                sid = session.session_id
+                relay = layout.clients[dest].relay(
+                    lambda err: self.fail(sid, str(err), "relay"), layout.wire_dtype
+                )
+                session.relays[dest] = relay
+        try:
+            with metrics.NODE_RELAY_SEND.time():
+                relay.send(act)
+        except NodeError as exc:
+            self.fail(session.session_id, str(exc), "relay")
+
+    def fail(self, session_id: str, message: str, kind: str = "other") -> None:
+        """Tell the head that a session cannot go on (or, on the head, wake its generation)."""
+        log.warning("session %s failed: %s", session_id, message)
+        metrics.NODE_ERRORS.labels(kind).inc()
+        layout = self.host.layout
+        session = self.host.find_session(session_id)
+        if session is not None and session.results is not None:
+            session.results.put(NodeError(message))
+        elif layout is not None and not layout.is_head:
+            try:
+                layout.clients[0].abort(session_id, self.host.node_id, message)
+            except NodeError as exc:
+                log.warning("could not tell the head about it: %s", exc)
+
+
+def deliver(session: NodeSession, act: Activation) -> None:
+    """Hand a micro-batch that has been round the ring to the head's generation."""
+    if session.results is None:
+        raise ProtocolError(
+            f"session {session.session_id} was not started on this node; only the head collects results"
+        )
+    session.results.put(act)
+
+
+def _same_hop(a: Activation | None, b: Activation) -> bool:
+    return a is not None and (a.session_id, a.plan_epoch, a.hop_index) == (
+        b.session_id,
+        b.plan_epoch,
+        b.hop_index,
+    )
