@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,29 @@ def test_an_empty_prompt_is_an_error(
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["run", "--local", "-m", "no-such-model.gguf", *source]) == 1
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
+    smollm2_path: Path, oracle: Callable[[str], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--windows/--rounds, parsed by argparse, reach the ring as the plan: two daemons, two rounds
+    of 10 + 5 layers, and the greedy tokens of llama.cpp's float32 run."""
+    prompt = oracle("smollm2-135m")["prompts"][0]
+    argv = [
+        "run",
+        "--local-ring",
+        "2",
+        "--windows",
+        "10,5",
+        "--rounds",
+        "2",
+        "--exact",
+        "-m",
+        str(smollm2_path),
+    ]
+    assert main([*argv, "-p", prompt["text"], "-n", "6", "--ctx", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    # Ring order puts the head (node 0) last in each round.
+    assert [n["windows"] for n in doc["plan"]["nodes"]] == [[[5, 15], [20, 30]], [[0, 5], [15, 20]]]
+    assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:6]
