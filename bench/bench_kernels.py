@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -15,9 +14,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from prima.backends import get_backend
 from prima.kernels.tensor import QTensor
 from prima.model.gguf_file import GGUFFile
+from prima.paths import models_dir
 
 Q = GGMLQuantizationType
-MODELS = Path.home() / ".cache" / "prima" / "models"
 REAL = [
     ("SmolLM2-135M-Instruct.Q4_1.gguf", "blk.0.ffn_down.weight"),  # Q4_1 576x1536
     ("SmolLM2-135M-Instruct.Q4_1.gguf", "blk.0.ffn_up.weight"),  # Q4_1 1536x576
@@ -81,9 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     backend = get_backend("cpu", threads=args.threads)
     for model, name in REAL:
-        path = MODELS / model
+        path = models_dir() / model
         if not path.exists():
-            print(f"skip {model}: not in {MODELS}")
+            print(f"skip {model}: not in {models_dir()}")
             continue
         gguf = GGUFFile(path)
         info = gguf.tensors[name]

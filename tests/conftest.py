@@ -19,6 +19,8 @@ from prima.model.registry import resolve_model
 # Tests send traffic only to loopback: mDNS discovery binds 127.0.0.1 (daemons inherit this).
 os.environ.setdefault("PRIMA_MDNS_INTERFACES", "127.0.0.1")
 
+# Set by .ci/run: the test models must be there (see models_required).
+REQUIRE_MODELS_ENV = "PRIMA_REQUIRE_MODELS"
 ORACLE_DIR = Path(__file__).resolve().parents[2] / "shared" / "oracle"
 ORACLE_TAGS = ("smollm2-135m", "gemma3-270m")
 # Random-weight F32 models with a real vocabulary, and llama.cpp's outputs for them.
@@ -43,10 +45,20 @@ def tiny_model_path(tag: str) -> Path:
     return TINY_ORACLE_DIR / f"{tag}-f32.gguf"
 
 
+def models_required() -> bool:
+    """True under CI (`PRIMA_REQUIRE_MODELS=1`, set by .ci/run): a test model that cannot be
+    fetched is then a failure, not a skip that would hide the real-model tests."""
+    return os.environ.get(REQUIRE_MODELS_ENV, "") not in ("", "0")
+
+
 def _model_path(name: str) -> Path:
+    """A test model's path, fetched through the registry if absent. Offline, a developer's run
+    skips the tests that need it; CI fails them."""
     try:
         return resolve_model(name)
     except ModelFetchError as exc:
+        if models_required():
+            pytest.fail(f"test model {name} unavailable and ${REQUIRE_MODELS_ENV} is set: {exc}")
         pytest.skip(f"test model {name} unavailable: {exc}")
 
 

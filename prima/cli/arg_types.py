@@ -1,21 +1,97 @@
-"""argparse types that reject bad values with a usage message instead of a traceback later."""
+"""argparse types that reject bad values with a usage message instead of a traceback later.
+
+They run while the command line is parsed, so a bad flag is refused (exit code 2, the flag
+named by argparse) before any model is resolved, downloaded or loaded."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import math
 
 from prima.errors import InputError
 
+MAX_PORT = 65535
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (thread counts, daemon counts)."""
+
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (thread counts, daemon counts, context sizes, rounds)."""
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (token counts where 0 means none, queue lengths, seeds)."""
+    value = _whole_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (timeouts in seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port to listen on: 0..65535 (0 lets the OS pick a free one)."""
+    value = _whole_number(text)
+    if not 0 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_PORT}, got {value}")
+    return value
+
+
+def node_addresses(text: str) -> list[str]:
+    """'host:port,host:port,...' -> the addresses in order (at least one; ports 1..65535)."""
+    nodes = [n.strip() for n in text.split(",") if n.strip()]
+    if not nodes:
+        raise argparse.ArgumentTypeError(f"expected host:port,host:port,..., got {text!r}")
+    for n in nodes:
+        host, _, number = n.rpartition(":")
+        if not host or not number.isdigit() or not 1 <= int(number) <= MAX_PORT:
+            raise argparse.ArgumentTypeError(
+                f"expected host:port,host:port,... (port 1..{MAX_PORT}), got {n!r}"
+            )
+    return nodes
+
+
+def window_sizes(text: str) -> list[int]:
+    """'10,10,10' -> layers per window for each node, in ring order (each >= 0)."""
+    try:
+        sizes = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts like 10,10,10, got {text!r}") from None
+    if any(w < 0 for w in sizes):
+        raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got {text!r}")
+    return sizes
+
+
+def mdns_interface(text: str) -> str:
+    """This device's IP address to browse mDNS on, or 'all' (as $PRIMA_MDNS_INTERFACES takes)."""
+    if text.strip().lower() == "all":
+        return text.strip()
+    try:
+        ipaddress.ip_address(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an IP address; give this device's address on the LAN (e.g. 192.168.1.20) or all"
+        ) from None
+    return text.strip()
 
 
 def parse_bytes(text: str) -> int:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from prima import paths
+from prima.cli.arg_types import positive_int
 from prima.cli.cmd_run import (
     add_chat_template_arg,
     add_sampling_args,
@@ -28,7 +29,9 @@ from prima.errors import InputError
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal", description=__doc__)
     add_model_args(p)
-    p.add_argument("-n", "--n-predict", type=int, default=512, help="tokens per reply at most (default 512)")
+    p.add_argument(
+        "-n", "--n-predict", type=positive_int, default=512, help="tokens per reply at most (default 512)"
+    )
     p.add_argument("-s", "--system", default=None, help="system prompt")
     add_chat_template_arg(p)
     add_sampling_args(p, temp=0.7)
@@ -37,11 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     template = chat_template_from_args(args)
+    sampler = sampler_from_args(args)  # bad sampling flags fail before the model loads
     session = open_session(args)
     loaded = session.loaded
     tok = loaded.tokenizer
     warn_if_no_chat_template(loaded, template)
-    sampler = sampler_from_args(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

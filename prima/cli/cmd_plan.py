@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prima.cli.engine_options import DEFAULT_CTX, add_discovery_args, discover_addresses, parse_nodes
+from prima.cli.arg_types import node_addresses
+from prima.cli.engine_options import DEFAULT_CTX, add_discovery_args, discover_addresses
 from prima.coordinator.planner import HaldaOptions, plan_ring
 from prima.coordinator.ring import connect_nodes
 from prima.errors import InputError, PlanError
@@ -50,7 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--devices", type=Path, help="JSON file of device profiles, head first (default: the running daemons)"
     )
     where.add_argument(
-        "--nodes", metavar="HOST:PORT,...", help="running daemons in ring order instead of discovering them"
+        "--nodes",
+        type=node_addresses,
+        metavar="HOST:PORT,...",
+        help="running daemons in ring order instead of discovering them",
     )
     add_discovery_args(parser)
     parser.add_argument(
@@ -119,7 +123,7 @@ def _plan_running(args: argparse.Namespace) -> tuple[list[DeviceProfile], ModelP
         fingerprint = loaded.gguf.fingerprint()
     model = _model_profile(args.model, None, args.ctx)
     if args.nodes:
-        addresses = parse_nodes(args.nodes)
+        addresses = args.nodes
     else:
         addresses = discover_addresses(args, fingerprint)
         if not addresses:

@@ -20,8 +20,8 @@ from typing import Any
 import psutil
 
 from prima import paths
-from prima.cli.arg_types import parse_budget, positive_int
-from prima.cli.engine_options import add_discovery_args, discover_addresses, parse_nodes
+from prima.cli.arg_types import node_addresses, parse_budget, positive_int
+from prima.cli.engine_options import add_discovery_args, discover_addresses
 from prima.coordinator.local_ring import LocalRing
 from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL
@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     st = rs.add_parser("status", help="print what each daemon reports (Info RPC)")
     st.add_argument(
         "--nodes",
+        type=node_addresses,
         default=None,
         metavar="HOST:PORT,...",
         help="daemons to ask (default: those found over mDNS)",
@@ -87,7 +88,7 @@ def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> in
 
 
 def ring_status(args: argparse.Namespace) -> int:
-    addresses = parse_nodes(args.nodes) if args.nodes else discover_addresses(args, None)
+    addresses = args.nodes or discover_addresses(args, None)
     if not addresses:
         raise InputError(
             f"no primad answered over mDNS within {args.discover_timeout:g} s; start one (prima ring up) "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prima.cli.arg_types import non_negative_int
 from prima.cli.engine_options import add_model_args, open_session
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
@@ -24,7 +25,10 @@ def add_sampling_args(parser: argparse.ArgumentParser, temp: float = 0.0) -> Non
     g = parser.add_argument_group("sampling")
     g.add_argument("--temp", type=float, default=temp, help=f"temperature; 0 = greedy (default {temp:g})")
     g.add_argument(
-        "--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)"
+        "--top-k",
+        type=non_negative_int,
+        default=40,
+        help="keep the k most likely tokens; 0 = off (default 40)",
     )
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     g.add_argument(
@@ -33,7 +37,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, temp: float = 0.0) -> Non
     g.add_argument(
         "--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)"
     )
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--seed", type=non_negative_int, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
 
 
@@ -86,7 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("-p", "--prompt", help="the prompt text; - reads it from stdin")
     source.add_argument("-f", "--file", type=Path, help="read the prompt from this file")
     p.add_argument(
-        "-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)"
+        "-n",
+        "--n-predict",
+        type=non_negative_int,
+        default=128,
+        help="tokens to generate at most; 0 computes the prompt only (default 128)",
     )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_chat_template_arg(p)
@@ -115,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the prompt is empty: give some text with -p TEXT, -p - (stdin) or -f FILE")
     if args.chat_template is not None and not args.chat:
         raise InputError("--chat-template only applies with --chat")
+    if args.logits_out is not None and not args.logits_out.parent.is_dir():
+        raise InputError(f"--logits-out: the directory {args.logits_out.parent} does not exist")
+    # Everything the flags say is checked before the model is resolved (and perhaps downloaded).
     template = chat_template_from_args(args)
+    sampler = sampler_from_args(args)
     session = open_session(args)
     try:
         loaded = session.loaded
@@ -130,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         request = session.request(
             ids,
             max_tokens=args.n_predict,
-            sampler=sampler_from_args(args),
+            sampler=sampler,
             want_prompt_logits=args.logits_out is not None,
         )
         result = session.generate(

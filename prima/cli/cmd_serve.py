@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, EngineQueue, ServeDefaults
+from prima.cli.arg_types import non_negative_int, port, positive_int
 from prima.cli.cmd_run import (
     add_chat_template_arg,
     add_sampling_args,
@@ -28,16 +29,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)"
     )
-    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    p.add_argument("--port", type=port, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     p.add_argument(
         "-n",
         "--n-predict",
-        type=int,
+        type=positive_int,
         default=512,
         help="tokens per reply when a request sets no max_tokens (default 512)",
     )
     p.add_argument(
-        "--max-queue", type=int, default=16, help="requests that may wait for the model (default 16)"
+        "--max-queue",
+        type=non_negative_int,
+        default=16,
+        help="requests that may wait for the model (default 16)",
     )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
     add_chat_template_arg(p)
@@ -46,12 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.port <= 65535:
-        raise InputError(f"--port must be in 0..65535, got {args.port}")
-    if args.n_predict < 1:
-        raise InputError(f"-n must be >= 1, got {args.n_predict}")
-    if args.max_queue < 0:
-        raise InputError(f"--max-queue must be >= 0, got {args.max_queue}")
     defaults = ServeDefaults(
         sampler=sampler_from_args(args), max_tokens=args.n_predict, stop=tuple(args.stop)
     )

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prima.cli.arg_types import positive_int
+from prima.backends import AVAILABLE_BACKENDS
+from prima.cli.arg_types import (
+    mdns_interface,
+    node_addresses,
+    non_negative_float,
+    positive_int,
+    window_sizes,
+)
 from prima.cli.progress import stage
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
@@ -49,12 +56,18 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
     )
     parser.add_argument(
-        "-c", "--ctx", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})"
+        "-c",
+        "--ctx",
+        type=positive_int,
+        default=DEFAULT_CTX,
+        help=f"context size in tokens (default {DEFAULT_CTX})",
     )
     parser.add_argument(
         "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
     )
-    parser.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
+    parser.add_argument(
+        "--backend", default="cpu", choices=AVAILABLE_BACKENDS, help="compute backend (default cpu)"
+    )
     parser.add_argument(
         "--exact",
         action="store_true",
@@ -71,26 +84,32 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument(
         "--local-ring",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="start N primad daemons on 127.0.0.1 for this command",
     )
     where.add_argument(
-        "--nodes", metavar="HOST:PORT,...", help="running daemons in ring order; the first is the head"
+        "--nodes",
+        type=node_addresses,
+        metavar="HOST:PORT,...",
+        help="running daemons in ring order; the first is the head",
     )
     add_discovery_args(g)
     g.add_argument(
         "--windows",
+        type=window_sizes,
         metavar="W0,W1,...",
         help="layers per window for each node, by hand (default: Halda plans from the nodes' profiles)",
     )
     g.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=None,
         help="times the activations go round the ring; without --windows an even split (default: Halda)",
     )
-    g.add_argument("--max-rounds", type=int, default=None, help="let Halda consider at most this many rounds")
+    g.add_argument(
+        "--max-rounds", type=positive_int, default=None, help="let Halda consider at most this many rounds"
+    )
     g.add_argument(
         "--reprofile", action="store_true", help="have the daemons measure themselves again before planning"
     )
@@ -105,13 +124,13 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
 def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--discover-timeout",
-        type=float,
+        type=non_negative_float,
         default=discovery.DEFAULT_BROWSE_S,
         help=f"seconds to look for daemons over mDNS (default {discovery.DEFAULT_BROWSE_S:g})",
     )
     parser.add_argument(
         "--expect",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="stop looking once N daemons answered; fewer is an error instead of running here",
@@ -119,6 +138,7 @@ def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     parser.add_argument(
         "--mdns-interface",
         action="append",
+        type=mdns_interface,
         metavar="IP",
         help=f"this device's address to look for daemons on (default: ${discovery.INTERFACES_ENV}, else all)",
     )
@@ -203,24 +223,6 @@ class Session:
             c()
 
 
-def parse_windows(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(w) for w in text.split(",")]
-    except ValueError:
-        raise InputError(f"--windows takes layer counts like 10,10,10, got {text!r}") from None
-
-
-def parse_nodes(text: str) -> list[str]:
-    nodes = [n.strip() for n in text.split(",") if n.strip()]
-    for n in nodes:
-        host, _, port = n.rpartition(":")
-        if not host or not port.isdigit():
-            raise InputError(f"--nodes takes host:port,host:port,..., got {n!r}")
-    return nodes
-
-
 def _mode(args: argparse.Namespace) -> str:
     """The cpu backend's arithmetic: --exact, or int8 decode activations (q8)."""
     return "exact" if getattr(args, "exact", False) else "q8"
@@ -235,11 +237,15 @@ def open_session(args: argparse.Namespace) -> Session:
     nodes = getattr(args, "nodes", None)
     if args.local:
         return _local_session(args, resolve_model(args.model))
+    n_nodes = local_ring or len(nodes or ())
+    if args.windows is not None and n_nodes and len(args.windows) != n_nodes:
+        # Refused before the model is resolved (and perhaps downloaded) for nothing.
+        raise InputError(
+            f"--windows gives {len(args.windows)} window sizes for {n_nodes} nodes; give one per node"
+        )
     # The coordinator only tokenizes: map the file without touching any layer.
     loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
-    if local_ring is not None and local_ring < 1:
-        raise InputError(f"--local-ring needs at least 1 daemon, got {local_ring}")
-    addresses = parse_nodes(nodes) if nodes else []
+    addresses = list(nodes or ())
     if not local_ring and not nodes:
         addresses = discover_addresses(args, loaded.gguf.fingerprint())
         if not addresses:
@@ -277,9 +283,8 @@ def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) ->
     before any daemon is started for them."""
     from prima.scheduler.plan import plan_from_window_sizes
 
-    windows = parse_windows(args.windows)
-    if windows is not None:
-        plan_from_window_sizes([(n, "") for n in names], windows, args.rounds or 1, n_layers)
+    if args.windows is not None:
+        plan_from_window_sizes([(n, "") for n in names], args.windows, args.rounds or 1, n_layers)
 
 
 def _local_session(args: argparse.Namespace, path: Path) -> Session:
@@ -305,7 +310,7 @@ def connect_ring(
     from prima.net.codec import WireDType
     from prima.scheduler.profile import ModelProfile
 
-    windows = parse_windows(args.windows)
+    windows = args.windows
     halda = None
     if windows is None and args.rounds is None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")

@@ -16,11 +16,16 @@ def test_serve_is_a_prima_command_with_its_defaults() -> None:
     assert args.temp == 0.7
 
 
-@pytest.mark.parametrize(("flags", "words"), [(["--port", "70000"], "--port"), (["-n", "0"], "-n must be")])
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [(["--port", "70000"], "argument --port"), (["-n", "0"], "argument -n/--n-predict")],
+)
 def test_bad_flags_fail_before_loading(
     flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["serve", *flags]) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2
     assert words in capsys.readouterr().err
 
 

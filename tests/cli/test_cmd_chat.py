@@ -1,8 +1,11 @@
 """`prima chat` in a terminal (a pseudo-terminal here): readline editing, Ctrl-C stops the reply
-and the chat goes on, Ctrl-D ends it on a fresh line."""
+and the chat goes on, Ctrl-D ends it on a fresh line. With piped input: history, /reset, /exit
+and the system prompt, against llama.cpp's chat prompt."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 import pty
 import select
@@ -10,11 +13,20 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from prima.cli import cmd_chat
+from prima.cli.engine_options import Session
+from prima.cli.main import main
+from prima.engine.generate import GenerationResult
 from prima.kernels import compile_cache
+from prima.model.gguf_file import GGUFFile
+from prima.model.tokenizer import Tokenizer
+from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
 
 WAIT_S = 120.0
 
@@ -104,3 +116,73 @@ def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> N
     history = (tmp_path / "chat_history").read_text()
     assert "cab" in history
     assert "\x1b" not in history
+
+
+# Piped input (not a terminal), in-process on the tiny qwen2 oracle model: fast by default.
+@pytest.fixture
+def tiny_chat(monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any], list[list[int]]]:
+    """tiny-qwen2, the oracle's chat prompt, and the prompt ids of every turn the chat generates."""
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    prompt = next(p for p in load_tiny_oracle("tiny-qwen2")["prompts"] if p["chat"])
+    turns: list[list[int]] = []
+    real_open = cmd_chat.open_session
+
+    def open_session(args: argparse.Namespace) -> Session:
+        session = real_open(args)
+        generate = session.generate
+
+        def recorded(prompt_ids: Sequence[int], **kwargs: Any) -> GenerationResult:
+            turns.append(list(prompt_ids))
+            return generate(prompt_ids, **kwargs)
+
+        session.generate = recorded  # type: ignore[method-assign]
+        return session
+
+    monkeypatch.setattr(cmd_chat, "open_session", open_session)
+    return tiny_model_path("tiny-qwen2"), prompt, turns
+
+
+def _chat(model: Path, stdin: str, monkeypatch: pytest.MonkeyPatch, *argv: str) -> int:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    return main(
+        ["chat", "--local", "--exact", "-m", str(model), "--temp", "0", "-n", "3", "--ctx", "256", *argv]
+    )
+
+
+def test_piped_chat_keeps_history_until_reset_and_stops_at_exit(
+    tiny_chat: tuple[Path, dict[str, Any], list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model, prompt, turns = tiny_chat
+    text = prompt["text"]
+    assert _chat(model, f"{text}\n\n{text}\n/reset\n{text}\n/exit\n{text}\n", monkeypatch) == 0
+    first, second, third = turns  # the blank line and what follows /exit are not turns
+    # A fresh conversation is llama.cpp's chat prompt; the next turn carries it as history.
+    assert first == prompt["prompt_token_ids"]
+    assert len(second) > len(first)
+    assert second[: len(first)] == first
+    assert third == first  # /reset forgot the history
+    replies = capsys.readouterr().out.split("\n")
+    assert replies[3:] == [""]
+    assert replies[0] == replies[2]
+    assert replies[0]
+    assert prompt["f32"]["greedy_text"].startswith(replies[0])  # llama.cpp's greedy reply
+
+
+def test_system_prompt_survives_reset_and_end_of_input_ends_the_chat(
+    tiny_chat: tuple[Path, dict[str, Any], list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model, _, turns = tiny_chat
+    assert _chat(model, "Hi\n/reset\nHi", monkeypatch, "-s", "Be brief.") == 0
+    first, second = turns
+    assert second == first
+    with GGUFFile(model) as gguf:
+        rendered = Tokenizer.from_gguf(gguf.metadata).decode(first, special=True)
+    # The given system prompt replaces the template's default one.
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in rendered
+    assert "SmolLM" not in rendered
+    assert len(capsys.readouterr().out.split("\n")) == 3  # two replies

@@ -1,17 +1,23 @@
-"""`prima run` reads its prompt from -p TEXT, -p - (stdin) or -f FILE, as llama-cli does."""
+"""`prima run` reads its prompt from -p TEXT, -p - (stdin) or -f FILE, as llama-cli does, and
+reports llama.cpp's tokens, text and logits (--json, --logits-out) or streams the text."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from prima.cli.main import main
 from prima.kernels import compile_cache
+from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
 
 PROMPT = "The capital of France is"
 
@@ -53,3 +59,138 @@ def test_unreadable_prompt_file_is_an_error(tmp_path: Path, capsys: pytest.Captu
 def test_p_and_f_together_are_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["run", "-p", "x", "-f", str(tmp_path / "x.txt")])
+
+
+# In-process on the tiny qwen2 model of the oracle (F32 weights, so --exact is llama.cpp's
+# float32 run): fast enough to run by default.
+TINY_TOLERANCE = 1e-3  # tests/model/test_tiny_qwen.py's bound for float32 logits
+
+
+@pytest.fixture
+def tiny_capital() -> tuple[Path, dict[str, Any]]:
+    """tiny-qwen2 and the oracle's `capital` prompt (its ids, greedy f32 run and logits file)."""
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    prompt = next(p for p in load_tiny_oracle("tiny-qwen2")["prompts"] if p["name"] == "capital")
+    return tiny_model_path("tiny-qwen2"), prompt
+
+
+def _run_tiny(model: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, str]:
+    assert main(["run", "--local", "--exact", "-m", str(model), "--ctx", "64", *argv]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_json_reports_llama_cpps_tokens_text_and_logits(
+    tiny_capital: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompt = tiny_capital
+    logits_file = tmp_path / "logits.npy"
+    out, _ = _run_tiny(
+        model, capsys, "-p", prompt["text"], "-n", "5", "--json", "--logits-out", str(logits_file)
+    )
+    doc = json.loads(out)
+    assert set(doc) == {
+        "model",
+        "prompt_token_ids",
+        "token_ids",
+        "text",
+        "stop_reason",
+        "timings",
+    }  # no plan here
+    assert doc["model"] == str(model)
+    assert doc["prompt_token_ids"] == prompt["prompt_token_ids"]
+    assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:5]
+    assert doc["text"]
+    assert prompt["f32"]["greedy_text"].startswith(doc["text"])
+    assert doc["stop_reason"] == "length"
+    timings = doc["timings"]
+    assert (timings["prompt_tokens"], timings["generated_tokens"]) == (len(prompt["prompt_token_ids"]), 5)
+    assert set(timings) >= {"prompt_ms", "prefill_tokens_per_s", "generate_ms", "decode_tokens_per_s"}
+    # The last prompt token's logits, float32, as llama.cpp computed them.
+    logits = np.load(logits_file)
+    assert logits.dtype == np.float32
+    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    assert logits.shape == f32.shape
+    assert np.abs(logits - f32).max() <= TINY_TOLERANCE
+
+
+def test_zero_tokens_computes_only_the_prompt(
+    tiny_capital: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompt = tiny_capital
+    logits_file = tmp_path / "logits.npy"
+    out, _ = _run_tiny(
+        model, capsys, "-p", prompt["text"], "-n", "0", "--json", "--logits-out", str(logits_file)
+    )
+    doc = json.loads(out)
+    assert (doc["token_ids"], doc["text"], doc["stop_reason"]) == ([], "", "length")
+    assert doc["timings"]["generated_tokens"] == 0
+    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    assert np.abs(np.load(logits_file) - f32).max() <= TINY_TOLERANCE
+
+
+def test_text_is_streamed_to_stdout_and_the_counts_to_stderr(
+    tiny_capital: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompt = tiny_capital
+    out, err = _run_tiny(model, capsys, "-p", prompt["text"], "-n", "3")
+    assert out.endswith("\n")
+    assert out[:-1]
+    assert prompt["f32"]["greedy_text"].startswith(out[:-1])
+    assert f"[{len(prompt['prompt_token_ids'])} prompt tokens at " in err
+    assert ", 3 generated at " in err
+
+
+def test_prompt_from_a_file_keeps_its_final_newline_and_stdin_equals_p(
+    tiny_capital: tuple[Path, dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As llama-cli: -f sends the file as it is (its newline is a token, 198 in this vocab)."""
+    model, prompt = tiny_capital
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt["text"] + "\n", encoding="utf-8")
+    out, _ = _run_tiny(model, capsys, "-f", str(prompt_file), "-n", "0", "--json")
+    assert json.loads(out)["prompt_token_ids"] == [*prompt["prompt_token_ids"], 198]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt["text"]))
+    out, _ = _run_tiny(model, capsys, "-p", "-", "-n", "0", "--json")
+    assert json.loads(out)["prompt_token_ids"] == prompt["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("source", [["-p", ""], ["-p", "-"], ["-f", "empty.txt"]])
+def test_an_empty_prompt_is_an_error(
+    source: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["run", "--local", "-m", "no-such-model.gguf", *source]) == 1
+    assert "the prompt is empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
+    smollm2_path: Path, oracle: Callable[[str], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--windows/--rounds, parsed by argparse, reach the ring as the plan: two daemons, two rounds
+    of 10 + 5 layers, and the greedy tokens of llama.cpp's float32 run."""
+    prompt = oracle("smollm2-135m")["prompts"][0]
+    argv = [
+        "run",
+        "--local-ring",
+        "2",
+        "--windows",
+        "10,5",
+        "--rounds",
+        "2",
+        "--exact",
+        "-m",
+        str(smollm2_path),
+    ]
+    assert main([*argv, "-p", prompt["text"], "-n", "6", "--ctx", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    # Ring order puts the head (node 0) last in each round.
+    assert [n["windows"] for n in doc["plan"]["nodes"]] == [[[5, 15], [20, 30]], [[0, 5], [15, 20]]]
+    assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:6]

@@ -1,8 +1,10 @@
-"""Placement flags: bad --nodes or --local-ring values are errors, never a silent local run."""
+"""Placement flags: bad --nodes or --local-ring values are errors, never a silent local run
+(tests/cli/test_flags_before_load.py checks they are refused before any model is resolved)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -20,21 +22,36 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--nodes", "bad"), "--nodes takes host:port"),
-        (("--nodes", "127.0.0.1:x"), "--nodes takes host:port"),
-        (("--local-ring", "0"), "--local-ring needs at least 1"),
+        (("--nodes", "bad"), "argument --nodes: expected host:port"),
+        (("--nodes", "127.0.0.1:x"), "argument --nodes: expected host:port"),
+        (("--nodes", "127.0.0.1:70000"), "argument --nodes: .*port 1..65535"),
+        (("--nodes", ","), "argument --nodes: expected host:port"),
+        (("--local-ring", "0"), "argument --local-ring: must be at least 1"),
     ],
 )
-def test_bad_placement_is_an_input_error(argv: tuple[str, ...], message: str) -> None:
-    with pytest.raises(InputError, match=message):
-        open_session(_args(*argv))
+def test_bad_placement_is_a_usage_error(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _args(*argv)
+    assert re.search(message, capsys.readouterr().err)
 
 
-def test_windows_that_do_not_fit_the_local_ring_fail_before_any_daemon_starts(smollm2_path: Path) -> None:
-    """Two windows for three daemons: refused while nothing has been started (this returns in
-    well under a daemon's start-up, and no primad is left behind)."""
-    with pytest.raises(PlanError, match="3 nodes but 2 window sizes"):
+def test_nodes_parse_to_addresses_in_ring_order() -> None:
+    assert _args("--nodes", "b:2, a:1,[::1]:7070").nodes == ["b:2", "a:1", "[::1]:7070"]
+
+
+def test_window_count_must_match_the_local_ring(smollm2_path: Path) -> None:
+    """Two windows for three daemons: refused before the model is even resolved."""
+    with pytest.raises(InputError, match="2 window sizes for 3 nodes"):
         open_session(_args("-m", str(smollm2_path), "--local-ring", "3", "--windows", "5,5"))
+
+
+def test_windows_that_do_not_fit_the_model_fail_before_any_daemon_starts(smollm2_path: Path) -> None:
+    """15 of SmolLM2's 30 layers: refused while nothing has been started (this returns in well
+    under a daemon's start-up, and no primad is left behind)."""
+    with pytest.raises(PlanError, match="cover 15 layers but the model has 30"):
+        open_session(_args("-m", str(smollm2_path), "--local-ring", "3", "--windows", "5,5,5"))
 
 
 def test_zero_threads_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,27 +1,23 @@
-"""The real test models, opened when they are on disk and skipped (with the reason) when not."""
+"""The real test models as GGUF indexes, found (or fetched) through the registry like every other
+real-model test, so $PRIMA_CACHE and $XDG_CACHE_HOME are honoured (tests/conftest.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from prima.model.gguf_file import GGUFFile
 
-MODELS = Path.home() / ".cache" / "prima" / "models"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3 = MODELS / "gemma-3-270m-q4_k_m.gguf"
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_path: Path) -> Iterator[GGUFFile]:
+    with GGUFFile(smollm2_path) as gguf:
+        yield gguf
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> GGUFFile:
-    if not SMOLLM2.exists():
-        pytest.skip(f"{SMOLLM2} not present; fetch SmolLM2-135M-Instruct Q4_1 to run real-model tests")
-    return GGUFFile(SMOLLM2)
-
-
-@pytest.fixture(scope="session")
-def gemma3_gguf() -> GGUFFile:
-    if not GEMMA3.exists():
-        pytest.skip(f"{GEMMA3} not present; fetch gemma-3-270m Q4_K_M to run real-model tests")
-    return GGUFFile(GEMMA3)
+def gemma3_gguf(gemma3_path: Path) -> Iterator[GGUFFile]:
+    with GGUFFile(gemma3_path) as gguf:
+        yield gguf

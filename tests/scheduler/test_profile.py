@@ -18,8 +18,6 @@ from prima.scheduler.profile import (
     load_cluster_file,
 )
 
-SMOLLM2 = Path.home() / ".cache/prima/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def test_profile_device_round_trips_through_json(make_device):
     npu = AcceleratorProfile("cann", 3 << 30, {"F16": 4e12}, 50e9, shares_ram=True)
@@ -106,14 +104,13 @@ def test_profile_model_from_gguf_with_tied_output(tmp_path, write_tiny_gguf):
     assert m.output_flops == {"F32": 2.0 * 16 * 8}
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2-135M not in ~/.cache/prima/models")
-def test_profile_model_from_real_gguf():
-    with GGUFFile(SMOLLM2) as f:
+def test_profile_model_from_real_gguf(smollm2_path: Path) -> None:
+    with GGUFFile(smollm2_path) as f:
         m = ModelProfile.from_gguf(f)
     assert m.n_layers == 30
     assert set(m.layer_flops) >= {"Q4_1"}
     # SmolLM2-135M: 3 KV heads of 64 -> K and V of 192 floats each.
     assert m.kv_bytes_per_token_per_layer == 3 * 128 * 4
     assert m.activation_bytes == 576 * 4
-    assert 0 < m.layer_bytes * m.n_layers < SMOLLM2.stat().st_size
+    assert 0 < m.layer_bytes * m.n_layers < smollm2_path.stat().st_size
     assert math.isfinite(m.output_flops[next(iter(m.output_flops))])

@@ -1,29 +1,88 @@
-"""Profiler sanity: every probe returns a positive number and the profile is self-consistent."""
+"""The profiler's probes and the profile they make.
+
+Time is injected (tests/fake_time.py), so each probe's rate is checked exactly against the work it
+did: bytes copied, bytes read from the file, FLOPs of the product, over the best timed interval.
+Nothing here asserts how fast this machine is."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
+from prima.model.gguf_file import GGUFFile
+from prima.net import codec
 from prima.scheduler import profiler
-from prima.scheduler.profile import OS_CLASSES, DeviceProfile
+from prima.scheduler.profile import OS_CLASSES, DeviceProfile, ModelProfile
+from prima.scheduler.profile_cache import load_or_measure
+from tests.fake_time import FakeTime
 
-SMALL = profiler.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
+MiB = 1 << 20
+SMALL = profiler.ProbeSizes(mem_bytes=MiB, disk_bytes=MiB, gemv_rows=64, gemv_cols=64, repeats=2)
+# Readings alternate start, end: timed intervals of 3, 1 and 2 ms (the best is 1 ms).
+THREE_TIMINGS_S = [0.0, 3e-3, 0.0, 1e-3, 0.0, 2e-3]
 
 
-def test_profiler_probes_are_positive(tmp_path):
-    f = tmp_path / "blob"
-    f.write_bytes(b"\x01" * (256 << 10))
-    assert profiler.measure_disk_read(f, 1 << 20) > 0
-    assert profiler.measure_disk_read(None, 1 << 20, scratch_dir=tmp_path / "scratch") > 0
-    assert list((tmp_path / "scratch").iterdir()) == []  # the scratch file is removed
-    assert profiler.measure_mem_bandwidth(1 << 20, repeats=2) > 0
-    assert profiler.numpy_gemv_flops(32, 32, repeats=2) > 0
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime(1.0)
+    monkeypatch.setattr(profiler, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def fadvised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(offset, length, advice) of each posix_fadvise call the disk probe makes."""
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    return calls
+
+
+def test_mem_bandwidth_is_the_bytes_moved_over_the_best_copy(clock: FakeTime) -> None:
+    clock.steps_s = THREE_TIMINGS_S
+    # Whole float64 elements are copied (the 5 extra bytes are not); each is read and written.
+    assert profiler.measure_mem_bandwidth(MiB + 5, repeats=3) == pytest.approx(2 * MiB / 1e-3)
+    assert clock.readings == 6
+
+
+def test_gemv_flops_is_the_work_over_the_best_product(clock: FakeTime) -> None:
+    clock.steps_s = THREE_TIMINGS_S
+    assert profiler.numpy_gemv_flops(32, 48, repeats=3) == pytest.approx(2 * 32 * 48 / 1e-3)
+
+
+@pytest.mark.parametrize(("n_bytes", "read"), [(MiB + 100, MiB + 100), (10 * MiB, 3 * MiB + 7)])
+def test_disk_read_is_the_bytes_read_from_the_file_over_the_time(
+    tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]], n_bytes: int, read: int
+) -> None:
+    """At most `n_bytes` and at most the file; exactly those bytes are dropped from the page
+    cache first, so the probe reads them from the disk."""
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (3 * MiB + 7))
+    assert profiler.measure_disk_read(path, n_bytes) == pytest.approx(read / 1.0)
+    assert fadvised == [(0, read, os.POSIX_FADV_DONTNEED)]
+
+
+@pytest.mark.parametrize(("n_bytes", "read"), [(MiB * 5 // 2, 2 * MiB), (1000, 1000)])
+def test_disk_read_without_a_path_reads_a_scratch_file_it_removes(
+    tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]], n_bytes: int, read: int
+) -> None:
+    """The scratch file holds whole MiB (at least one); the probe reads what it asked for of it."""
+    scratch = tmp_path / "scratch"
+    assert profiler.measure_disk_read(None, n_bytes, scratch_dir=scratch) == pytest.approx(read / 1.0)
+    assert fadvised == [(0, read, os.POSIX_FADV_DONTNEED)]
+    assert list(scratch.iterdir()) == []
+
+
+def test_os_class_names_android_though_it_reports_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     assert profiler.os_class() in OS_CLASSES
+    monkeypatch.setenv("ANDROID_ROOT", "/system")
+    assert profiler.os_class() == "android"
 
 
-def test_profiler_profile_is_consistent_and_round_trips(tmp_path):
+def test_profile_is_made_of_the_probes_at_the_given_sizes(tmp_path: Path, clock: FakeTime) -> None:
+    clock.steps_s = [1e-3]  # every timed interval is 1 ms
     calls: list[str] = []
 
     def bench(fmt: str) -> float:
@@ -33,33 +92,67 @@ def test_profiler_profile_is_consistent_and_round_trips(tmp_path):
     dev = profiler.profile_device(
         "me", "127.0.0.1:7070", kernel_bench=bench, sizes=SMALL, net_latency_ms=2.0, scratch_dir=tmp_path
     )
-    assert dev.node_id == "me"
-    assert 0 < dev.ram_available_bytes <= dev.ram_total_bytes
-    assert 0 <= dev.swap_free_bytes <= dev.swap_total_bytes
-    assert dev.disk_read_bytes_per_s > 0
-    assert dev.mem_bandwidth_bytes_per_s > 0
+    assert (dev.node_id, dev.address, dev.os) == ("me", "127.0.0.1:7070", profiler.os_class())
+    assert dev.disk_read_bytes_per_s == pytest.approx(SMALL.disk_bytes / 1e-3)
+    assert dev.mem_bandwidth_bytes_per_s == pytest.approx(2 * SMALL.mem_bytes / 1e-3)
     assert dev.cpu_flops == {"F32": 1e9}
     assert calls == ["F32"]
+    assert dev.ram_total_bytes == profiler.usable_ram_bytes()[0]  # the host's or its cgroup's
+    assert 0 < dev.ram_available_bytes <= dev.ram_total_bytes
+    assert 0 <= dev.swap_free_bytes <= dev.swap_total_bytes
     assert dev.net_latency_ms == 2.0
+    assert dev.net_bandwidth_bytes_per_s == float("inf")  # not measured here: no limit
+
+
+def test_profile_round_trips_through_json_the_cache_and_the_wire(tmp_path: Path) -> None:
+    """A real measurement (infinite bandwidth included) survives every way a profile travels:
+    its JSON, the profile cache on disk, and the Profile RPC's codec."""
+    dev = profiler.profile_device("me", "127.0.0.1:7070", sizes=SMALL, scratch_dir=tmp_path)
     assert DeviceProfile.from_dict(json.loads(json.dumps(dev.to_dict()))) == dev
+    wire = codec.node_profile_from_proto(codec.node_profile_to_proto(codec.NodeProfile(dev, 1 << 30, 5.0)))
+    assert wire == codec.NodeProfile(dev, 1 << 30, 5.0)
+    load_or_measure("me", "ab" * 32, lambda: dev, cache_dir=tmp_path / "profiles")
+    cached = load_or_measure(
+        "me", "ab" * 32, lambda: pytest.fail("measured again"), cache_dir=tmp_path / "profiles"
+    )
+    assert cached.from_cache
+    # Speeds come from the file; free memory is read afresh, so only it may differ.
+    memory = ("ram_total_bytes", "ram_available_bytes", "swap_total_bytes", "swap_free_bytes")
+    assert {k: v for k, v in cached.profile.to_dict().items() if k not in memory} == {
+        k: v for k, v in dev.to_dict().items() if k not in memory
+    }
 
 
-def test_profiler_measures_the_model_formats(tmp_path, write_tiny_gguf):
+def test_profile_measures_the_model_file_and_its_formats(
+    tmp_path: Path, clock: FakeTime, write_tiny_gguf
+) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
-    dev = profiler.profile_device("me", model_path=path, kernel_bench=lambda fmt: 3e9, sizes=SMALL)
-    # The tiny model has F32 and F16 layers and an F16 output head.
-    assert dev.cpu_flops == {"F32": 3e9, "F16": 3e9}
-    assert dev.disk_read_bytes_per_s > 0
+    calls: list[str] = []
+
+    def bench(fmt: str) -> float:
+        calls.append(fmt)
+        return 3e9
+
+    dev = profiler.profile_device("me", model_path=path, kernel_bench=bench, sizes=SMALL)
+    with GGUFFile(path) as f:
+        model = ModelProfile.from_gguf(f)
+    # Every format the model's layers and head use, F32 first (the cost model's fallback).
+    assert calls == ["F32", *sorted({*model.layer_flops, *model.output_flops} - {"F32"})]
+    assert dev.cpu_flops == dict.fromkeys(calls, 3e9)
+    # The disk probe read the model file itself (smaller than the probe size), not a scratch file.
+    assert dev.disk_read_bytes_per_s == pytest.approx(path.stat().st_size / 1.0)
 
 
-def test_profiler_default_gemv_stands_in_for_every_format(tmp_path, write_tiny_gguf):
+def test_profile_default_gemv_stands_in_for_every_format(
+    tmp_path: Path, clock: FakeTime, write_tiny_gguf
+) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
+    clock.steps_s = [1e-3]
     dev = profiler.profile_device("me", model_path=path, sizes=SMALL)
-    assert set(dev.cpu_flops) == {"F32", "F16"}
-    assert len(set(dev.cpu_flops.values())) == 1
-    assert dev.cpu_flops["F32"] > 0
+    gemv = 2 * SMALL.gemv_rows * SMALL.gemv_cols / 1e-3
+    assert dev.cpu_flops == pytest.approx({"F32": gemv, "F16": gemv})
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "F16"])

@@ -1,0 +1,140 @@
+"""A daemon measuring itself: one decode step through a few real layers gives the ms per layer,
+and the kernel speeds are scaled so that the cost model predicts exactly that time per layer.
+Time is injected (tests/fake_time.py): nothing here depends on how fast this machine is."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prima.daemon import profile as node_profile
+from prima.model.loader import LoadedModel, load_model
+from prima.scheduler import profiler
+from prima.scheduler.cost_model import gemv_ms
+from prima.scheduler.profile import DeviceProfile, ModelProfile
+from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
+from tests.fake_time import FakeTime
+
+Measure = Callable[[Callable[[LoadedModel], float]], tuple[DeviceProfile, ModelProfile, dict[str, float]]]
+SMALL = profiler.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
+
+
+@functools.cache
+def _tiny() -> LoadedModel:
+    return load_model(tiny_model_path("tiny-qwen2"), mode="exact")
+
+
+@pytest.fixture
+def tiny() -> LoadedModel:
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny models at {TINY_ORACLE_DIR}")
+    return _tiny()
+
+
+@pytest.fixture
+def steps(
+    monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
+) -> list[tuple[int, int, tuple[int, ...], list[int]]]:
+    """(start, end, h shape, positions) of every forward_layers call; each "takes" 1 ms."""
+    calls: list[tuple[int, int, tuple[int, ...], list[int]]] = []
+    forward = tiny.model.forward_layers
+
+    def spy(h: np.ndarray, positions: np.ndarray, start: int, end: int, cache: Any) -> np.ndarray:
+        calls.append((start, end, h.shape, positions.tolist()))
+        return forward(h, positions, start, end, cache)
+
+    monkeypatch.setattr(tiny.model, "forward_layers", spy)
+    monkeypatch.setattr(node_profile, "time", FakeTime(1e-3))
+    return calls
+
+
+def _layer_bytes(loaded: LoadedModel) -> int:
+    return ModelProfile.from_gguf(loaded.gguf).layer_bytes
+
+
+@pytest.mark.parametrize(
+    ("timed_bytes", "n"),
+    [
+        (None, 4),  # 48 MiB: more than the tiny model's 4 layers hold, so all of them
+        (1, 1),  # at least one layer
+        ("2 layers + 1", 3),  # enough whole layers to cover the bytes
+    ],
+)
+def test_layer_time_is_ms_per_layer_of_one_decode_step(
+    monkeypatch: pytest.MonkeyPatch,
+    tiny: LoadedModel,
+    steps: list[tuple[int, int, tuple[int, ...], list[int]]],
+    timed_bytes: int | str | None,
+    n: int,
+) -> None:
+    if timed_bytes == "2 layers + 1":
+        timed_bytes = 2 * _layer_bytes(tiny) + 1
+    if timed_bytes is not None:
+        monkeypatch.setattr(node_profile, "TIMED_BYTES", timed_bytes)
+    # Each step through the n layers "takes" 1 ms (one clock step between its two readings).
+    assert node_profile.time_one_layer(tiny, steps=3) == pytest.approx(1.0 / n)
+    d_model = tiny.model.config.d_model
+    assert steps == [(0, n, (1, d_model), [pos]) for pos in range(3)]  # one token, one position per step
+
+
+def test_layer_time_is_the_best_step_after_the_warm_up(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Readings: warm-up start (its end is never read), then start and end of two timed steps.
+    monkeypatch.setattr(node_profile, "time", FakeTime([0.0, 0.0, 9e-3, 0.0, 4e-3]))
+    assert node_profile.time_one_layer(tiny, steps=3) == pytest.approx(4.0 / tiny.model.config.n_layers)
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch, smollm2_path: Path) -> Measure:
+    """measure_node on SmolLM2 with small probes, a kernel bench with a distinct speed per
+    format, and the given layer timer; returns (profile, model, what the bench said)."""
+    loaded = load_model(smollm2_path)
+    bench: dict[str, float] = {}
+
+    def kernel_flops(fmt: str) -> float:
+        bench[fmt] = 1e9 * (1 + len(bench))
+        return bench[fmt]
+
+    monkeypatch.setattr(node_profile, "kernel_flops", kernel_flops)
+    monkeypatch.setattr(
+        node_profile, "profile_device", functools.partial(profiler.profile_device, sizes=SMALL)
+    )
+
+    def run(
+        time_layer: Callable[[LoadedModel], float],
+    ) -> tuple[DeviceProfile, ModelProfile, dict[str, float]]:
+        monkeypatch.setattr(node_profile, "time_one_layer", time_layer)
+        return node_profile.measure_node(loaded, "node7"), ModelProfile.from_gguf(loaded.gguf), bench
+
+    return run
+
+
+def test_kernel_speeds_are_calibrated_to_the_timed_layer(measured: Measure) -> None:
+    dev, model, bench = measured(lambda loaded: 7.5)
+    assert dev.node_id == "node7"
+    assert set(dev.cpu_flops) == set(bench) == {"F32", *model.layer_flops, *model.output_flops}
+    assert len(bench) >= 3  # SmolLM2: F32 norms, Q4_1 layers, a Q8_0 head
+    # The cost model's time for one layer at the calibrated speeds is the measured one...
+    assert gemv_ms(model.layer_flops, dev.cpu_flops) == pytest.approx(7.5)
+    # ...and the formats keep the speeds the bench measured relative to each other.
+    for fmt in bench:
+        assert dev.cpu_flops[fmt] / dev.cpu_flops["F32"] == pytest.approx(bench[fmt] / bench["F32"])
+
+
+def test_kernel_speeds_stand_when_no_layer_can_be_timed(
+    measured: Measure, caplog: pytest.LogCaptureFixture
+) -> None:
+    def unmappable(loaded: LoadedModel) -> float:
+        raise OSError("cannot map")
+
+    with caplog.at_level(logging.WARNING, logger="prima.daemon"):
+        dev, _, bench = measured(unmappable)
+    assert dev.cpu_flops == bench
+    assert "planning from kernel speeds alone" in caplog.text
