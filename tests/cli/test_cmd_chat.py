@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 from prima.cli import cmd_chat
 from prima.cli.engine_options import Session
 from prima.cli.main import main
-from prima.engine.generate import GenerationResult
+from prima.engine.generate import GenerateRequest, GenerationResult
 from prima.kernels import compile_cache
 from prima.model.gguf_file import GGUFFile
 from prima.model.tokenizer import Tokenizer
@@ -132,9 +131,9 @@ def tiny_chat(monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any], li
         session = real_open(args)
         generate = session.generate
 
-        def recorded(prompt_ids: Sequence[int], **kwargs: Any) -> GenerationResult:
-            turns.append(list(prompt_ids))
-            return generate(prompt_ids, **kwargs)
+        def recorded(request: GenerateRequest, **kwargs: Any) -> GenerationResult:
+            turns.append(list(request.prompt_ids))
+            return generate(request, **kwargs)
 
         session.generate = recorded  # type: ignore[method-assign]
         return session
