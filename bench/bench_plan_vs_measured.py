@@ -25,9 +25,9 @@ from prima.coordinator.ring import Ring
 from prima.engine.generate import GenerateRequest, collect, generate, stream_text
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
+from prima.plan import even_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token
-from prima.scheduler.plan import even_window_sizes
 from prima.scheduler.profile import ModelProfile
 from prima.scheduler.profile_cache import CACHE_ENV
 

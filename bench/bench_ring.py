@@ -18,7 +18,7 @@ from prima.coordinator.ring import Ring
 from prima.engine.generate import GenerateRequest, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from prima.net.client import NodeClient
 from prima.net.codec import Activation
 from prima.net.server import start_server

@@ -29,7 +29,7 @@ from prima.engine.generate import (
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import GenerationCancelled, PrimaError
-from prima.model.loader import LoadedModel
+from prima.model.files import ModelFiles
 
 log = logging.getLogger("prima.api")
 
@@ -144,7 +144,7 @@ class CompletionService:
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        loaded: ModelFiles,
         generator: Generator,
         model_id: str,
         n_ctx: int,

@@ -162,7 +162,7 @@ def _warm_kernel_cache(ctx, path: Path, threads: int, mode: str) -> None:  # noq
 
 def _warm_worker(path: str, threads: int, mode: str) -> None:
     from prima.engine.local import LocalEngine
-    from prima.model.loader import load_model
+    from prima.forward.loader import load_model
 
     loaded = load_model(path, threads=threads, mode=mode)
     engine = LocalEngine(loaded.model, n_ctx=32)
@@ -220,7 +220,7 @@ def _prima_engine(path: str, threads: int, mode: str, n_ctx: int, conn: Connecti
     import numpy as np
 
     from prima.engine.local import LocalEngine
-    from prima.model.loader import load_model
+    from prima.forward.loader import load_model
 
     loaded = load_model(path, threads=threads, mode=mode)
     text_ids = loaded.tokenizer.encode(PROMPT_TEXT * 40)

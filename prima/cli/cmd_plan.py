@@ -18,9 +18,10 @@ from prima.cli.engine_options import DEFAULT_CTX, add_discovery_args, discover_a
 from prima.coordinator.planner import HaldaOptions, plan_ring
 from prima.coordinator.ring import connect_nodes
 from prima.errors import InputError, PlanError
+from prima.model.files import open_model
 from prima.model.gguf_file import GGUFFile
-from prima.model.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
+from prima.plan import Plan
 from prima.scheduler import halda
 from prima.scheduler.cost_model import (
     device_time_ms,
@@ -30,7 +31,6 @@ from prima.scheduler.cost_model import (
     stream_buffer_layers,
     streams,
 )
-from prima.scheduler.plan import Plan
 from prima.scheduler.profile import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
 
 _GIB = float(1 << 30)
@@ -119,7 +119,7 @@ def _plan_running(args: argparse.Namespace) -> tuple[list[DeviceProfile], ModelP
     """Profile the daemons (discovered, or --nodes) and solve; nothing is loaded on them."""
     fingerprint = None
     if args.model is None or not args.model.endswith(".json"):
-        loaded = load_model(args.model or DEFAULT_MODEL, layers=range(0))
+        loaded = open_model(args.model or DEFAULT_MODEL, layers=range(0))
         fingerprint = loaded.gguf.fingerprint()
     model = _model_profile(args.model, None, args.ctx)
     if args.nodes:

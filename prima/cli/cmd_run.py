@@ -17,8 +17,8 @@ from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
 from prima.model.chat_template import model_chat_template, read_chat_template
 
-if TYPE_CHECKING:  # the loader imports numba; --help must not
-    from prima.model.loader import LoadedModel
+if TYPE_CHECKING:
+    from prima.model.files import ModelFiles
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, temp: float = 0.0) -> None:
@@ -69,7 +69,7 @@ def chat_template_from_args(args: argparse.Namespace) -> str | None:
     return read_chat_template(args.chat_template) if args.chat_template is not None else None
 
 
-def warn_if_no_chat_template(loaded: LoadedModel, template: str | None, *, run_hint: bool = False) -> None:
+def warn_if_no_chat_template(loaded: ModelFiles, template: str | None, *, run_hint: bool = False) -> None:
     """Say once on stderr that chat falls back to a guessed format when the model ships no
     template and none was given: small models answer such prompts with garbage."""
     if template is not None or model_chat_template(loaded.gguf.metadata) is not None:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from prima.coordinator.ring import Ring
     from prima.engine.generate import GenerateRequest, GenerationResult, Generator, TextDecoder
     from prima.engine.sampling import SamplerConfig
-    from prima.model.loader import LoadedModel
+    from prima.model.files import ModelFiles
 
 WIRE_DTYPES = (
     "f32",
@@ -165,7 +165,7 @@ class Session:
     """What a text-generating command needs: the model (tokenizer, metadata) and a Generator
     that runs requests on this device or on a ring (`ring`, whose head samples)."""
 
-    loaded: LoadedModel
+    loaded: ModelFiles
     generator: Generator
     n_ctx: int
     closers: list[Callable[[], None]] = field(default_factory=list)
@@ -231,7 +231,7 @@ def _mode(args: argparse.Namespace) -> str:
 def open_session(args: argparse.Namespace) -> Session:
     """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
     from prima.coordinator.local_ring import LocalRing
-    from prima.model.loader import load_model
+    from prima.model.files import open_model
 
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
@@ -243,8 +243,8 @@ def open_session(args: argparse.Namespace) -> Session:
         raise InputError(
             f"--windows gives {len(args.windows)} window sizes for {n_nodes} nodes; give one per node"
         )
-    # The coordinator only tokenizes: map the file without touching any layer.
-    loaded = load_model(args.model, backend=args.backend, threads=args.threads, layers=range(0))
+    # The coordinator only tokenizes: map the file without touching any layer or building compute.
+    loaded = open_model(args.model, layers=range(0))
     addresses = list(nodes or ())
     if not local_ring and not nodes:
         addresses = discover_addresses(args, loaded.gguf.fingerprint())
@@ -281,7 +281,7 @@ def open_session(args: argparse.Namespace) -> Session:
 def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:
     """PlanError for --windows/--rounds that cannot cover the model on these nodes, raised
     before any daemon is started for them."""
-    from prima.scheduler.plan import plan_from_window_sizes
+    from prima.plan import plan_from_window_sizes
 
     if args.windows is not None:
         plan_from_window_sizes([(n, "") for n in names], args.windows, args.rounds or 1, n_layers)
@@ -291,7 +291,7 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
     """The whole model on this device, its kernels compiled (once) before the model loads."""
     from prima.engine.generate import LocalGenerator
     from prima.engine.local import local_engine
-    from prima.model.loader import load_model
+    from prima.forward.loader import load_model
 
     ensure_compiled(path, on_stage=stage)
     loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
@@ -301,7 +301,7 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
 
 
 def connect_ring(
-    args: argparse.Namespace, loaded: LoadedModel, addresses: list[str], *, pick_head: bool
+    args: argparse.Namespace, loaded: ModelFiles, addresses: list[str], *, pick_head: bool
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
     (with `pick_head`, the node with the most memory becomes the head)."""

@@ -28,7 +28,7 @@ from prima.cli.progress import stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.server import start_server

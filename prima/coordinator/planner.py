@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile
+from prima.plan import Plan
 from prima.scheduler import halda
-from prima.scheduler.plan import Plan
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 
 log = logging.getLogger("prima.coordinator")

@@ -11,7 +11,7 @@ from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
-from prima.scheduler.plan import Plan, even_window_sizes, plan_from_window_sizes
+from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
 from .planner import HaldaOptions, plan_ring

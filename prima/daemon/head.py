@@ -21,10 +21,10 @@ import numpy as np
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
 from prima.errors import ContextFullError, InputError, NodeError
-from prima.model.transformer import Transformer
+from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.status import NotReadyError
-from prima.scheduler.plan import Plan
+from prima.plan import Plan
 
 from .state import Layout, NodeSession
 from .threads import use_threads

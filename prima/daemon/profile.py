@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prima.model.loader import LoadedModel
+from prima.forward.loader import LoadedModel
 from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops

@@ -16,11 +16,11 @@ from pathlib import Path
 from prima import metrics
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
-from prima.model.loader import LoadedModel
+from prima.forward.loader import LoadedModel
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
-from prima.scheduler.plan import Plan
+from prima.plan import Plan
 from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows, Residency
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from prima.errors import NodeError
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import Activation, WireDType
-from prima.scheduler.plan import Hop, Plan
+from prima.plan import Hop, Plan
 from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from prima import metrics
 from prima.errors import NodeError, PrimaError, ProtocolError
-from prima.model.transformer import Transformer
+from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 
 from .state import Layout, NodeSession

@@ -11,10 +11,10 @@ import logging
 import numpy as np
 
 from prima.errors import ContextFullError, InputError
-from prima.model.loader import LoadedModel
-from prima.model.transformer import Transformer
+from prima.forward.loader import LoadedModel
+from prima.forward.transformer import Transformer
+from prima.plan import Window
 from prima.scheduler.memory import read_memory_limit
-from prima.scheduler.plan import Window
 from prima.scheduler.profile import ModelProfile
 from prima.weights.window import PAGE, LayerWindows, Span, resident_bytes
 

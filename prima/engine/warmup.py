@@ -71,7 +71,7 @@ def exercise(model: str | os.PathLike[str]) -> None:
     import numpy as np
 
     from prima.engine.local import LocalEngine
-    from prima.model.loader import load_model
+    from prima.forward.loader import load_model
     from prima.scheduler.kernel_bench import kernel_flops
     from prima.scheduler.profile import ModelProfile
 

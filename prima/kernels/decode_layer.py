@@ -5,7 +5,7 @@ output projection, residual, gate/up, activation, down, residual); run from Pyth
 call and argument checks cost about as much as its arithmetic, ~50 us per block. Here the whole
 block is one numba function that calls the same kernels (prima.kernels.drivers, fused_ops)
 directly, so Python is crossed once per block. The arithmetic, and so the result, is that of the
-step-by-step path in prima.model.transformer, which prefill and other backends keep using.
+step-by-step path in prima.forward.transformer, which prefill and other backends keep using.
 
   decode_layer(x, ws, fmts, int8, lut, vecs, k_cache, v_cache, t, positions, inv_freq, neox,
                n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table)

@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from prima.kernels import ops
-from prima.model.config import ROPE_NEOX
+from prima.kernels.ops import ROPE_NEOX
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
 

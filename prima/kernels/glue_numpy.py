@@ -1,7 +1,7 @@
 """The per-layer glue of prima.kernels.fused_ops in numpy, for a device without numba.
 
 Same functions, same arguments, same float32 arithmetic as the numba kernels (which are faster:
-at decode a numpy call costs more than the math); prima.model.transformer uses this module only
+at decode a numpy call costs more than the math); prima.forward.transformer uses this module only
 when fused_ops cannot be imported.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from prima.kernels import ops
-from prima.model.config import ROPE_NEOX
+from prima.kernels.ops import ROPE_NEOX
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
 

@@ -10,7 +10,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from prima.model.config import ROPE_NEOX
+# RoPE layouts (llama.cpp's names): NORM rotates adjacent pairs (x0, x1); NEOX rotates
+# (x_i, x_{i+d/2}).
+ROPE_NORM = "norm"
+ROPE_NEOX = "neox"
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from prima.errors import ModelFileError, UnsupportedModelError
+from prima.kernels.ops import ROPE_NEOX, ROPE_NORM
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
-# RoPE layouts (llama.cpp's names): NORM rotates adjacent pairs (x0, x1); NEOX rotates
-# (x_i, x_{i+d/2}). GGUF llama models have q/k rows permuted at conversion to use NORM.
-ROPE_NORM = "norm"
-ROPE_NEOX = "neox"
+# RoPE layouts: ROPE_NORM, ROPE_NEOX (prima.kernels.ops). GGUF llama models have q/k rows
+# permuted at conversion to use NORM.
 
 
 @dataclass(frozen=True)

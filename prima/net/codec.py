@@ -21,7 +21,7 @@ from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError, PlanError, ProtocolError
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
-from prima.scheduler.plan import NodeAssignment, Plan, Window
+from prima.plan import NodeAssignment, Plan, Window
 from prima.scheduler.profile import DeviceProfile
 from prima.weights.window import Residency
 

@@ -20,7 +20,7 @@ from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.status import status_for
-from prima.scheduler.plan import Plan
+from prima.plan import Plan
 
 log = logging.getLogger("prima.net")
 T = TypeVar("T")

@@ -39,8 +39,8 @@ import highspy
 import numpy as np
 
 from prima.errors import PlanError
+from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.cost_model import DeviceCost, pinned_layers, ring_costs, ring_time_ms
-from prima.scheduler.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 
 log = logging.getLogger("prima.scheduler")

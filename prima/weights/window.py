@@ -37,7 +37,7 @@ import numpy as np
 from prima.errors import PlanError
 from prima.model.gguf_file import GGUFFile
 from prima.model.weights import ModelWeights
-from prima.scheduler.plan import Window
+from prima.plan import Window
 
 log = logging.getLogger("prima.weights")
 

@@ -22,7 +22,7 @@ from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow

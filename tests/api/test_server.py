@@ -26,7 +26,7 @@ from prima.engine.generate import GenerationResult, LocalGenerator, generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 
 N_CTX = 256
 HTTP_TIMEOUT_S = 300.0  # a safety bound for a loaded CI machine, not an expectation

@@ -15,7 +15,7 @@ from prima.api.service import CompletionService, EngineQueue, ServerBusyError
 from prima.engine.generate import LocalGenerator
 from prima.engine.local import LocalEngine
 from prima.errors import GenerationCancelled
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from tests.tiny_models import CHATML_TEMPLATE, write_tiny_model
 
 JOIN_S = 10.0  # safety bound on every wait; never an expectation about speed

@@ -12,7 +12,7 @@ from prima.coordinator.ring import Ring
 from prima.engine.generate import GenerateRequest, GenerationDone, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 
 N_CTX = 512  # the oracle's long prompts have ~310 tokens
 UBATCH = 4  # small, so prompts are cut into several micro-batches that pipeline round the ring

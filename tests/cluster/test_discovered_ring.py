@@ -19,7 +19,7 @@ from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from prima.net import discovery
 from prima.net.client import NodeClient
 from prima.scheduler.profile_cache import CACHE_ENV

@@ -12,7 +12,7 @@ import pytest
 
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 
 from .conftest import reference_tokens, ring_tokens, start_ring
 

@@ -18,7 +18,7 @@ from prima.coordinator.ring import Ring
 from prima.engine.generate import GenerationDone, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
 from tests.tiny_models import write_tiny_model
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from prima.daemon import profile as node_profile
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 from prima.scheduler import profiler
 from prima.scheduler.cost_model import gemv_ms
 from prima.scheduler.profile import DeviceProfile, ModelProfile

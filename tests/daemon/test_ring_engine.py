@@ -9,7 +9,7 @@ import numpy as np
 
 from prima.daemon.head import RingEngine
 from prima.net.codec import Activation
-from prima.scheduler.plan import Plan, plan_from_window_sizes
+from prima.plan import Plan, plan_from_window_sizes
 
 
 @dataclass

@@ -11,7 +11,7 @@ from prima.engine.local import LocalEngine
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 
 
 @cache

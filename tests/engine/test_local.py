@@ -13,7 +13,7 @@ import pytest
 
 from prima.engine.local import LocalEngine
 from prima.errors import ContextFullError, InputError
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import ORACLE_DIR, TINY_ORACLE_DIR, load_oracle, load_tiny_oracle, tiny_model_path
 
 # The tolerance tests/model/test_transformer.py holds one pass to (measured here: ~2e-5).

@@ -9,7 +9,7 @@ import numpy as np
 from prima.engine.generate import generate
 from prima.engine.local import LocalEngine, local_engine
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 
 
 def test_streaming_engine_gives_the_same_tokens(private_copy: Path) -> None:

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
+from prima.forward.loader import LoadedModel, load_model
 from prima.kernels import decode_layer as dl
 from prima.kernels import matmul as mm
 from prima.kernels import ops
 from prima.kernels.quants import F16_TABLE
-from prima.model.loader import LoadedModel, load_model
 
 from .weights import random_qtensor
 

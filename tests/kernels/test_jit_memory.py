@@ -176,7 +176,7 @@ import numpy as np
 from pathlib import Path
 from prima.engine.local import LocalEngine
 from prima.kernels import jit_memory
-from prima.model import loader
+from prima.forward import loader
 
 if sys.argv[1] == "lazy":
     loader.jit_memory.preload_and_release = lambda: None

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prima.errors import TokenizerError
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from tests.tiny_models import write_tiny_model
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import ORACLE_DIR, ORACLE_TAGS, load_oracle
 
 

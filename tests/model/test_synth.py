@@ -12,8 +12,8 @@ from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
+from prima.forward.loader import load_model
 from prima.model.gguf_file import GGUFFile
-from prima.model.loader import load_model
 from prima.model.synth import SynthSpec, spec_for_size, write_synth_model
 from prima.scheduler.profile import ModelProfile
 

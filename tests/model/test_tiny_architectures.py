@@ -14,8 +14,8 @@ from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
+from prima.forward.loader import load_model
 from prima.model.config import SUPPORTED_ARCHITECTURES
-from prima.model.loader import load_model
 from tests.llama_reference import LlamaF32
 from tests.tiny_models import write_tiny_model
 

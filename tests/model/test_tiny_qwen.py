@@ -20,7 +20,7 @@ from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
 from tests.llama_reference import LlamaF32
 

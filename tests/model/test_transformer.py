@@ -12,7 +12,7 @@ import pytest
 from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import LoadedModel, load_model
+from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import ORACLE_DIR, load_oracle
 
 # Exact mode (weights dequantized exactly, float32 activations) against llama.cpp on an

@@ -21,7 +21,7 @@ import json, sys
 sys.modules["numba"] = None
 import numpy as np
 from prima.kernels import matmul
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 assert not matmul.HAVE_NUMBA
 loaded = load_model(sys.argv[1], mode="exact")
 model = loaded.model

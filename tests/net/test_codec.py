@@ -11,7 +11,7 @@ from prima.net import codec
 from prima.net.codec import Activation, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
-from prima.scheduler.plan import plan_from_window_sizes
+from prima.plan import plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
 

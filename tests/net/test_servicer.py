@@ -12,13 +12,13 @@ import pytest
 
 from prima.daemon.runtime import NodeRuntime
 from prima.engine.sampling import SamplerConfig
-from prima.model.loader import load_model
+from prima.forward.loader import load_model
 from prima.net import codec
 from prima.net.codec import Activation
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
-from prima.scheduler.plan import plan_from_window_sizes
+from prima.plan import plan_from_window_sizes
 
 MAX_BATCH = 8
 MAX_MESSAGE = 1 << 20

@@ -12,8 +12,8 @@ import pytest
 from prima.errors import PlanError
 from prima.model.gguf_file import GGUFFile
 from prima.model.weights import ModelWeights
+from prima.plan import Window
 from prima.scheduler.memory import process_major_faults
-from prima.scheduler.plan import Window
 from prima.weights.window import PAGE, LayerWindows, resident_bytes
 
 # Pages another mapping touches near a span edge (read-around) may stay cached; allow a little.
