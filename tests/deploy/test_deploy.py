@@ -41,7 +41,7 @@ def test_compose_commands_parse() -> None:
         else:
             assert argv[0] == "prima"
             args = build_parser().parse_args(argv[1:])
-            assert args.nodes.split(",") == [f"127.0.0.1:{p}" for p in ports]
+            assert args.nodes == [f"127.0.0.1:{p}" for p in ports]
 
 
 def test_unit_command_parses_with_env_file() -> None:
