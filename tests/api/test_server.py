@@ -3,7 +3,7 @@
 Greedy answers must equal `generate()` on the same prompt; streams must add up to the
 non-streaming text; bad input gets a 4xx naming the problem and the server keeps serving;
 concurrent clients each get their own correct answer; a client that hangs up mid-stream frees
-the engine at the next token."""
+the engine at the next token. The cluster view (this device) is served too."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prima.api.cluster_view import ClusterMonitor, read_local
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, ServeDefaults
 from prima.engine.generate import GenerationResult, LocalGenerator, generate
@@ -69,7 +70,8 @@ def server(engine: CountingEngine) -> Iterator[ApiServer]:
     service = CompletionService(
         _smollm2(), LocalGenerator(engine), "smollm2-135m", engine.n_ctx, defaults=defaults
     )
-    srv = ApiServer(("127.0.0.1", 0), service)
+    monitor = ClusterMonitor("smollm2-135m", lambda: read_local(_smollm2(), None))
+    srv = ApiServer(("127.0.0.1", 0), service, monitor=monitor)
     thread = srv.serve_in_background()
     yield srv
     srv.stop()
@@ -158,6 +160,27 @@ def test_health_and_models(server: ApiServer) -> None:
     status, models = _request(server, "GET", "/v1/models")
     assert status == 200
     assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+
+
+def test_cluster_view_shows_this_device_and_the_time_measured_per_token(server: ApiServer) -> None:
+    status, _ = _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 4, "temperature": 0})
+    assert status == 200
+    status, view = _request(server, "GET", "/v1/cluster")
+    assert status == 200
+    assert view["model"] == "smollm2-135m"
+    assert view["mode"] == "local"
+    assert view["n_layers"] == 30
+    [node] = view["nodes"]
+    assert node["role"] == "local"
+    assert node["answering"]
+    assert node["windows"] == [[0, 30]]
+    assert node["device"]["ram_total_bytes"] > 0
+    res = node["residency"]
+    assert 0 < res["resident_bytes"] <= res["owned_bytes"]  # mincore over the layers it just ran
+    measured = view["measured"]
+    assert measured["requests"] >= 1
+    assert measured["ms_per_token"] > 0
+    assert measured["last"]["generated_tokens"] == 4
 
 
 def _metrics(srv: ApiServer) -> dict[str, float]:
