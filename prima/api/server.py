@@ -192,7 +192,9 @@ class ApiHandler(BaseHTTPRequestHandler):
                 },
             )
         elif path == "/v1/models":
-            self._send_json(HTTPStatus.OK, models_response(service.model_id, service.created))
+            cfg = service.loaded.weights.config
+            meta = {"context_length": service.n_ctx, "architecture": cfg.arch, "n_layers": cfg.n_layers}
+            self._send_json(HTTPStatus.OK, models_response(service.model_id, service.created, meta))
         elif path == "/v1/cluster":
             self._send_json(HTTPStatus.OK, self.server.monitor.snapshot().to_dict())
         elif path == "/metrics":

@@ -160,6 +160,7 @@ def test_health_and_models(server: ApiServer) -> None:
     status, models = _request(server, "GET", "/v1/models")
     assert status == 200
     assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+    assert models["data"][0]["meta"] == {"context_length": N_CTX, "architecture": "llama", "n_layers": 30}
 
 
 def test_cluster_view_shows_this_device_and_the_time_measured_per_token(server: ApiServer) -> None:
