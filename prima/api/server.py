@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
@@ -37,6 +37,7 @@ from prima.api.openai_schema import (
     usage_chunk,
 )
 from prima.api.service import CompletionService, ServerBusyError
+from prima.api.web_page import SECURITY_HEADERS, asset
 from prima.engine.generate import GenerationResult
 from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
 
@@ -49,7 +50,7 @@ POST_ROUTES: dict[str, Callable[[Any], GenerationRequest]] = {
     "/v1/chat/completions": parse_chat_request,
     "/v1/completions": parse_completion_request,
 }
-GET_ROUTES = ("/health", "/v1/models", "/v1/cluster", "/metrics")
+GET_ROUTES = ("/", "/health", "/v1/models", "/v1/cluster", "/metrics")
 
 
 class HttpError(Exception):
@@ -199,6 +200,8 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.OK, self.server.monitor.snapshot().to_dict())
         elif path == "/metrics":
             self._send_bytes(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
+        elif (page := asset(path)) is not None:
+            self._send_bytes(HTTPStatus.OK, page.data, page.content_type, SECURITY_HEADERS)
         elif path in POST_ROUTES:
             self._method_not_allowed(path)
         else:
@@ -355,10 +358,14 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _send_json(self, status: HTTPStatus, obj: dict[str, Any]) -> None:
         self._send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
 
-    def _send_bytes(self, status: HTTPStatus, data: bytes, content_type: str) -> None:
+    def _send_bytes(
+        self, status: HTTPStatus, data: bytes, content_type: str, headers: Mapping[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()

@@ -1,4 +1,5 @@
-"""`prima serve`: an OpenAI-compatible HTTP API over one model (on this device or a ring).
+"""`prima serve`: an OpenAI-compatible HTTP API over one model (on this device or a ring), and a
+web page at / to chat with it and watch the cluster.
 
 The sampling flags set the defaults a request gets when it leaves a field out; request fields
 always win. Requests queue for the engine one at a time. Ctrl-C stops the server cleanly."""
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port}: {exc.strerror}; pick another --port"
         ) from None
     print(
-        f"prima serve: {model_id} (context {service.n_ctx}) at {server.url}/v1  (Ctrl-C stops)",
+        f"prima serve: {model_id} (context {service.n_ctx}) at {server.url}/v1, web page at "
+        f"{server.url}/  (Ctrl-C stops)",
         file=sys.stderr,
     )
     try:

@@ -3,7 +3,8 @@
 Greedy answers must equal `generate()` on the same prompt; streams must add up to the
 non-streaming text; bad input gets a 4xx naming the problem and the server keeps serving;
 concurrent clients each get their own correct answer; a client that hangs up mid-stream frees
-the engine at the next token. The cluster view (this device) is served too."""
+the engine at the next token. The web page's files and the cluster view (this device) are served
+too."""
 
 from __future__ import annotations
 
@@ -161,6 +162,40 @@ def test_health_and_models(server: ApiServer) -> None:
     assert status == 200
     assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
     assert models["data"][0]["meta"] == {"context_length": N_CTX, "architecture": "llama", "n_layers": 30}
+
+
+def _get_bytes(srv: ApiServer, path: str) -> tuple[int, dict[str, str], bytes]:
+    conn = _connect(srv)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_web_page_and_its_files_are_served_from_the_package(server: ApiServer) -> None:
+    status, headers, page = _get_bytes(server, "/")
+    assert status == 200
+    assert headers["Content-Type"] == "text/html; charset=utf-8"
+    assert "default-src 'self'" in headers["Content-Security-Policy"]  # nothing from elsewhere
+    assert b'src="/static/app.js"' in page
+    assert b"://" not in page  # no address elsewhere: it works on a network with no internet
+    for path, kind in (("/static/app.js", "text/javascript"), ("/static/style.css", "text/css")):
+        status, headers, body = _get_bytes(server, path)
+        assert status == 200
+        assert headers["Content-Type"].startswith(kind)
+        assert body
+        assert b"://" not in body
+
+
+@pytest.mark.parametrize(
+    "path", ["/static/nope.js", "/static/../server.py", "/static/%2e%2e/server.py", "/index.html", "/app.js"]
+)
+def test_only_the_page_files_are_served(server: ApiServer, path: str) -> None:
+    status, _, body = _get_bytes(server, path)
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "not_found"
 
 
 def test_cluster_view_shows_this_device_and_the_time_measured_per_token(server: ApiServer) -> None:
