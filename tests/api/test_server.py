@@ -4,7 +4,7 @@ Greedy answers must equal `generate()` on the same prompt; streams must add up t
 non-streaming text; bad input gets a 4xx naming the problem and the server keeps serving;
 concurrent clients each get their own correct answer; a client that hangs up mid-stream frees
 the engine at the next token. The web page's files and the cluster view (this device) are served
-too."""
+too; tests/api/test_web_page.py drives the page itself in a browser."""
 
 from __future__ import annotations
 
