@@ -9,6 +9,7 @@ saw. Nothing here runs on the generation path; a poll costs one Info RPC per nod
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 import threading
 import time
@@ -208,7 +209,18 @@ class ClusterView:
             node["windows"] = [[w["start"], w["end"]] for w in node["windows"]]
         for hop in out["hops"]:
             hop["window"] = [hop["window"]["start"], hop["window"]["end"]]
-        return out
+        return _finite(out)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with inf and NaN as None: JSON has neither, and browsers refuse Python's Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

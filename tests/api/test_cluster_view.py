@@ -144,6 +144,14 @@ def test_view_is_json_with_windows_as_pairs() -> None:
     assert body["nodes"][0]["residency"]["budget_bytes"] == 56 * MiB
 
 
+def test_view_json_has_no_infinity() -> None:
+    """A device that cannot hold or stream its layers is predicted inf ms; JSON says null."""
+    ring = _ring(_plan(predicted=float("inf")))
+    body = _monitor(ring).snapshot().to_dict()
+    assert body["predicted_ms_per_token"] is None
+    json.dumps(body, allow_nan=False)
+
+
 def test_hop_predictions_add_up_to_the_planned_time_per_token() -> None:
     """Equal devices that hold their layers: the trip round the ring is the cost, so its hops
     plus the head's output head are the cost model's prediction for the plan."""
