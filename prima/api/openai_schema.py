@@ -390,11 +390,12 @@ def usage_chunk(
     }
 
 
-def models_response(model: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "prima"}],
-    }
+def models_response(model: str, created: int, meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The one model the server (or its ring) runs; `meta` says what it can take (context, layers)."""
+    entry: dict[str, Any] = {"id": model, "object": "model", "created": created, "owned_by": "prima"}
+    if meta:
+        entry["meta"] = dict(meta)
+    return {"object": "list", "data": [entry]}
 
 
 def error_body(

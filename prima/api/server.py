@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from prima.api.cluster_view import ClusterMonitor
 from prima.api.openai_schema import (
     GenerationRequest,
     RequestError,
@@ -36,6 +37,7 @@ from prima.api.openai_schema import (
     usage_chunk,
 )
 from prima.api.service import CompletionService, ServerBusyError
+from prima.api.web_page import SECURITY_HEADERS, asset
 from prima.engine.generate import GenerationResult
 from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
 
@@ -48,7 +50,7 @@ POST_ROUTES: dict[str, Callable[[Any], GenerationRequest]] = {
     "/v1/chat/completions": parse_chat_request,
     "/v1/completions": parse_completion_request,
 }
-GET_ROUTES = ("/health", "/v1/models", "/metrics")
+GET_ROUTES = ("/", "/health", "/v1/models", "/v1/cluster", "/metrics")
 
 
 class HttpError(Exception):
@@ -69,15 +71,21 @@ class ClientGone(Exception):
 
 class ApiServer(ThreadingHTTPServer):
     """The HTTP server bound to one CompletionService. Binding happens in the constructor, so
-    the port (use 0 in tests) is known and connectable before `serve_forever` starts."""
+    the port (use 0 in tests) is known and connectable before `serve_forever` starts.
+    `monitor` answers /v1/cluster and hears of every finished generation and failure."""
 
     daemon_threads = True
 
     def __init__(
-        self, address: tuple[str, int], service: CompletionService, max_body_bytes: int = MAX_BODY_BYTES
+        self,
+        address: tuple[str, int],
+        service: CompletionService,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        monitor: ClusterMonitor | None = None,
     ):
         self.service = service
         self.max_body_bytes = max_body_bytes
+        self.monitor = monitor or ClusterMonitor(service.model_id)
         super().__init__(address, ApiHandler)
 
     @property
@@ -152,16 +160,19 @@ class ApiHandler(BaseHTTPRequestHandler):
             log.info("%s %s: %s", self.command, path, exc)
             self.close_connection = True
         except NodeError as exc:
+            self.server.monitor.record_failure(str(exc))
             self._send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error", "node_unavailable")
         except PrimaError as exc:
             log.error("%s %s failed: %s", self.command, path, exc)
+            self.server.monitor.record_failure(str(exc))
             self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "server_error", "internal_error")
         except (BrokenPipeError, ConnectionResetError, TimeoutError) as exc:
             log.info("%s %s: connection lost: %s", self.command, path, exc)
             self.close_connection = True
-        except Exception:
+        except Exception as exc:
             # A bug, not bad input: log the traceback, answer 500, keep serving other clients.
             log.exception("%s %s: unexpected error", self.command, path)
+            self.server.monitor.record_failure(f"{self.command} {path}: unexpected {exc.__class__.__name__}")
             self._send_error(
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 "internal server error; see the server log",
@@ -182,9 +193,15 @@ class ApiHandler(BaseHTTPRequestHandler):
                 },
             )
         elif path == "/v1/models":
-            self._send_json(HTTPStatus.OK, models_response(service.model_id, service.created))
+            cfg = service.loaded.weights.config
+            meta = {"context_length": service.n_ctx, "architecture": cfg.arch, "n_layers": cfg.n_layers}
+            self._send_json(HTTPStatus.OK, models_response(service.model_id, service.created, meta))
+        elif path == "/v1/cluster":
+            self._send_json(HTTPStatus.OK, self.server.monitor.snapshot().to_dict())
         elif path == "/metrics":
             self._send_bytes(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
+        elif (page := asset(path)) is not None:
+            self._send_bytes(HTTPStatus.OK, page.data, page.content_type, SECURITY_HEADERS)
         elif path in POST_ROUTES:
             self._method_not_allowed(path)
         else:
@@ -271,6 +288,7 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def _complete(self, req: GenerationRequest, events: Iterator[str | GenerationResult]) -> None:
         result = _last_result(events)
+        self.server.monitor.record_generation(result.timings)
         model = self.server.service.model_id
         body = completion_response(
             req,
@@ -308,6 +326,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         try:
             while True:
                 if isinstance(event, GenerationResult):
+                    self.server.monitor.record_generation(event.timings)
                     self._write_event(stream_chunk(req, **ident, stop_reason=event.stop_reason))
                     if req.include_usage:
                         self._write_event(usage_chunk(req, **ident, usage=_usage(event)))
@@ -320,6 +339,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         except PrimaError as exc:
             # The status line is gone already; report in-band like OpenAI does, then end the stream.
             log.error("%s: generation failed mid-stream: %s", self.path, exc)
+            self.server.monitor.record_failure(str(exc))
             self._write_event(error_body(str(exc), "server_error", "generation_failed"))
         self._write_chunk(b"data: [DONE]\n\n")
         if self._chunked:
@@ -338,10 +358,14 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _send_json(self, status: HTTPStatus, obj: dict[str, Any]) -> None:
         self._send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
 
-    def _send_bytes(self, status: HTTPStatus, data: bytes, content_type: str) -> None:
+    def _send_bytes(
+        self, status: HTTPStatus, data: bytes, content_type: str, headers: Mapping[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()

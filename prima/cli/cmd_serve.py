@@ -1,4 +1,5 @@
-"""`prima serve`: an OpenAI-compatible HTTP API over one model (on this device or a ring).
+"""`prima serve`: an OpenAI-compatible HTTP API over one model (on this device or a ring), and a
+web page at / to chat with it and watch the cluster.
 
 The sampling flags set the defaults a request gets when it leaves a field out; request fields
 always win. Requests queue for the engine one at a time. Ctrl-C stops the server cleanly."""
@@ -9,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from prima.api.cluster_view import ClusterMonitor, read_local, read_ring
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, EngineQueue, ServeDefaults
 from prima.cli.arg_types import non_negative_int, port, positive_int
@@ -19,8 +21,9 @@ from prima.cli.cmd_run import (
     sampler_from_args,
     warn_if_no_chat_template,
 )
-from prima.cli.engine_options import add_model_args, open_session
+from prima.cli.engine_options import Session, add_model_args, open_session
 from prima.errors import InputError
+from prima.scheduler.profile import ModelProfile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,15 +69,17 @@ def run(args: argparse.Namespace) -> int:
         queue=EngineQueue(max_waiting=args.max_queue),
         chat_template=template,
     )
+    monitor = _cluster_monitor(session, model_id, args.ctx)
     try:
-        server = ApiServer((args.host, args.port), service)
+        server = ApiServer((args.host, args.port), service, monitor=monitor)
     except OSError as exc:
         session.close()
         raise InputError(
             f"cannot listen on {args.host}:{args.port}: {exc.strerror}; pick another --port"
         ) from None
     print(
-        f"prima serve: {model_id} (context {service.n_ctx}) at {server.url}/v1  (Ctrl-C stops)",
+        f"prima serve: {model_id} (context {service.n_ctx}) at {server.url}/v1, web page at "
+        f"{server.url}/  (Ctrl-C stops)",
         file=sys.stderr,
     )
     try:
@@ -86,6 +91,22 @@ def run(args: argparse.Namespace) -> int:
         server.server_close()
         session.close()
     return 0
+
+
+def _cluster_monitor(session: Session, model_id: str, n_ctx: int) -> ClusterMonitor:
+    """What GET /v1/cluster reads: the ring's daemons (with the cost model Halda planned with,
+    for predicted times), or this device."""
+    from prima.engine.generate import LocalGenerator
+    from prima.engine.local import LocalEngine
+
+    ring = session.ring
+    if ring is not None:
+        model = ModelProfile.from_gguf(session.loaded.gguf, ctx_tokens=n_ctx)
+        return ClusterMonitor(model_id, lambda: read_ring(ring), model)
+    gen = session.generator
+    engine = gen.engine if isinstance(gen, LocalGenerator) else None
+    streamer = engine.streamer if isinstance(engine, LocalEngine) else None
+    return ClusterMonitor(model_id, lambda: read_local(session.loaded, streamer))
 
 
 def _model_id(model: str) -> str:

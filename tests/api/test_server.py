@@ -3,7 +3,8 @@
 Greedy answers must equal `generate()` on the same prompt; streams must add up to the
 non-streaming text; bad input gets a 4xx naming the problem and the server keeps serving;
 concurrent clients each get their own correct answer; a client that hangs up mid-stream frees
-the engine at the next token."""
+the engine at the next token. The web page's files and the cluster view (this device) are served
+too; tests/api/test_web_page.py drives the page itself in a browser."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prima.api.cluster_view import ClusterMonitor, read_local
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, ServeDefaults
 from prima.engine.generate import GenerationResult, LocalGenerator, generate
@@ -69,7 +71,8 @@ def server(engine: CountingEngine) -> Iterator[ApiServer]:
     service = CompletionService(
         _smollm2(), LocalGenerator(engine), "smollm2-135m", engine.n_ctx, defaults=defaults
     )
-    srv = ApiServer(("127.0.0.1", 0), service)
+    monitor = ClusterMonitor("smollm2-135m", lambda: read_local(_smollm2(), None))
+    srv = ApiServer(("127.0.0.1", 0), service, monitor=monitor)
     thread = srv.serve_in_background()
     yield srv
     srv.stop()
@@ -158,6 +161,62 @@ def test_health_and_models(server: ApiServer) -> None:
     status, models = _request(server, "GET", "/v1/models")
     assert status == 200
     assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+    assert models["data"][0]["meta"] == {"context_length": N_CTX, "architecture": "llama", "n_layers": 30}
+
+
+def _get_bytes(srv: ApiServer, path: str) -> tuple[int, dict[str, str], bytes]:
+    conn = _connect(srv)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_web_page_and_its_files_are_served_from_the_package(server: ApiServer) -> None:
+    status, headers, page = _get_bytes(server, "/")
+    assert status == 200
+    assert headers["Content-Type"] == "text/html; charset=utf-8"
+    assert "default-src 'self'" in headers["Content-Security-Policy"]  # nothing from elsewhere
+    assert b'src="/static/app.js"' in page
+    assert b"://" not in page  # no address elsewhere: it works on a network with no internet
+    for path, kind in (("/static/app.js", "text/javascript"), ("/static/style.css", "text/css")):
+        status, headers, body = _get_bytes(server, path)
+        assert status == 200
+        assert headers["Content-Type"].startswith(kind)
+        assert body
+        assert b"://" not in body
+
+
+@pytest.mark.parametrize(
+    "path", ["/static/nope.js", "/static/../server.py", "/static/%2e%2e/server.py", "/index.html", "/app.js"]
+)
+def test_only_the_page_files_are_served(server: ApiServer, path: str) -> None:
+    status, _, body = _get_bytes(server, path)
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "not_found"
+
+
+def test_cluster_view_shows_this_device_and_the_time_measured_per_token(server: ApiServer) -> None:
+    status, _ = _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 4, "temperature": 0})
+    assert status == 200
+    status, view = _request(server, "GET", "/v1/cluster")
+    assert status == 200
+    assert view["model"] == "smollm2-135m"
+    assert view["mode"] == "local"
+    assert view["n_layers"] == 30
+    [node] = view["nodes"]
+    assert node["role"] == "local"
+    assert node["answering"]
+    assert node["windows"] == [[0, 30]]
+    assert node["device"]["ram_total_bytes"] > 0
+    res = node["residency"]
+    assert 0 < res["resident_bytes"] <= res["owned_bytes"]  # mincore over the layers it just ran
+    measured = view["measured"]
+    assert measured["requests"] >= 1
+    assert measured["ms_per_token"] > 0
+    assert measured["last"]["generated_tokens"] == 4
 
 
 def _metrics(srv: ApiServer) -> dict[str, float]:
