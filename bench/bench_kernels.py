@@ -11,7 +11,7 @@ import time
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from prima.backends import get_backend
+from prima.backends.cpu import CpuOps
 from prima.kernels.tensor import QTensor
 from prima.model.gguf_file import GGUFFile
 from prima.paths import models_dir
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--n", type=int, nargs="*", default=[1, 3, 64])
     args = parser.parse_args()
-    backend = get_backend("cpu", threads=args.threads)
+    backend = CpuOps(threads=args.threads)
     for model, name in REAL:
         path = models_dir() / model
         if not path.exists():

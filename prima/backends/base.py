@@ -1,35 +1,94 @@
-"""The compute interface the model code runs on. A backend owns the heavy linear algebra
-(quantized matmul, embedding row lookup); the model code never branches on weight format or
-device. Backends are chosen by name: `cpu` now, `cann` (Ascend NPU via CANN's `acl`) later."""
+"""The seam between a model and the hardware that computes it: a backend runs *windows* of
+consecutive layers, the unit the ring hands out, so an accelerator that compiles a whole window
+into one graph (the Ascend route: an offline model per window) plugs in as easily as the CPU.
+
+A backend is bound to one model's weights (`get_backend(name, weights, ...)`). The engines and
+the daemon use it like this:
+
+    window = backend.load_window(range(10, 20))   # CPU: views over the mmap; NPU: a device copy
+    kv = backend.new_kv(n_ctx, window.layers)      # the KV state of those layers, backend-owned
+    h = backend.embed(token_ids)                   # on the ring's head
+    h = backend.run_window(window, h, positions, kv)
+    logits = backend.logits(h[-1:])                # on the head
+    backend.release_window(window)                 # when the plan drops these layers
+
+Each call to run_window appends the tokens at `positions` to `kv` (positions continue from what
+`kv` holds, or restart earlier to overwrite), so prefill may be cut into micro-batches and
+decode adds one token at a time. Backends state how close they are to llama.cpp
+(`logit_tolerance`) and whether running layers in several windows gives the same bits as one
+window (`windows_bit_identical`); tests/backends/test_conformance.py holds every backend to both.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
 
 from prima.kernels.tensor import QTensor
+from prima.model.config import ModelConfig
+
+
+class KVState(Protocol):
+    """A session's keys and values for some layers, in whatever form the backend keeps them."""
+
+    n_ctx: int
+
+    @property
+    def n_bytes(self) -> int:
+        """Host memory it takes (what a daemon's memory budget must leave room for)."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= length (the next write may start there)."""
+        ...
+
+
+class WindowHandle(Protocol):
+    """A window of layers made ready to run; opaque beyond the layers it holds."""
+
+    layers: range
 
 
 class Backend(Protocol):
     name: str
+    mode: str  # the arithmetic it runs, e.g. the CPU's "q8" or "exact"
+    config: ModelConfig
+    # Largest |logit - llama.cpp's f32 logit| this backend promises on F32 weights.
+    logit_tolerance: float
+    windows_bit_identical: bool
+    # Computes on a device beside the host CPU (an NPU): a plan's accel_layers go to it.
+    accelerator: bool
+
+    def load_window(self, layers: range) -> WindowHandle:
+        """Make `layers` ready to run (their weights must be valid in the model file)."""
+        ...
+
+    def release_window(self, window: WindowHandle) -> None:
+        """Give back what load_window took; the handle is not used again."""
+        ...
+
+    def new_kv(self, n_ctx: int, layers: Iterable[int]) -> KVState:
+        """Empty KV state for up to `n_ctx` positions of `layers`."""
+        ...
+
+    def run_window(
+        self, window: WindowHandle, hidden: np.ndarray, positions: np.ndarray, kv: KVState
+    ) -> np.ndarray:
+        """Hidden states (n, d_model) float32 of the tokens at `positions` (n,) through every
+        layer of `window`, in order; the tokens' keys and values are stored in `kv`."""
+        ...
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """Token ids (n,) -> hidden states (n, d_model) float32."""
+        ...
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Hidden states (n, d_model) -> logits (n, vocab) float32 (final norm + output head)."""
+        ...
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
-        """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
+        """y = x @ W.T (float32), in the mode this backend runs: what the profiler times per
+        weight format (prima.scheduler.kernel_bench) so that plans use this backend's speed."""
         ...
-
-    def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
-        """y = x @ [W0; W1; ...].T, float32 (n, sum of rows), for weights sharing `cols` (merged
-        q/k/v and gate/up projections: one call where the backend can fuse them)."""
-        ...
-
-    def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
-        """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""
-        ...
-
-
-# Optional, for a backend that can run a whole transformer block in one call at decode (the CPU
-# backend does): `fused_block(layer, config, inv_freq, window)` returns an opaque block or None,
-# `run_block(block, x, positions, k_cache, v_cache, t)` runs it on up to `fused_max_tokens`
-# tokens. The model looks them up with getattr; a backend without them runs blocks step by step.

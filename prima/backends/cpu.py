@@ -1,36 +1,43 @@
-"""The CPU backend: fused numba kernels over the raw GGUF blocks (prima.kernels.matmul)."""
+"""The CPU backend: the reference forward pass (backends.reference) on fused numba kernels over
+the raw GGUF blocks (prima.kernels.matmul), plus a one-call decode block of its own.
+
+At decode (up to `fused_max_tokens` tokens) a whole block runs as one compiled call
+(prima.kernels.decode_layer): the same kernels in the same order as the reference block, so the
+same bits (tests/kernels/test_decode_layer.py), without ~20 Python-level launches per layer.
+Without numba, everything runs the reference pass on numpy glue (slow, but it runs).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prima.backends import reference
+from prima.backends.reference import BlockParams
 from prima.errors import InputError
 from prima.kernels import matmul as kernels
 from prima.kernels.tensor import QTensor
+from prima.model.weights import ModelWeights
+from prima.weights.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from prima.kernels.decode_layer import FusedBlock
-    from prima.model.config import ModelConfig
-    from prima.model.weights import LayerWeights
 
 log = logging.getLogger("prima.backends")
-
 
 MODES: tuple[str, ...] = ("q8", "exact")
 
 
-class CpuBackend:
-    """Runs every supported weight format on the host CPU with at most `threads` workers (None:
-    one per core): numba's pool for decode kernels, as many Python threads for prefill tiles.
-    `mode` "q8" quantizes decode activations to int8 blocks for the integer kernels (llama.cpp's
-    arithmetic, logits within ~1e-3 of exact); "exact" keeps float32 activations throughout."""
-
-    name = "cpu"
+class CpuOps:
+    """Matmuls on the host CPU with at most `threads` workers (None: one per core): numba's pool
+    for decode kernels, as many Python threads for prefill tiles. `mode` "q8" quantizes decode
+    activations to int8 blocks for the integer kernels (llama.cpp's arithmetic, logits within
+    ~1e-3 of exact); "exact" keeps float32 activations throughout."""
 
     def __init__(self, threads: int | None = None, mode: str = "q8") -> None:
         if threads is not None and threads < 1:
@@ -38,7 +45,7 @@ class CpuBackend:
         if mode not in MODES:
             raise InputError(f"unknown cpu mode {mode!r}; available: {', '.join(MODES)}")
         self.mode = mode
-        self._int8 = mode == "q8"
+        self.int8 = mode == "q8"
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         if kernels.HAVE_NUMBA:
             import numba
@@ -50,39 +57,83 @@ class CpuBackend:
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
-        return kernels.matmul(w, x, self._int8)
+        return kernels.matmul(w, x, self.int8)
 
     def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
         """y = x @ [W0; W1; ...].T (n, sum of rows): one launch for weights of one format."""
-        return kernels.matmul_many(ws, x, self._int8)
-
-    # Blocks of up to this many tokens run as one compiled call (prima.kernels.decode_layer).
-    fused_max_tokens = kernels.FUSED_MAX_N
-
-    def fused_block(
-        self, layer: LayerWeights, config: ModelConfig, inv_freq: np.ndarray, window: int
-    ) -> FusedBlock | None:
-        """The one-call form of block `layer` for decode, or None (no numba, or a projection in
-        a float format): the model then runs the block step by step through matmul_many."""
-        if not kernels.HAVE_NUMBA:
-            return None
-        from prima.kernels.decode_layer import FusedBlock
-
-        return FusedBlock.build(layer, config, inv_freq, window)
-
-    def run_block(
-        self,
-        block: FusedBlock,
-        x: np.ndarray,
-        positions: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        t: int,
-    ) -> np.ndarray:
-        """Hidden states x (n <= fused_max_tokens, d) through `block`, writing its keys and values
-        into the cache rows at `positions` (already reserved); t valid rows afterwards."""
-        return block.run(x, positions, k_cache, v_cache, t, self._int8)
+        return kernels.matmul_many(ws, x, self.int8)
 
     def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""
         return kernels.get_rows(w, ids)
+
+
+@dataclass(frozen=True)
+class CpuWindow:
+    """A window on the CPU: its blocks' parameters (views over the mmap, nothing copied) and
+    their one-call decode form where every projection has a fused kernel."""
+
+    layers: range
+    blocks: tuple[BlockParams, ...]
+    fused: tuple[FusedBlock | None, ...]
+
+
+class CpuBackend:
+    """A model's layers computed on the host CPU (see CpuOps for `threads` and `mode`)."""
+
+    name = "cpu"
+    windows_bit_identical = True
+    accelerator = False
+    logit_tolerance = 1e-3  # both modes, F32 weights (q8 computes F32 weights in float32)
+
+    def __init__(self, weights: ModelWeights, threads: int | None = None, mode: str = "q8") -> None:
+        self.weights = weights
+        self.config = weights.config
+        self.ops = CpuOps(threads, mode)
+        self.mode = mode
+        # Blocks of up to this many tokens run as one compiled call; 0 turns the fast path off.
+        self.fused_max_tokens = kernels.FUSED_MAX_N if kernels.HAVE_NUMBA else 0
+
+    def load_window(self, layers: range) -> CpuWindow:
+        self.weights.validate(layers)
+        blocks = tuple(BlockParams.of(self.weights.layer(i), self.config) for i in layers)
+        return CpuWindow(layers, blocks, tuple(self._fused_block(p) for p in blocks))
+
+    def release_window(self, window: CpuWindow) -> None:
+        """Nothing to free: the window is views over the mmap, whose pages the daemon's layer
+        windows (prima.weights.window) keep or drop."""
+
+    def new_kv(self, n_ctx: int, layers: Iterable[int]) -> KVCache:
+        return KVCache(self.config, n_ctx, layers)
+
+    def run_window(
+        self, window: CpuWindow, hidden: np.ndarray, positions: np.ndarray, kv: KVCache
+    ) -> np.ndarray:
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        fast = h.shape[0] <= self.fused_max_tokens
+        for params, fused in zip(window.blocks, window.fused, strict=True):
+            i = params.weights.index
+            if fused is not None and fast:
+                t = kv.reserve(i, positions)
+                h = fused.run(h, positions, kv.k[i], kv.v[i], t, self.ops.int8)
+            else:
+                h = reference.block(self.config, params, self.ops, h, positions, kv)
+        return h
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        return reference.embed(self.weights, self.ops, token_ids)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return reference.output_logits(self.weights, self.ops, hidden)
+
+    def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        return self.ops.matmul(w, x)
+
+    def _fused_block(self, params: BlockParams) -> FusedBlock | None:
+        """The one-call form of a block, or None (no numba, or a projection in a float format)."""
+        if not kernels.HAVE_NUMBA:
+            return None
+        from prima.kernels.decode_layer import FusedBlock
+
+        return FusedBlock.build(params.weights, self.config, params.inv_freq, params.window)

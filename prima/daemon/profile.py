@@ -34,7 +34,12 @@ TIMED_BYTES = 48 << 20
 def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
     """This device's profile for `loaded`'s model, with kernel speeds calibrated to a real layer."""
     model = ModelProfile.from_gguf(loaded.gguf)
-    device = profile_device(node_id, model_path=loaded.path, kernel_bench=kernel_flops)
+    backend = loaded.model.backend
+
+    def bench(fmt: str) -> float:  # the backend's own kernels, in the mode it will run
+        return kernel_flops(fmt, matmul_fn=backend.matmul)
+
+    device = profile_device(node_id, model_path=loaded.path, kernel_bench=bench)
     try:
         layer_ms = time_one_layer(loaded)
     except (ValueError, OSError) as exc:  # a layer this node cannot map: keep the kernel speeds

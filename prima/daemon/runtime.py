@@ -138,8 +138,19 @@ class NodeRuntime:
             )
         me = ids.index(node_id)
         windows = plan.nodes[me].windows
+        accel = plan.nodes[me].accel_layers
+        if accel and not self.model.backend.accelerator:
+            raise PlanError(
+                f"the plan puts {accel} layers of node {node_id} on an accelerator, but it computes on "
+                f"the {self.model.backend.name} backend only; plan again from the nodes' profiles"
+            )
         for w in windows:
             self.loaded.weights.validate(range(w.start, w.end))
+        # The backend readies each layer (the worker runs them one by one, so compute on one
+        # overlaps the prefetch of the next); layers of an older plan are released below.
+        layers = [range(i, i + 1) for w in windows for i in range(w.start, w.end)]
+        for r in layers:
+            self.model.window(r)
         auto = self.budget_bytes is None
         budget = window_budget(self.loaded, self.node_id, me == 0) if auto else self.budget_bytes
         assert budget is not None
@@ -158,6 +169,7 @@ class NodeRuntime:
             s.close()
             if s.results is not None:
                 s.results.put(NodeError(f"session ended: node {self.node_id} loaded plan epoch {plan.epoch}"))
+        self.model.release_windows(keep=set(layers))
         if old:
             old.windows.close()
             for c in old.clients.values():

@@ -32,7 +32,7 @@ def load_model(
     limits validation to the layers this node will run. `mode` is the backend's arithmetic:
     "q8" (int8 decode activations, fast) or "exact"."""
     files = open_model(name_or_path, layers=layers, download=download)
-    model = Transformer(files.weights, get_backend(backend, threads=threads, mode=mode))
+    model = Transformer(files.weights, get_backend(backend, files.weights, threads=threads, mode=mode))
     # Before any weight page is read: see prima.kernels.jit_memory (peak RSS).
     jit_memory.preload_and_release()
     cfg = files.config

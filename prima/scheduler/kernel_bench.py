@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -54,17 +55,21 @@ def kernel_flops(
     cols: int = BENCH_COLS,
     repeats: int = BENCH_REPEATS,
     budget_s: float = BENCH_BUDGET_S,
+    matmul_fn: Callable[[QTensor, np.ndarray], np.ndarray] | None = None,
 ) -> float:
     """FLOP/s of one-row matmul on a `fmt` weight (2 FLOPs per weight), best of up to `repeats`
-    calls within `budget_s`. The first call is not timed: it may compile or load the kernel."""
+    calls within `budget_s`. The first call is not timed: it may compile or load the kernel.
+    `matmul_fn` is the backend's own matmul, in the mode it runs (Backend.matmul); without one,
+    prima's CPU kernels in float32."""
+    run = matmul_fn or matmul
     w = synthetic_weight(fmt, rows, cols)
     x = np.ones((1, cols), dtype=np.float32)
-    matmul(w, x)
+    run(w, x)
     best = math.inf
     deadline = time.perf_counter() + budget_s
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        matmul(w, x)
+        run(w, x)
         t1 = time.perf_counter()
         best = min(best, t1 - t0)
         if t1 > deadline:

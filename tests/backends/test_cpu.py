@@ -1,4 +1,5 @@
-"""The cpu backend honours the Backend protocol and is found by name."""
+"""The cpu backend is found by name, checks its settings, and its matmuls (CpuOps) agree with
+gguf-py's dequantization."""
 
 from __future__ import annotations
 
@@ -7,46 +8,67 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from prima.backends import get_backend
-from prima.backends.base import Backend
-from prima.backends.cpu import CpuBackend
+from prima.backends.cpu import CpuBackend, CpuOps
 from prima.errors import InputError
+from prima.model.files import open_model
+from prima.model.weights import ModelWeights
+from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
 from tests.kernels.weights import random_qtensor, reference, relative_error
 
 
-def test_get_backend_cpu_returns_cpu_backend() -> None:
-    backend = get_backend("cpu", threads=1)
+@pytest.fixture(scope="module")
+def weights() -> ModelWeights:
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    return open_model(tiny_model_path("tiny-qwen2")).weights
+
+
+def test_get_backend_cpu_returns_cpu_backend(weights: ModelWeights) -> None:
+    backend = get_backend("cpu", weights, threads=1)
     assert isinstance(backend, CpuBackend)
     assert backend.name == "cpu"
-    assert backend.threads == 1
+    assert backend.ops.threads == 1
+    assert backend.config is weights.config
 
 
-def test_get_backend_unknown_name_lists_available() -> None:
+def test_get_backend_unknown_name_lists_available(weights: ModelWeights) -> None:
     with pytest.raises(InputError, match="unknown backend 'tpu'; available: cpu"):
-        get_backend("tpu")
+        get_backend("tpu", weights)
 
 
-def test_cpu_backend_rejects_zero_threads() -> None:
+def test_cpu_ops_reject_zero_threads() -> None:
     with pytest.raises(ValueError, match="threads"):
-        CpuBackend(threads=0)
+        CpuOps(threads=0)
 
 
-def test_cpu_backend_defaults_to_q8_and_rejects_unknown_modes() -> None:
-    assert CpuBackend(threads=1).mode == "q8"
-    assert get_backend("cpu", threads=1, mode="exact").mode == "exact"
+def test_cpu_backend_defaults_to_q8_and_rejects_unknown_modes(weights: ModelWeights) -> None:
+    assert CpuBackend(weights, threads=1).mode == "q8"
+    assert get_backend("cpu", weights, threads=1, mode="exact").mode == "exact"
     with pytest.raises(InputError, match="unknown cpu mode 'fast'; available: q8, exact"):
-        CpuBackend(mode="fast")
+        CpuBackend(weights, mode="fast")
 
 
-def test_cpu_backend_q8_matmul_is_close_to_exact() -> None:
+def test_cpu_ops_q8_matmul_is_close_to_exact() -> None:
     w = random_qtensor(GGMLQuantizationType.Q4_K, rows=9, cols=256)
     x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
-    assert relative_error(CpuBackend(mode="q8").matmul(w, x), x, reference(w)) < 5e-3
+    assert relative_error(CpuOps(mode="q8").matmul(w, x), x, reference(w)) < 5e-3
 
 
-def test_cpu_backend_matmul_and_get_rows() -> None:
-    backend: Backend = CpuBackend(mode="exact")
+def test_cpu_ops_matmul_and_get_rows() -> None:
+    ops = CpuOps(mode="exact")
     w = random_qtensor(GGMLQuantizationType.Q4_K, rows=9, cols=256)
     x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
-    assert relative_error(backend.matmul(w, x), x, reference(w)) < 1e-5
-    rows = backend.get_rows(w, np.array([8, 1]))
+    assert relative_error(ops.matmul(w, x), x, reference(w)) < 1e-5
+    rows = ops.get_rows(w, np.array([8, 1]))
     np.testing.assert_allclose(rows, reference(w)[[8, 1]], rtol=1e-6, atol=1e-7)
+
+
+def test_the_backends_matmul_runs_in_its_mode(weights: ModelWeights) -> None:
+    """What the profiler times is the arithmetic the backend runs: q8 differs from exact."""
+    w = random_qtensor(GGMLQuantizationType.Q4_K, rows=9, cols=256)
+    x = np.random.default_rng(3).standard_normal((1, 256)).astype(np.float32)
+    q8 = CpuBackend(weights, mode="q8").matmul(w, x)
+    exact = CpuBackend(weights, mode="exact").matmul(w, x)
+    np.testing.assert_array_equal(exact, CpuOps(mode="exact").matmul(w, x))
+    np.testing.assert_array_equal(q8, CpuOps(mode="q8").matmul(w, x))
+    assert not np.array_equal(q8, exact)

@@ -63,7 +63,8 @@ def test_fused_block_equals_step_by_step(
 ) -> None:
     loaded = _load(request.getfixturevalue(model_name), mode)
     model = loaded.model
-    assert all(model._plan(model.weights.layer(i)).fused is not None for i in range(model.config.n_layers))  # noqa: SLF001
+    window = model.backend.load_window(range(model.config.n_layers))
+    assert all(block is not None for block in window.fused)
     ids = [int(t) for t in loaded.tokenizer.encode("The quick brown fox")][:6]
     fused = _decode(loaded, True, ids, n_step)
     steps = _decode(loaded, False, ids, n_step)

@@ -3,6 +3,7 @@ naming the problem, and keeps serving. The daemon runs in-process on 127.0.0.1, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,3 +151,19 @@ def test_generate_refuses_token_ids_outside_the_vocabulary(
         list(stub.Generate(req, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "vocabulary" in info.value.details()
+
+
+def test_a_plan_with_accelerator_layers_is_refused_by_a_cpu_node(
+    daemon: tuple[pb_grpc.NodeStub, NodeRuntime],
+) -> None:
+    stub, runtime = daemon
+    plan = plan_from_window_sizes(
+        [("head", "127.0.0.1:1"), ("solo", "127.0.0.1:2")], [15, 15], 1, 30, epoch=99
+    )
+    nodes = (plan.nodes[0], dataclasses.replace(plan.nodes[1], accel_layers=4))
+    plan = dataclasses.replace(plan, nodes=nodes)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.LoadPlan(pb.LoadPlanRequest(plan=codec.plan_to_proto(plan), node_id="solo"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "accelerator" in info.value.details()
+    assert runtime.plan.epoch == 5  # the running plan stays

@@ -1,0 +1,160 @@
+"""The reference forward pass of a decoder-only transformer, one block read top to bottom.
+
+Every architecture prima runs (llama, qwen2, qwen3, gemma3) is this code; their differences are
+ModelConfig fields (biases, QK norm, Gemma's extra norms and embedding scale, sliding windows),
+and weight formats are the `Ops` matmuls' business. The CPU backend runs it (with a one-call
+decode block of its own that is tested equal to it bit for bit); another backend may run it
+too, or compile its own graph and be held to it by the conformance tests.
+
+Running the layers in several windows and passing the hidden states between them gives the
+same bits as one pass, since each layer is the same computation either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from prima.kernels import ops
+from prima.kernels.tensor import QTensor
+from prima.model.config import ModelConfig
+from prima.model.weights import LayerWeights, ModelWeights
+from prima.weights.kv_cache import KVCache
+
+try:
+    from prima.kernels import fused_ops as glue
+except ImportError:  # no numba on this device: the same glue in numpy (slow, but it runs)
+    from prima.kernels import glue_numpy as glue  # type: ignore[no-redef]
+
+
+class Ops(Protocol):
+    """The matmuls the reference pass needs; a backend supplies them for its weight formats."""
+
+    def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """y = x @ W.T for x float32 (n, cols); float32 (n, rows)."""
+        ...
+
+    def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
+        """y = x @ [W0; W1; ...].T (n, sum of rows) for weights sharing `cols`."""
+        ...
+
+    def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows `ids` of W as float32 (len(ids), cols): the embedding lookup."""
+        ...
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """What a block needs beyond LayerWeights, gathered once per layer: projections grouped into
+    merged launches (consecutive weights of one format), the small vectors as writable float32
+    arrays (glue.NONE standing for an absent one), the RoPE frequencies and attention window."""
+
+    weights: LayerWeights
+    qkv_groups: tuple[tuple[QTensor, ...], ...]
+    gate_up_groups: tuple[tuple[QTensor, ...], ...]
+    q_bias: np.ndarray
+    k_bias: np.ndarray
+    v_bias: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    post_attention_norm: np.ndarray
+    post_ffw_norm: np.ndarray
+    inv_freq: np.ndarray  # (rope_dim / 2,) float64
+    window: int  # 0: attends to the whole context
+
+    @staticmethod
+    def of(lw: LayerWeights, cfg: ModelConfig) -> BlockParams:
+        return BlockParams(
+            weights=lw,
+            qkv_groups=_merge_groups((lw.attn_q, lw.attn_k, lw.attn_v)),
+            gate_up_groups=_merge_groups((lw.ffn_gate, lw.ffn_up)),
+            q_bias=_vec(lw.attn_q_bias),
+            k_bias=_vec(lw.attn_k_bias),
+            v_bias=_vec(lw.attn_v_bias),
+            q_norm=_vec(lw.attn_q_norm),
+            k_norm=_vec(lw.attn_k_norm),
+            post_attention_norm=_vec(lw.post_attention_norm),
+            post_ffw_norm=_vec(lw.post_ffw_norm),
+            inv_freq=glue.rope_inv_freq(cfg.rope_dim, cfg.layer_rope_base(lw.index)),
+            window=cfg.sliding_window if cfg.is_sliding(lw.index) else 0,
+        )
+
+
+def embed(weights: ModelWeights, ops_: Ops, token_ids: np.ndarray) -> np.ndarray:
+    """Token ids (n,) -> hidden states (n, d_model) float32 (Gemma scales them by sqrt(d))."""
+    cfg = weights.config
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+        raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+    h = ops_.get_rows(weights.token_embd, ids)
+    if cfg.embed_scale != 1.0:
+        h = h * np.float32(cfg.embed_scale)
+    return np.ascontiguousarray(h, dtype=np.float32)
+
+
+def block(
+    cfg: ModelConfig, p: BlockParams, ops_: Ops, x: np.ndarray, positions: np.ndarray, cache: KVCache
+) -> np.ndarray:
+    """One transformer block on hidden states x (n, d) of the tokens at `positions` (n,); their
+    keys and values are written into `cache`, whose earlier positions the tokens attend to."""
+    lw = p.weights
+    eps = cfg.norm_eps
+
+    # Attention: norm -> merged q|k|v -> bias, QK norm, RoPE -> cache -> attention -> out.
+    xn = glue.rms_norm(x, lw.attn_norm, eps)
+    qkv = _project(ops_, p.qkv_groups, xn)  # (n, (H + 2 KVH) * hd)
+    q, k, v = glue.qkv_rope(
+        qkv,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        p.q_bias,
+        p.k_bias,
+        p.v_bias,
+        p.q_norm,
+        p.k_norm,
+        eps,
+        positions,
+        p.inv_freq,
+        glue.is_neox(cfg.rope_type),
+    )
+    t = cache.store(lw.index, positions, k, v)
+    attn = glue.attention(q, cache.k[lw.index], cache.v[lw.index], t, positions, cfg.attn_scale, p.window)
+    attn = ops_.matmul(lw.attn_output, attn)
+    # Residual (after Gemma's post-attention norm), then the feed-forward's input norm.
+    x, xn = glue.residual_norm(x, attn, p.post_attention_norm, lw.ffn_norm, eps)
+
+    # Feed-forward: merged gate|up -> act(gate) * up -> down (-> Gemma's post norm) -> residual.
+    gate_up = _project(ops_, p.gate_up_groups, xn)  # (n, 2 * ffn)
+    ffn = ops_.matmul(lw.ffn_down, glue.glu(gate_up, cfg.ffn_dim, cfg.activation))
+    x, _ = glue.residual_norm(x, ffn, p.post_ffw_norm, glue.NONE, eps)
+    return x
+
+
+def output_logits(weights: ModelWeights, ops_: Ops, h: np.ndarray) -> np.ndarray:
+    """Hidden states (n, d) -> logits (n, vocab) float32: the final norm and the output head."""
+    hn = ops.rms_norm(h, weights.output_norm, weights.config.norm_eps)
+    return ops_.matmul(weights.output, hn)
+
+
+def _project(ops_: Ops, groups: tuple[tuple[QTensor, ...], ...], x: np.ndarray) -> np.ndarray:
+    """x @ [W...].T over merged groups, (n, sum of rows)."""
+    outs = [ops_.matmul_many(g, x) for g in groups]
+    return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
+
+
+def _merge_groups(ws: tuple[QTensor, ...]) -> tuple[tuple[QTensor, ...], ...]:
+    groups: list[list[QTensor]] = []
+    for w in ws:
+        if groups and groups[-1][0].qtype == w.qtype:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return tuple(tuple(g) for g in groups)
+
+
+def _vec(v: np.ndarray | None) -> np.ndarray:
+    return glue.NONE if v is None else np.array(v, dtype=np.float32)

@@ -1,0 +1,126 @@
+"""Every backend against the Backend protocol's promises (prima.backends.base), on the two tiny
+Qwen models with F32 weights and llama.cpp's outputs for them (../shared/oracle/tiny):
+
+- the prompt's last-token logits are within the backend's `logit_tolerance` of llama.cpp's, and
+  decoding on from there gives llama.cpp's greedy tokens;
+- layers run in several windows give the bits of one window (if it says so);
+- KV state carries across calls: a prompt fed in two calls gives what one call gives;
+- a released window loads again and computes the same.
+
+Parametrized over every backend this machine has (CPU exact and q8; an accelerator backend
+joins the list through its labelled test double)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prima.backends import get_backend
+from prima.backends.base import Backend
+from prima.model.files import open_model
+from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+
+BACKENDS: list[tuple[str, str]] = [("cpu", "exact"), ("cpu", "q8")]
+N_CTX = 128
+
+
+@pytest.fixture(
+    scope="module", params=[(b, m, t) for b, m in BACKENDS for t in TINY_TAGS], ids=lambda p: "-".join(p)
+)
+def case(request: pytest.FixtureRequest) -> tuple[Backend, list[dict[str, Any]]]:
+    name, mode, tag = request.param
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    weights = open_model(tiny_model_path(tag)).weights
+    return get_backend(name, weights, threads=2, mode=mode), load_tiny_oracle(tag)["prompts"]
+
+
+def _all_layers(backend: Backend) -> range:
+    return range(backend.config.n_layers)
+
+
+def _prefill(backend: Backend, ids: list[int], cuts: list[int], windows: list[range]) -> np.ndarray:
+    """Last-token logits of `ids`, fed in pieces ending at `cuts`, through `windows` in turn."""
+    handles = [backend.load_window(w) for w in windows]
+    kv = backend.new_kv(N_CTX, _all_layers(backend))
+    start = 0
+    h_last = None
+    for end in [*cuts, len(ids)]:
+        h = backend.embed(np.array(ids[start:end]))
+        positions = np.arange(start, end)
+        for handle in handles:
+            h = backend.run_window(handle, h, positions, kv)
+        h_last = h[-1:]
+        start = end
+    for handle in handles:
+        backend.release_window(handle)
+    assert h_last is not None
+    return backend.logits(h_last)[0]
+
+
+def _oracle_logits(prompt: dict[str, Any]) -> np.ndarray:
+    return np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+
+
+def test_logits_and_greedy_tokens_match_llama_cpp(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+    backend, prompts = case
+    for prompt in prompts:
+        ids = prompt["prompt_token_ids"]
+        want = prompt["f32"]["greedy_token_ids"]
+        window = backend.load_window(_all_layers(backend))
+        kv = backend.new_kv(N_CTX, window.layers)
+        h = backend.run_window(window, backend.embed(np.array(ids)), np.arange(len(ids)), kv)
+        logits = backend.logits(h[-1:])[0]
+        err = float(np.abs(logits - _oracle_logits(prompt)).max())
+        assert err <= backend.logit_tolerance, f"{prompt['name']}: {err} > {backend.logit_tolerance}"
+        got = []
+        for pos in range(len(ids), len(ids) + len(want)):
+            token = int(np.argmax(logits))
+            got.append(token)
+            h = backend.run_window(window, backend.embed(np.array([token])), np.array([pos]), kv)
+            logits = backend.logits(h)[0]
+        assert got == want, prompt["name"]
+        backend.release_window(window)
+
+
+def test_windows_give_the_bits_of_one_window(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+    backend, prompts = case
+    if not backend.windows_bit_identical:
+        pytest.skip(f"{backend.name} does not promise bit-identical windows")
+    n = backend.config.n_layers
+    ids = prompts[0]["prompt_token_ids"]
+    whole = _prefill(backend, ids, [], [range(n)])
+    for windows in ([range(0, 1), range(1, n)], [range(i, i + 1) for i in range(n)]):
+        np.testing.assert_array_equal(_prefill(backend, ids, [], windows), whole)
+
+
+def test_kv_state_carries_across_calls(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+    backend, prompts = case
+    n = backend.config.n_layers
+    for prompt in prompts:
+        ids = prompt["prompt_token_ids"]
+        for cuts in ([len(ids) // 2], [1, 2, 3]):
+            logits = _prefill(backend, ids, cuts, [range(n)])
+            assert np.abs(logits - _oracle_logits(prompt)).max() <= backend.logit_tolerance
+
+
+def test_a_released_window_loads_again(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+    backend, prompts = case
+    ids = prompts[0]["prompt_token_ids"]
+    first = _prefill(backend, ids, [], [_all_layers(backend)])  # loads and releases
+    np.testing.assert_array_equal(_prefill(backend, ids, [], [_all_layers(backend)]), first)
+
+
+def test_kv_state_reports_its_size_and_truncates(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+    backend, prompts = case
+    cfg = backend.config
+    kv = backend.new_kv(N_CTX, range(2))
+    assert kv.n_bytes >= 2 * 2 * N_CTX * cfg.n_kv_heads * cfg.head_dim * 4  # k and v, two layers, f32
+    window = backend.load_window(range(2))
+    ids = prompts[0]["prompt_token_ids"][:4]
+    h0 = backend.run_window(window, backend.embed(np.array(ids)), np.arange(4), kv)
+    kv.truncate(2)  # replay from position 2: the same tokens give the same states
+    h1 = backend.run_window(window, backend.embed(np.array(ids[2:])), np.arange(2, 4), kv)
+    np.testing.assert_allclose(h1, h0[2:], rtol=0, atol=1e-5)
