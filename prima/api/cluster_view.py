@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from prima.errors import NodeError, ProtocolError
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus
+from prima.plan import DroppedDevice, Plan, Window, plan_from_window_sizes
 from prima.scheduler.cost_model import device_time, ring_costs
-from prima.scheduler.plan import DroppedDevice, Plan, Window, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.profiler import os_class, usable_ram_bytes
 from prima.weights.window import LayerWindows, Residency, resident_bytes, window_spans
@@ -30,7 +30,7 @@ from prima.weights.window import LayerWindows, Residency, resident_bytes, window
 if TYPE_CHECKING:
     from prima.coordinator.ring import Ring
     from prima.engine.generate import Timings
-    from prima.model.loader import LoadedModel
+    from prima.forward.loader import LoadedModel
     from prima.net.client import NodeClient
 
 NODE_INFO_TIMEOUT_S = 2.0  # a poll waits this long for a node before showing it as not answering

@@ -16,8 +16,8 @@ from prima.coordinator.ring import Ring
 from prima.engine.generate import Timings
 from prima.errors import NodeError
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus
+from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token, ring_costs
-from prima.scheduler.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.weights.window import Residency
 
