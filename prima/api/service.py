@@ -41,14 +41,19 @@ class ServerBusyError(PrimaError):
 
 
 class EngineQueue:
-    """A FIFO lock: whoever waits longest gets the engine next. At most `max_waiting` requests
-    wait; a waiter gives up when `cancelled()` turns true or after `timeout_s` seconds."""
+    """A FIFO of `slots` places: up to `slots` requests generate at once (`prima serve
+    --parallel`), the rest wait, and whoever waits longest gets the next free place. At most
+    `max_waiting` requests wait; a waiter gives up when `cancelled()` turns true or after
+    `timeout_s` seconds."""
 
-    def __init__(self, max_waiting: int = 16, poll_s: float = 0.1) -> None:
+    def __init__(self, max_waiting: int = 16, poll_s: float = 0.1, slots: int = 1) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
         self.max_waiting = max_waiting
         self.poll_s = poll_s
+        self.slots = slots
         self._mutex = threading.Lock()
-        self._busy = False
+        self._running = 0
         self._waiters: deque[threading.Event] = deque()
 
     @property
@@ -56,14 +61,19 @@ class EngineQueue:
         return len(self._waiters)
 
     @property
+    def running(self) -> int:
+        return self._running
+
+    @property
     def busy(self) -> bool:
-        return self._busy
+        """Every place is taken: a new request would wait."""
+        return self._running >= self.slots
 
     def acquire(self, cancelled: Cancelled, timeout_s: float) -> None:
-        """Block until this caller owns the engine; raise ServerBusyError or GenerationCancelled."""
+        """Block until this caller has a place; raise ServerBusyError or GenerationCancelled."""
         with self._mutex:
-            if not self._busy and not self._waiters:
-                self._busy = True
+            if self._running < self.slots and not self._waiters:
+                self._running += 1
                 return
             if len(self._waiters) >= self.max_waiting:
                 raise ServerBusyError(
@@ -83,16 +93,16 @@ class EngineQueue:
                         raise ServerBusyError(
                             f"waited {timeout_s:.0f} s for the model without a turn; retry later"
                         )
-                # Handed the engine in the same instant: we own it, so carry on.
+                # Handed a place in the same instant: we own it, so carry on.
                 break
 
     def release(self) -> None:
-        """Hand the engine straight to the longest waiter, so no late arrival can jump the queue."""
+        """Hand the place straight to the longest waiter, so no late arrival can jump the queue."""
         with self._mutex:
             if self._waiters:
-                self._waiters.popleft().set()
+                self._waiters.popleft().set()  # the place passes on: _running stays
             else:
-                self._busy = False
+                self._running -= 1
 
 
 def _watched(events: Iterator[TokenEvent], cancelled: Cancelled) -> Iterator[TokenEvent]:

@@ -2,7 +2,8 @@
 web page at / to chat with it and watch the cluster.
 
 The sampling flags set the defaults a request gets when it leaves a field out; request fields
-always win. Requests queue for the engine one at a time. Ctrl-C stops the server cleanly."""
+always win. Up to --parallel requests generate at once, the rest wait in turn. Ctrl-C stops the
+server cleanly."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from prima.cli.engine_options import Session, add_model_args, open_session
 from prima.errors import InputError
 from prima.scheduler.profile import ModelProfile
 
+DEFAULT_PARALLEL = 4
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description=__doc__)
@@ -46,6 +49,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=16,
         help="requests that may wait for the model (default 16)",
     )
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=positive_int,
+        default=DEFAULT_PARALLEL,
+        help=f"requests generated at once, each with its own KV cache; more wait in turn (default {DEFAULT_PARALLEL})",
+    )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
     add_chat_template_arg(p)
     add_sampling_args(p, temp=0.7)
@@ -66,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         model_id,
         session.n_ctx,
         defaults=defaults,
-        queue=EngineQueue(max_waiting=args.max_queue),
+        queue=EngineQueue(max_waiting=args.max_queue, slots=_slots(session, args.parallel)),
         chat_template=template,
     )
     monitor = _cluster_monitor(session, model_id, args.ctx)
@@ -96,17 +106,22 @@ def run(args: argparse.Namespace) -> int:
 def _cluster_monitor(session: Session, model_id: str, n_ctx: int) -> ClusterMonitor:
     """What GET /v1/cluster reads: the ring's daemons (with the cost model Halda planned with,
     for predicted times), or this device."""
-    from prima.engine.generate import LocalGenerator
-    from prima.engine.local import LocalEngine
+    from prima.engine.local import LocalGeneratorPool
 
     ring = session.ring
     if ring is not None:
         model = ModelProfile.from_gguf(session.loaded.gguf, ctx_tokens=n_ctx)
         return ClusterMonitor(model_id, lambda: read_ring(ring), model)
     gen = session.generator
-    engine = gen.engine if isinstance(gen, LocalGenerator) else None
-    streamer = engine.streamer if isinstance(engine, LocalEngine) else None
+    streamer = gen.streamer if isinstance(gen, LocalGeneratorPool) else None
     return ClusterMonitor(model_id, lambda: read_local(session.loaded, streamer))
+
+
+def _slots(session: Session, parallel: int) -> int:
+    """Requests to run at once: --parallel, unless this device's generator holds fewer engines
+    (a model streamed from disk runs one at a time)."""
+    size = getattr(session.generator, "size", None)
+    return min(parallel, size) if size is not None else parallel
 
 
 def _model_id(model: str) -> str:

@@ -289,15 +289,13 @@ def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) ->
 
 def _local_session(args: argparse.Namespace, path: Path) -> Session:
     """The whole model on this device, its kernels compiled (once) before the model loads."""
-    from prima.engine.generate import LocalGenerator
-    from prima.engine.local import local_engine
+    from prima.engine.local import local_generator
     from prima.forward.loader import load_model
 
     ensure_compiled(path, on_stage=stage)
     loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
-    engine = local_engine(loaded, args.ctx)
-    generator = LocalGenerator(engine)
-    return Session(loaded, generator, engine.n_ctx, [generator.close])
+    generator = local_generator(loaded, args.ctx, parallel=getattr(args, "parallel", 1))
+    return Session(loaded, generator, generator.n_ctx, [generator.close])
 
 
 def connect_ring(

@@ -7,9 +7,12 @@ the rest are read ahead of compute by a prefetch thread (weights.window)."""
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable, Generator
 
 import numpy as np
 
+from prima.engine.generate import Engine, GenerateRequest, TokenEvent, sample_tokens
 from prima.errors import ContextFullError, InputError
 from prima.forward.loader import LoadedModel
 from prima.forward.transformer import Transformer
@@ -110,3 +113,60 @@ def local_engine(
         streamer.release_all()
         streamer.start()
     return LocalEngine(loaded.model, n_ctx=n_ctx, ubatch=ubatch, streamer=streamer)
+
+
+class LocalGeneratorPool:
+    """A Generator over up to `size` engines on this device, made as they are needed: requests
+    running at once (`prima serve --parallel`) each get an engine with its own KV cache, all
+    sharing the model's weights. A caller must not run more than `size` requests at once (the
+    API's queue sees to it)."""
+
+    def __init__(self, first: Engine, make_engine: Callable[[], Engine], size: int = 1) -> None:
+        if size < 1:
+            raise InputError(f"the engine pool needs at least one engine, got {size}")
+        self.n_ctx = first.n_ctx
+        self.size = size
+        self._make = make_engine
+        self._free: list[Engine] = [first]
+        self._all: list[Engine] = [first]
+        self._lock = threading.Lock()
+
+    def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
+        engine = self._take()
+        try:
+            yield from sample_tokens(engine, request)
+        finally:
+            with self._lock:
+                self._free.append(engine)
+
+    @property
+    def streamer(self) -> LayerWindows | None:
+        """The layer buffer when the model streams from disk (then the pool holds one engine)."""
+        first = self._all[0]
+        return first.streamer if isinstance(first, LocalEngine) else None
+
+    def _take(self) -> Engine:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if len(self._all) >= self.size:
+                raise RuntimeError(f"more than {self.size} generations at once on a pool of {self.size}")
+            engine = self._make()
+            self._all.append(engine)
+            return engine
+
+    def close(self) -> None:
+        for engine in self._all:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+
+
+def local_generator(loaded: LoadedModel, n_ctx: int, parallel: int = 1) -> LocalGeneratorPool:
+    """This device's generator for up to `parallel` requests at once. A model that streams its
+    layers from disk (bigger than memory) runs one request at a time: its layer buffer is one."""
+    first = local_engine(loaded, n_ctx)
+    if first.streamer is not None and parallel > 1:
+        log.info("the layers stream from disk: requests run one at a time")
+        parallel = 1
+    return LocalGeneratorPool(first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel)

@@ -112,3 +112,30 @@ def test_chat_template_given_to_the_service_renders_chat_requests(tmp_path: Path
     )
     assert given.prompt_ids == chatml
     assert fallback.prompt_ids != chatml
+
+
+def test_slots_let_that_many_run_at_once_and_the_rest_wait_in_turn() -> None:
+    q = EngineQueue(poll_s=0.01, slots=2)
+    q.acquire(_never, timeout_s=JOIN_S)
+    assert not q.busy
+    q.acquire(_never, timeout_s=JOIN_S)
+    assert q.busy
+    assert q.running == 2
+    got = threading.Event()
+
+    def third() -> None:
+        q.acquire(_never, timeout_s=JOIN_S)
+        got.set()
+
+    t = threading.Thread(target=third)
+    t.start()
+    _wait_until(lambda: q.waiting == 1)
+    assert not got.is_set()
+    q.release()  # the place passes to the waiter: still two running
+    t.join(JOIN_S)
+    assert got.is_set()
+    assert q.running == 2
+    q.release()
+    q.release()
+    assert q.running == 0
+    assert not q.busy
