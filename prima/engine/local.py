@@ -6,9 +6,10 @@ the rest are read ahead of compute by a prefetch thread (weights.window)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 
@@ -115,11 +116,53 @@ def local_engine(
     return LocalEngine(loaded.model, n_ctx=n_ctx, ubatch=ubatch, streamer=streamer)
 
 
+class TurnTaking:
+    """A lock handed out in the order it was asked for. Generations on this device take turns
+    through it, one forward pass each (a prompt, or one token), so every running request moves
+    on in round-robin order; Python's own lock would let one thread run many steps while others
+    starve. Each pass still gets every core."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0  # the ticket the next caller gets
+        self._serving = 0  # the ticket whose turn it is
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._serving += 1
+                self._cv.notify_all()
+
+
+class _TakingTurns:
+    """An engine whose forward passes wait for their turn (TurnTaking)."""
+
+    def __init__(self, engine: Engine, turns: TurnTaking) -> None:
+        self.engine = engine
+        self.turns = turns
+        self.n_ctx = engine.n_ctx
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        with self.turns.turn():
+            return self.engine.forward(token_ids)
+
+
 class LocalGeneratorPool:
     """A Generator over up to `size` engines on this device, made as they are needed: requests
     running at once (`prima serve --parallel`) each get an engine with its own KV cache, all
-    sharing the model's weights. A caller must not run more than `size` requests at once (the
-    API's queue sees to it)."""
+    sharing the model's weights, and take turns one forward pass at a time. A caller must not
+    run more than `size` requests at once (the API's queue sees to it)."""
 
     def __init__(self, first: Engine, make_engine: Callable[[], Engine], size: int = 1) -> None:
         if size < 1:
@@ -130,11 +173,12 @@ class LocalGeneratorPool:
         self._free: list[Engine] = [first]
         self._all: list[Engine] = [first]
         self._lock = threading.Lock()
+        self._turns = TurnTaking()
 
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
         engine = self._take()
         try:
-            yield from sample_tokens(engine, request)
+            yield from sample_tokens(_TakingTurns(engine, self._turns), request)
         finally:
             with self._lock:
                 self._free.append(engine)
