@@ -22,15 +22,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
+from prima.backends.acl.runtime import AclError
 from prima.backends.reference import BlockParams
 from prima.kernels import matmul as kernels
 from prima.kernels.ops import ROPE_NEOX
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
+
+try:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+except ImportError as exc:
+    raise AclError("the acl backend exports windows with onnx: pip install 'prima[acl]'") from exc
 
 OPSET = 17
 IR_VERSION = 8
