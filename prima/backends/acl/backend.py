@@ -177,7 +177,7 @@ class AclBackend:
         if n_ctx > self.ctx:
             raise InputError(
                 f"context {n_ctx} is larger than the {self.ctx} slots the NPU windows are compiled for; "
-                "lower --ctx or compile with a larger --npu-ctx"
+                f"use a context of at most {self.ctx} tokens (--ctx)"
             )
         return AclKV(self.runtime, n_ctx, self.ctx, self._row_bytes, layers)
 
