@@ -8,15 +8,20 @@ from prima.model.weights import ModelWeights
 
 __all__ = ["AVAILABLE_BACKENDS", "Backend", "get_backend"]
 
-AVAILABLE_BACKENDS: tuple[str, ...] = ("cpu",)
+AVAILABLE_BACKENDS: tuple[str, ...] = ("cpu", "acl")
 
 
 def get_backend(name: str, weights: ModelWeights, threads: int | None = None, mode: str = "q8") -> Backend:
     """The backend called `name` for `weights`, with at most `threads` worker threads (None: one
     per core). `mode`: "q8" (int8 activations at decode, the fast default) or "exact" (float32
-    throughout)."""
+    throughout); "acl" (an Ascend NPU through CANN's pyACL) computes in "fp16" and uses `mode`
+    for its host side (embeddings, output head)."""
     if name == "cpu":
         from prima.backends.cpu import CpuBackend
 
         return CpuBackend(weights, threads=threads, mode=mode)
+    if name == "acl":
+        from prima.backends.acl import AclBackend
+
+        return AclBackend(weights, threads=threads, host_mode="exact" if mode == "fp16" else mode)
     raise InputError(f"unknown backend {name!r}; available: {', '.join(AVAILABLE_BACKENDS)}")

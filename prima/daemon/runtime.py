@@ -21,7 +21,6 @@ from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
 from prima.plan import Plan
-from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows, Residency
 
 from .head import Head
@@ -187,8 +186,9 @@ class NodeRuntime:
             )
         if not 0 < n_ctx <= self.model.config.context_length:
             raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
+        # The backend keeps the KV state (the acl backend: on the NPU).
         session = NodeSession(
-            session_id, plan_epoch, n_ctx, KVCache(self.model.config, n_ctx, layout.layers())
+            session_id, plan_epoch, n_ctx, self.model.backend.new_kv(n_ctx, layout.layers())
         )
         with self._lock:
             if session_id in self._sessions:

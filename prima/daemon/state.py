@@ -5,11 +5,11 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
+from prima.backends.base import KVState
 from prima.errors import NodeError
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import Activation, WireDType
 from prima.plan import Hop, Plan
-from prima.weights.kv_cache import KVCache
 from prima.weights.window import LayerWindows
 
 
@@ -41,7 +41,7 @@ class NodeSession:
     session_id: str
     epoch: int
     n_ctx: int
-    cache: KVCache
+    cache: KVState
     relays: dict[int, RelayStream] = field(default_factory=dict)
     results: queue.SimpleQueue[Activation | NodeError] | None = None
 

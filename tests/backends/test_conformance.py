@@ -7,11 +7,14 @@ Qwen models with F32 weights and llama.cpp's outputs for them (../shared/oracle/
 - KV state carries across calls: a prompt fed in two calls gives what one call gives;
 - a released window loads again and computes the same.
 
-Parametrized over every backend this machine has (CPU exact and q8; an accelerator backend
-joins the list through its labelled test double)."""
+Parametrized over every backend this machine has (CPU exact and q8) and the acl (Ascend NPU)
+backend through its labelled test double, FakeAcl (tests/backends/acl/fake_acl.py), which runs
+the windows' ONNX graphs with onnxruntime: nothing here is a result from an NPU."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -22,19 +25,32 @@ from prima.backends.base import Backend
 from prima.model.files import open_model
 from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
 
-BACKENDS: list[tuple[str, str]] = [("cpu", "exact"), ("cpu", "q8")]
+BACKENDS: list[tuple[str, str]] = [("cpu", "exact"), ("cpu", "q8"), ("acl", "fp16")]
 N_CTX = 128
+
+
+def _test_double(name: str, tmp: pytest.TempPathFactory) -> AbstractContextManager[object]:
+    """What a backend without its hardware runs on here: acl on FakeAcl and a stand-in ATC."""
+    if name != "acl":
+        return nullcontext()
+    pytest.importorskip("onnxruntime")
+    from tests.backends.acl.fake_acl import fake_cann
+
+    return fake_cann(tmp.mktemp("cann"))
 
 
 @pytest.fixture(
     scope="module", params=[(b, m, t) for b, m in BACKENDS for t in TINY_TAGS], ids=lambda p: "-".join(p)
 )
-def case(request: pytest.FixtureRequest) -> tuple[Backend, list[dict[str, Any]]]:
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Backend, list[dict[str, Any]]]]:
     name, mode, tag = request.param
     if not TINY_ORACLE_DIR.is_dir():
         pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     weights = open_model(tiny_model_path(tag)).weights
-    return get_backend(name, weights, threads=2, mode=mode), load_tiny_oracle(tag)["prompts"]
+    with _test_double(name, tmp_path_factory):
+        yield get_backend(name, weights, threads=2, mode=mode), load_tiny_oracle(tag)["prompts"]
 
 
 def _all_layers(backend: Backend) -> range:
@@ -75,6 +91,9 @@ def test_logits_and_greedy_tokens_match_llama_cpp(case: tuple[Backend, list[dict
         logits = backend.logits(h[-1:])[0]
         err = float(np.abs(logits - _oracle_logits(prompt)).max())
         assert err <= backend.logit_tolerance, f"{prompt['name']}: {err} > {backend.logit_tolerance}"
+        want_logits = _oracle_logits(prompt)
+        cos = float(logits @ want_logits / np.linalg.norm(logits) / np.linalg.norm(want_logits))
+        assert cos >= 0.999, f"{prompt['name']}: cosine {cos}"
         got = []
         for pos in range(len(ids), len(ids) + len(want)):
             token = int(np.argmax(logits))

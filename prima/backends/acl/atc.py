@@ -1,0 +1,190 @@
+"""Compiling a window for the NPU: its ONNX graph (onnx_window) exported once, then ATC, CANN's
+offline model compiler, run on it; both cached per model fingerprint, window, context size,
+gears, SoC and CANN version, so a daemon compiles a window once and loads it at every plan.
+
+The command line (`AtcJob.argv`), with the flags ascend-llm and qwen-ascend-llm use on the 310B:
+
+  atc --framework=5 --model=window.onnx --output=window --soc_version=Ascend310B1
+      --input_format=ND --input_shape="hidden:-1,576;positions:-1;mask:-1,-1;past_k_0:512,3,64;..."
+      --dynamic_dims="1,1,1,513;2,2,2,514;4,4,4,516;8,8,8,520"
+      --precision_mode=must_keep_origin_dtype --log=error
+
+--framework=5 is ONNX; every -1 is the token count n or the key count ctx + n, one value each
+per gear (the prefill lengths the model accepts); must_keep_origin_dtype keeps the graph's own
+mix (fp16 MatMuls, fp32 norms and softmax) instead of letting ATC cast the norms' squares to
+fp16. Nothing here has been run against a real ATC; the tests check the command lines and run
+a stand-in ATC (tests/backends/acl/fake_acl.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prima.backends.acl.onnx_window import window_graph
+from prima.backends.acl.runtime import AclError
+from prima.model.config import ModelConfig
+from prima.model.weights import ModelWeights
+from prima.paths import cache_root
+
+log = logging.getLogger("prima.backends")
+
+DEFAULT_SOC = "Ascend310B1"  # the OrangePi AIpro's NPU
+DEFAULT_GEARS: tuple[int, ...] = (1, 2, 4, 8)  # tokens per call: decode, and prefill in chunks
+PRECISION_FLAGS: tuple[str, ...] = ("--precision_mode=must_keep_origin_dtype",)
+# Bumped whenever onnx_window builds a different graph, so cached models are rebuilt.
+GRAPH_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AtcJob:
+    """One ATC run: the ONNX file of a window compiled into `<output>.om`."""
+
+    onnx: Path
+    output: Path  # without the .om ATC appends
+    soc_version: str
+    input_shape: str
+    dynamic_dims: str
+    precision: tuple[str, ...] = PRECISION_FLAGS
+
+    @property
+    def om(self) -> Path:
+        return self.output.with_name(self.output.name + ".om")
+
+    def argv(self, atc: str = "atc") -> list[str]:
+        return [
+            atc,
+            "--framework=5",
+            f"--model={self.onnx}",
+            f"--output={self.output}",
+            f"--soc_version={self.soc_version}",
+            "--input_format=ND",
+            f"--input_shape={self.input_shape}",
+            f"--dynamic_dims={self.dynamic_dims}",
+            *self.precision,
+            "--log=error",
+        ]
+
+
+def shapes(cfg: ModelConfig, layers: range, ctx: int, gears: Sequence[int]) -> tuple[str, str]:
+    """ATC's --input_shape and --dynamic_dims for a window graph: n and ctx + n are the -1s."""
+    spec = window_graph(cfg, layers, ctx)
+    kv = f"{ctx},{cfg.n_kv_heads},{cfg.head_dim}"
+    dims: dict[str, str] = {
+        "hidden": f"-1,{cfg.d_model}",
+        "positions": "-1",
+        "mask": "-1,-1",
+        "mask_swa": "-1,-1",
+    }
+    input_shape = ";".join(f"{name}:{dims.get(name, kv)}" for name in spec.inputs)
+    n_masks = 2 if spec.sliding else 1
+    gear_dims = [[n, n] + [n, ctx + n] * n_masks for n in gears]
+    return input_shape, ";".join(",".join(map(str, g)) for g in gear_dims)
+
+
+def gear_values(n: int, ctx: int, sliding: bool) -> list[int]:
+    """The dynamic dims of the gear for n tokens, in the order `shapes` lists them."""
+    return [n, n] + [n, ctx + n] * (2 if sliding else 1)
+
+
+def cann_version() -> str:
+    """The installed CANN toolkit's version, read from where set_env.sh points ('none' without it):
+    the toolkit directory's resolved name (…/ascend-toolkit/latest -> 7.0.0)."""
+    home = os.environ.get("ASCEND_TOOLKIT_HOME")
+    return Path(home).resolve().name if home else "none"
+
+
+def find_atc() -> str:
+    """The atc executable on PATH, or an AclError saying how to get it."""
+    atc = shutil.which("atc")
+    if atc is None:
+        raise AclError(
+            "ATC (CANN's model compiler) is not on PATH: install the CANN toolkit and run "
+            "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (see docs/orangepi.md), or compile "
+            "the windows on another machine with `prima npu compile` and copy the acl cache"
+        )
+    return atc
+
+
+@dataclass(frozen=True)
+class WindowArtifacts:
+    """Where a window's ONNX graph and offline model are cached, and the ATC run that makes one."""
+
+    directory: Path
+    job: AtcJob
+
+    @property
+    def onnx(self) -> Path:
+        return self.job.onnx
+
+    @property
+    def om(self) -> Path:
+        return self.job.om
+
+
+def acl_cache_dir() -> Path:
+    return cache_root() / "acl"
+
+
+def artifacts(
+    weights: ModelWeights,
+    fingerprint: str,
+    layers: range,
+    ctx: int,
+    gears: Sequence[int] = DEFAULT_GEARS,
+    soc: str = DEFAULT_SOC,
+    root: Path | None = None,
+) -> WindowArtifacts:
+    """The cache entry of one window (nothing is written)."""
+    key = f"g{GRAPH_VERSION}-{layers.start}-{layers.stop}-ctx{ctx}-gears{'_'.join(map(str, gears))}"
+    directory = (root or acl_cache_dir()) / fingerprint / f"{soc}-cann{cann_version()}" / key
+    input_shape, dynamic_dims = shapes(weights.config, layers, ctx, gears)
+    job = AtcJob(directory / "window.onnx", directory / "window", soc, input_shape, dynamic_dims)
+    return WindowArtifacts(directory, job)
+
+
+def export(weights: ModelWeights, art: WindowArtifacts, layers: range, ctx: int) -> None:
+    """Write the window's ONNX graph (weights in a side file: ONNX files stop at 2 GB)."""
+    import onnx
+
+    from prima.backends.acl.onnx_window import export_window
+
+    art.directory.mkdir(parents=True, exist_ok=True)
+    model = export_window(weights, layers, ctx)
+    tmp = art.onnx.with_name("window.tmp.onnx")
+    onnx.save_model(model, tmp, save_as_external_data=True, location="window.onnx.data", size_threshold=1024)
+    tmp.replace(art.onnx)
+
+
+def compile_window(
+    weights: ModelWeights,
+    art: WindowArtifacts,
+    layers: range,
+    ctx: int,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """The window's offline model, exported and compiled unless the cache has it."""
+    say = progress or log.info
+    if art.om.is_file():
+        return art.om
+    if not art.onnx.is_file():
+        say(f"exporting layers {layers.start}-{layers.stop - 1} to ONNX ({art.onnx})")
+        export(weights, art, layers, ctx)
+    argv = art.job.argv(find_atc())
+    say(f"compiling layers {layers.start}-{layers.stop - 1} with ATC (minutes on the board)")
+    (art.directory / "atc.cmd").write_text(shlex.join(argv) + "\n", encoding="utf-8")
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not art.om.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise AclError(
+            f"ATC failed to compile layers {layers.start}-{layers.stop - 1} (exit {proc.returncode}): "
+            + " | ".join(tail)
+            + f"; the command is in {art.directory / 'atc.cmd'}"
+        )
+    return art.om

@@ -1,0 +1,239 @@
+"""The acl backend: windows of layers run on an Ascend NPU as offline models, through pyACL.
+
+Each window is one graph (onnx_window), compiled by ATC (atc) and loaded on the device with its
+input and output buffers. The KV cache lives on the device, one buffer per layer for keys and
+one for values, (ctx, KVH, hd) float32 each; they are the model's past_k/past_v inputs as they
+are, and after each call the new keys and values are copied into them device to device, so no
+cache crosses to the host. Tokens go through in gears (1, 2, 4, 8 at a time): a prefill of 13
+tokens is three calls (8, 4, 1). Embedding and output head run on the host CPU.
+
+Numerics: projections in float16, the rest float32, so logits are within fp16 tolerance of
+llama.cpp's f32 logits, not bit-equal: `logit_tolerance` below (the tiny F32 models), cosine
+>= 0.999 and the same greedy tokens up to near-ties (tests/backends/test_conformance.py). Not
+verified on a device: everything runs in the tests through a stand-in for pyACL (FakeAcl).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from prima.backends.acl import atc
+from prima.backends.acl.onnx_window import WindowGraph, attention_mask, window_graph
+from prima.backends.acl.runtime import DYNAMIC_DIMS_INPUT, AclError, AclRuntime, DeviceModel, open_runtime
+from prima.backends.cpu import CpuBackend
+from prima.errors import ContextFullError, InputError
+from prima.kernels.tensor import QTensor
+from prima.model.weights import ModelWeights
+
+log = logging.getLogger("prima.backends")
+
+DEFAULT_CTX = 512  # cache slots a compiled window has; sessions may use up to this many
+
+
+class AclKV:
+    """Keys and values of some layers on the device: per layer two buffers of `ctx` slots.
+    Freed with the object (or by free())."""
+
+    def __init__(
+        self, runtime: AclRuntime, n_ctx: int, ctx: int, row_bytes: int, layers: Iterable[int]
+    ) -> None:
+        self.n_ctx = n_ctx
+        self.layers = tuple(sorted(set(layers)))
+        self.row_bytes = row_bytes  # one position: KVH * hd float32
+        self.slot_bytes = ctx * row_bytes
+        self.k: dict[int, int] = {}
+        self.v: dict[int, int] = {}
+        self._length = dict.fromkeys(self.layers, 0)
+        ptrs: list[int] = []
+        self._free = weakref.finalize(self, _free_all, runtime, ptrs)
+        for i in self.layers:
+            for table in (self.k, self.v):
+                ptr = runtime.malloc(self.slot_bytes)
+                ptrs.append(ptr)
+                runtime.zero(ptr, self.slot_bytes)  # unwritten slots are masked, but NaN * 0 is NaN
+                table[i] = ptr
+
+    @property
+    def n_bytes(self) -> int:
+        return 2 * len(self.layers) * self.slot_bytes
+
+    def free(self) -> None:
+        self._free()
+
+    def reserve(self, layer: int, start: int, end: int) -> None:
+        """Check that [start, end) can be written next (contiguous, within n_ctx)."""
+        if end > self.n_ctx:
+            raise ContextFullError(
+                f"context full: position {end - 1} does not fit a context of {self.n_ctx} tokens; "
+                "start a new session or raise --ctx"
+            )
+        if start > self._length[layer]:
+            raise ValueError(f"layer {layer}: write at {start} leaves a gap after {self._length[layer]}")
+        self._length[layer] = end
+
+    def truncate(self, length: int) -> None:
+        for i in self.layers:
+            self._length[i] = min(self._length[i], length)
+
+
+def _free_all(runtime: AclRuntime, ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        runtime.free(ptr)
+
+
+@dataclass
+class AclWindow:
+    """A window's offline model on the device, with its input and output buffers (ptr, bytes)
+    by name, sized for the largest gear."""
+
+    layers: range
+    graph: WindowGraph
+    model: DeviceModel
+    buffers: dict[str, tuple[int, int]]
+    released: bool = False
+
+
+class AclBackend:
+    """A model's windows on an Ascend NPU (device `device_id`), embeddings and head on the CPU.
+    `ctx`: cache slots per compiled window; `gears`: token counts per call."""
+
+    name = "acl"
+    mode = "fp16"
+    accelerator = True
+    windows_bit_identical = False  # each window is its own compiled graph
+    logit_tolerance = 0.05  # |logit - llama.cpp f32| on the tiny F32 models (fp16 projections)
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        threads: int | None = None,
+        *,
+        ctx: int = DEFAULT_CTX,
+        gears: Sequence[int] = atc.DEFAULT_GEARS,
+        device_id: int = 0,
+        soc: str = atc.DEFAULT_SOC,
+        acl: Any = None,
+        host_mode: str = "exact",
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.weights = weights
+        self.config = weights.config
+        self.ctx = ctx
+        self.gears = tuple(sorted(gears))
+        if not self.gears or self.gears[0] != 1:
+            raise InputError(f"acl gears {gears} must include 1 (a decode step is one token)")
+        self.soc = soc
+        self.progress = progress
+        self.fingerprint = weights.gguf.fingerprint()
+        self.cpu = CpuBackend(weights, threads=threads, mode=host_mode)  # embed, head, profiler matmul
+        self.runtime = open_runtime(device_id, acl)
+        self._row_bytes = self.config.n_kv_heads * self.config.head_dim * 4
+
+    # -- windows -------------------------------------------------------------------------------
+    def compile(self, layers: range) -> atc.WindowArtifacts:
+        """Export and compile `layers` unless cached; the cache entry."""
+        self.weights.validate(layers)
+        art = atc.artifacts(self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc)
+        atc.compile_window(self.weights, art, layers, self.ctx, self.progress)
+        return art
+
+    def load_window(self, layers: range) -> AclWindow:
+        art = self.compile(layers)
+        graph = window_graph(self.config, layers, self.ctx)
+        model = self.runtime.load_model(art.om)
+        buffers: dict[str, tuple[int, int]] = {}
+        try:
+            want = [*graph.inputs, DYNAMIC_DIMS_INPUT]
+            if list(model.inputs) != want or list(model.outputs) != list(graph.outputs):
+                raise AclError(
+                    f"{art.om} has inputs {model.inputs} and outputs {model.outputs}, not the window's; "
+                    f"delete {art.directory} and compile again"
+                )
+            sizes = dict(zip(model.inputs, model.input_bytes, strict=True))
+            sizes.update(zip(model.outputs, model.output_bytes, strict=True))
+            for name, size in sizes.items():
+                if not name.startswith("past_"):  # the KV state's own buffers go there
+                    buffers[name] = (self.runtime.malloc(size), size)
+        except AclError:
+            _free_all(self.runtime, [p for p, _ in buffers.values()])
+            self.runtime.unload(model)
+            raise
+        return AclWindow(layers, graph, model, buffers)
+
+    def release_window(self, window: AclWindow) -> None:
+        if window.released:
+            return
+        window.released = True
+        _free_all(self.runtime, [p for p, _ in window.buffers.values()])
+        self.runtime.unload(window.model)
+
+    def new_kv(self, n_ctx: int, layers: Iterable[int]) -> AclKV:
+        if n_ctx > self.ctx:
+            raise InputError(
+                f"context {n_ctx} is larger than the {self.ctx} slots the NPU windows are compiled for; "
+                f"use a context of at most {self.ctx} tokens (--ctx)"
+            )
+        return AclKV(self.runtime, n_ctx, self.ctx, self._row_bytes, layers)
+
+    def run_window(
+        self, window: AclWindow, hidden: np.ndarray, positions: np.ndarray, kv: AclKV
+    ) -> np.ndarray:
+        if window.released:
+            raise AclError(f"window {window.layers} was released; load it again")
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        outs = []
+        at = 0
+        while at < len(pos):
+            n = max(g for g in self.gears if g <= len(pos) - at)
+            outs.append(self._run_gear(window, h[at : at + n], pos[at : at + n], kv))
+            at += n
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _run_gear(self, window: AclWindow, h: np.ndarray, pos: np.ndarray, kv: AclKV) -> np.ndarray:
+        """One call of the window's model on n (a gear) tokens; their keys and values go into kv."""
+        rt, g, n = self.runtime, window.graph, len(pos)
+        start, end = int(pos[0]), int(pos[-1]) + 1
+        for i in window.layers:
+            kv.reserve(i, start, end)
+        host = {"hidden": h, "positions": pos, "mask": attention_mask(pos, self.ctx)}
+        if g.sliding:
+            host["mask_swa"] = attention_mask(pos, self.ctx, self.config.sliding_window)
+        for name, array in host.items():
+            rt.to_device(*window.buffers[name], array)
+        inputs = [self._input(window, kv, name) for name in (*g.inputs, DYNAMIC_DIMS_INPUT)]
+        outputs = [window.buffers[name] for name in g.outputs]
+        rt.execute(window.model, inputs, outputs, atc.gear_values(n, self.ctx, g.sliding))
+        for i in window.layers:  # the new rows into the cache, on the device
+            for name, table in ((f"new_k_{i}", kv.k), (f"new_v_{i}", kv.v)):
+                dst = table[i] + start * kv.row_bytes
+                rt.copy(dst, kv.slot_bytes - start * kv.row_bytes, window.buffers[name][0], n * kv.row_bytes)
+        return rt.to_host(window.buffers["hidden_out"][0], np.empty((n, self.config.d_model), np.float32))
+
+    def _input(self, window: AclWindow, kv: AclKV, name: str) -> tuple[int, int]:
+        if name.startswith("past_"):
+            _, kind, layer = name.split("_")
+            return ((kv.k if kind == "k" else kv.v)[int(layer)], kv.slot_bytes)
+        return window.buffers[name]
+
+    # -- host side -----------------------------------------------------------------------------
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        return self.cpu.embed(token_ids)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.cpu.logits(hidden)
+
+    def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """The host CPU's matmul: the profiler's kernel table is the CPU's; the NPU is profiled
+        by timing a window (prima.backends.acl.profile)."""
+        return self.cpu.matmul(w, x)
+
+    def close(self) -> None:
+        """Give the device back; windows and KV states must have been released."""
+        self.runtime.close()

@@ -1,0 +1,66 @@
+"""`prima npu compile`: export a model's windows to ONNX and compile them with CANN's ATC for the
+Ascend NPU (the acl backend), ahead of a plan; `--dry-run` prints the ATC command lines only."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from prima.errors import InputError
+from prima.model.files import open_model
+from prima.model.registry import DEFAULT_MODEL
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("npu", help="compile a model's windows for an Ascend NPU (CANN ATC)")
+    sub = parser.add_subparsers(dest="npu_command", metavar="ACTION", required=True)
+    comp = sub.add_parser("compile", help="export windows to ONNX and compile them with ATC (cached)")
+    comp.add_argument(
+        "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
+    )
+    comp.add_argument(
+        "--window",
+        action="append",
+        default=[],
+        metavar="START-END",
+        help="layers [START, END) to compile as one window (repeatable; default: the whole model)",
+    )
+    comp.add_argument("--ctx", type=int, default=512, help="KV cache slots per window (default 512)")
+    comp.add_argument(
+        "--gears", default="1,2,4,8", help="tokens per call the model accepts (default 1,2,4,8)"
+    )
+    comp.add_argument("--soc", default="Ascend310B1", help="ATC --soc_version (default Ascend310B1)")
+    comp.add_argument("--dry-run", action="store_true", help="print the ATC command lines, run nothing")
+    comp.set_defaults(func=run_compile)
+
+
+def _window(text: str, n_layers: int) -> range:
+    try:
+        start, end = (int(v) for v in text.split("-"))
+    except ValueError:
+        raise InputError(f"--window {text!r}: expected START-END, e.g. 0-10") from None
+    if not 0 <= start < end <= n_layers:
+        raise InputError(f"--window {text}: layers must lie in [0, {n_layers})")
+    return range(start, end)
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from prima.backends.acl import atc
+
+    weights = open_model(args.model).weights
+    n = weights.config.n_layers
+    windows = [_window(w, n) for w in args.window] or [range(n)]
+    try:
+        gears = tuple(int(g) for g in args.gears.split(","))
+    except ValueError:
+        raise InputError(f"--gears {args.gears!r}: expected numbers separated by commas") from None
+    fingerprint = weights.gguf.fingerprint()
+    for layers in windows:
+        art = atc.artifacts(weights, fingerprint, layers, args.ctx, gears, args.soc)
+        if args.dry_run:
+            print(f"# layers {layers.start}-{layers.stop - 1} -> {art.om}")
+            print(shlex.join(art.job.argv()))
+            continue
+        om = atc.compile_window(weights, art, layers, args.ctx, progress=print)
+        print(f"layers {layers.start}-{layers.stop - 1}: {om}")
+    return 0

@@ -1,0 +1,409 @@
+"""Test doubles for CANN: FakeAcl for the pyACL module and a stand-in `atc` executable.
+
+Neither is Huawei's software, and nothing tested through them is a hardware result."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import stat
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+SUCCESS = 0
+INVALID_PARAM = 100000
+UNINITIALIZE = 100001
+REPEAT_INITIALIZE = 100002
+INVALID_MODEL_ID = 100011
+PARSE_MODEL = 100013
+READ_MODEL_FAILURE = 100014
+MODEL_INPUT_NOT_MATCH = 100017
+MODEL_OUTPUT_NOT_MATCH = 100018
+RT_INVALID_DEVICEID = 107001
+RT_MEMORY_ALLOCATION = 207001
+RT_NO_DEVICE = 207004
+
+DYNAMIC_DIMS_INPUT = "ascend_mbatch_shape_data"
+_SPAN = 1 << 40  # device addresses: each allocation is its own span, so base = ptr - ptr % _SPAN
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(float16)": np.float16}
+
+FAKE_ATC = """#!{python}
+# Stand-in for CANN's atc (tests only): writes <output>.om naming the ONNX file it stands for.
+import json, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+for flag in ("framework", "model", "output", "soc_version", "input_shape"):
+    if flag not in args:
+        sys.exit("ATC_ERROR: --" + flag + " is required")
+if args["framework"] != "5":
+    sys.exit("ATC_ERROR: only ONNX (--framework=5) here")
+with open(args["output"] + ".om", "w") as f:
+    json.dump({{"format": "fake-om", "onnx": args["model"], "input_shape": args["input_shape"],
+               "dynamic_dims": args.get("dynamic_dims", ""), "soc_version": args["soc_version"]}}, f)
+"""
+
+
+@contextmanager
+def fake_cann(tmp: Path, memory_bytes: int = 1 << 30) -> Iterator[FakeAcl]:
+    """FakeAcl importable as `acl`, the fake atc on PATH, and the acl cache under `tmp`."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "atc"
+    script.write_text(FAKE_ATC.format(python=sys.executable), encoding="utf-8")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    fake = FakeAcl(memory_bytes)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "acl", fake)
+        mp.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+        mp.setenv("PRIMA_CACHE", str(tmp / "cache"))
+        yield fake
+
+
+@dataclass
+class _Model:
+    session: Any
+    inputs: list[str]
+    outputs: list[str]
+    in_shapes: dict[str, list[int | str]]  # -1 or a symbol where a gear decides
+    out_shapes: dict[str, list[int | str]]
+    dtypes: dict[str, Any]
+    gears: list[list[int]]
+    weight_bytes: int
+
+
+@dataclass
+class _Dataset:
+    buffers: list[tuple[int, int]] = field(default_factory=list)
+    dims: list[int] | None = None
+
+
+class FakeAcl:
+    """Stands in for Huawei's acl module (pyACL), which cannot run without an Ascend device.
+
+    It implements the subset of pyACL the acl backend calls, with its conventions: `ret` or
+    `(value, ret)`, 0 for success and CANN's error codes otherwise. Device memory is host memory
+    behind integer addresses, limited to `memory_bytes`; a loaded offline model is the fake
+    ATC's .om, which names the ONNX file it was compiled from, and executing it runs that ONNX
+    file with onnxruntime on the CPU. `fail(call, code)` makes the next such call return `code`."""
+
+    def __init__(self, memory_bytes: int = 1 << 30, devices: int = 1) -> None:
+        self.memory_bytes = memory_bytes
+        self.devices = devices
+        self.initialized = False
+        self.device: int | None = None
+        self.mem: dict[int, bytearray] = {}
+        self.models: dict[int, _Model] = {}
+        self.executions = 0
+        self._next = 1
+        self._failures: dict[str, int] = {}
+        self.rt = _Namespace(self, "rt")
+        self.mdl = _Namespace(self, "mdl")
+        self.util = _Namespace(self, "util")
+
+    # -- test controls -------------------------------------------------------------------------
+    def fail(self, call: str, code: int) -> None:
+        self._failures[call] = code
+
+    def _injected(self, call: str) -> int:
+        return self._failures.pop(call, SUCCESS)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(len(b) for b in self.mem.values()) + sum(m.weight_bytes for m in self.models.values())
+
+    def _id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _resolve(self, ptr: int, n: int) -> memoryview | None:
+        base = ptr - ptr % _SPAN
+        buf = self.mem.get(base)
+        off = ptr - base
+        if buf is None or off + n > len(buf):
+            return None
+        return memoryview(buf)[off : off + n]
+
+    # -- acl -----------------------------------------------------------------------------------
+    def init(self) -> int:
+        if code := self._injected("init"):
+            return code
+        if self.initialized:
+            return REPEAT_INITIALIZE
+        self.initialized = True
+        return SUCCESS
+
+    def finalize(self) -> int:
+        if not self.initialized:
+            return UNINITIALIZE
+        self.initialized = False
+        return SUCCESS
+
+    def create_data_buffer(self, ptr: int, size: int) -> tuple[int, int]:
+        return (ptr, size)
+
+    def destroy_data_buffer(self, buf: tuple[int, int]) -> int:
+        return SUCCESS
+
+    # -- acl.rt --------------------------------------------------------------------------------
+    def rt_set_device(self, device_id: int) -> int:
+        if not self.initialized:
+            return UNINITIALIZE
+        if code := self._injected("rt.set_device"):
+            return code
+        if not 0 <= device_id < self.devices:
+            return RT_INVALID_DEVICEID
+        self.device = device_id
+        return SUCCESS
+
+    def rt_reset_device(self, device_id: int) -> int:
+        self.device = None
+        return SUCCESS
+
+    def rt_create_context(self, device_id: int) -> tuple[Any, int]:
+        if self.device != device_id:
+            return None, RT_INVALID_DEVICEID
+        return ("context", device_id), SUCCESS
+
+    def rt_set_context(self, context: Any) -> int:
+        return SUCCESS if self.device is not None else UNINITIALIZE
+
+    def rt_destroy_context(self, context: Any) -> int:
+        return SUCCESS
+
+    def rt_malloc(self, size: int, policy: int) -> tuple[int, int]:
+        if code := self._injected("rt.malloc"):
+            return 0, code
+        if size <= 0 or size >= _SPAN:
+            return 0, INVALID_PARAM
+        if self.used_bytes + size > self.memory_bytes:
+            return 0, RT_MEMORY_ALLOCATION
+        ptr = self._id() * _SPAN
+        self.mem[ptr] = bytearray(os.urandom(min(size, 64)) + bytes(max(0, size - 64)))  # not zeroed
+        return ptr, SUCCESS
+
+    def rt_free(self, ptr: int) -> int:
+        return SUCCESS if self.mem.pop(ptr, None) is not None else INVALID_PARAM
+
+    def rt_memset(self, ptr: int, max_size: int, value: int, count: int) -> int:
+        view = self._resolve(ptr, count)
+        if view is None or count > max_size:
+            return INVALID_PARAM
+        view[:] = bytes([value]) * count
+        return SUCCESS
+
+    def rt_memcpy(self, dst: int, max_size: int, src: int, count: int, kind: int) -> int:
+        if code := self._injected("rt.memcpy"):
+            return code
+        if count > max_size:
+            return INVALID_PARAM
+        if kind == 1:  # host to device
+            view = self._resolve(dst, count)
+            if view is None:
+                return INVALID_PARAM
+            view[:] = ctypes.string_at(src, count)
+        elif kind == 2:  # device to host
+            view = self._resolve(src, count)
+            if view is None:
+                return INVALID_PARAM
+            ctypes.memmove(dst, bytes(view), count)
+        elif kind == 3:
+            a, b = self._resolve(dst, count), self._resolve(src, count)
+            if a is None or b is None:
+                return INVALID_PARAM
+            a[:] = bytes(b)
+        else:
+            return INVALID_PARAM
+        return SUCCESS
+
+    def rt_get_mem_info(self, attr: int) -> tuple[int, int, int]:
+        if code := self._injected("rt.get_mem_info"):
+            return 0, 0, code
+        if attr != 0:  # the fake reports its memory as DDR
+            return 0, 0, SUCCESS
+        return self.memory_bytes - self.used_bytes, self.memory_bytes, SUCCESS
+
+    # -- acl.util ------------------------------------------------------------------------------
+    def util_numpy_to_ptr(self, array: np.ndarray) -> int:
+        return int(array.ctypes.data)
+
+    # -- acl.mdl -------------------------------------------------------------------------------
+    def mdl_load_from_file(self, path: str) -> tuple[int, int]:
+        if not self.initialized or self.device is None:
+            return 0, UNINITIALIZE
+        if code := self._injected("mdl.load_from_file"):
+            return 0, code
+        try:
+            om = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError:
+            return 0, READ_MODEL_FAILURE
+        except ValueError:
+            return 0, PARSE_MODEL
+        if om.get("format") != "fake-om":
+            return 0, PARSE_MODEL
+        import onnxruntime as ort
+
+        onnx_path = Path(om["onnx"])
+        weight_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+        if self.used_bytes + weight_bytes > self.memory_bytes:
+            return 0, RT_MEMORY_ALLOCATION
+        session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+        shapes = {}
+        for part in om["input_shape"].split(";"):
+            name, dims = part.rsplit(":", 1)
+            shapes[name] = [int(d) for d in dims.split(",")]
+        gears = [[int(d) for d in g.split(",")] for g in om["dynamic_dims"].split(";") if g]
+        inputs = [i.name for i in session.get_inputs()]
+        if set(shapes) != set(inputs):
+            return 0, PARSE_MODEL  # real ATC would have refused the input_shape
+        model = _Model(
+            session,
+            inputs,
+            [o.name for o in session.get_outputs()],
+            {i.name: list(shapes[i.name]) for i in session.get_inputs()},
+            {o.name: list(o.shape) for o in session.get_outputs()},
+            {i.name: _ORT_TYPES[i.type] for i in (*session.get_inputs(), *session.get_outputs())},
+            gears,
+            weight_bytes,
+        )
+        model_id = self._id()
+        self.models[model_id] = model
+        return model_id, SUCCESS
+
+    def mdl_unload(self, model_id: int) -> int:
+        return SUCCESS if self.models.pop(model_id, None) is not None else INVALID_MODEL_ID
+
+    def mdl_create_desc(self) -> dict[str, Any]:
+        return {}
+
+    def mdl_get_desc(self, desc: dict[str, Any], model_id: int) -> int:
+        model = self.models.get(model_id)
+        if model is None:
+            return INVALID_MODEL_ID
+        desc["model"] = model
+        return SUCCESS
+
+    def mdl_destroy_desc(self, desc: dict[str, Any]) -> int:
+        desc.clear()
+        return SUCCESS
+
+    def mdl_get_num_inputs(self, desc: dict[str, Any]) -> int:
+        return len(desc["model"].inputs) + 1
+
+    def mdl_get_num_outputs(self, desc: dict[str, Any]) -> int:
+        return len(desc["model"].outputs)
+
+    def mdl_get_input_name_by_index(self, desc: dict[str, Any], i: int) -> str:
+        return [*desc["model"].inputs, DYNAMIC_DIMS_INPUT][i]
+
+    def mdl_get_output_name_by_index(self, desc: dict[str, Any], i: int) -> str:
+        return desc["model"].outputs[i]
+
+    def mdl_get_input_index_by_name(self, desc: dict[str, Any], name: str) -> tuple[int, int]:
+        names = [*desc["model"].inputs, DYNAMIC_DIMS_INPUT]
+        return (names.index(name), SUCCESS) if name in names else (0, INVALID_PARAM)
+
+    def mdl_get_input_size_by_index(self, desc: dict[str, Any], i: int) -> int:
+        model: _Model = desc["model"]
+        if i == len(model.inputs):
+            return 8 * len(model.gears[0])
+        return max(self._nbytes(model, model.inputs[i], g) for g in model.gears)
+
+    def mdl_get_output_size_by_index(self, desc: dict[str, Any], i: int) -> int:
+        model: _Model = desc["model"]
+        return max(self._nbytes(model, model.outputs[i], g) for g in model.gears)
+
+    def mdl_create_dataset(self) -> _Dataset:
+        return _Dataset()
+
+    def mdl_add_dataset_buffer(self, ds: _Dataset, buf: tuple[int, int]) -> tuple[_Dataset, int]:
+        ds.buffers.append(buf)
+        return ds, SUCCESS
+
+    def mdl_get_dataset_num_buffers(self, ds: _Dataset) -> int:
+        return len(ds.buffers)
+
+    def mdl_get_dataset_buffer(self, ds: _Dataset, i: int) -> tuple[int, int]:
+        return ds.buffers[i]
+
+    def mdl_destroy_dataset(self, ds: _Dataset) -> int:
+        return SUCCESS
+
+    def mdl_set_input_dynamic_dims(
+        self, model_id: int, ds: _Dataset, index: int, dims: dict[str, Any]
+    ) -> int:
+        model = self.models.get(model_id)
+        if model is None:
+            return INVALID_MODEL_ID
+        values = list(dims["dims"])
+        if dims["dimCount"] != len(values) or values not in model.gears:
+            return INVALID_PARAM
+        ds.dims = values
+        return SUCCESS
+
+    def mdl_execute(self, model_id: int, in_ds: _Dataset, out_ds: _Dataset) -> int:
+        if code := self._injected("mdl.execute"):
+            return code
+        model = self.models.get(model_id)
+        if model is None:
+            return INVALID_MODEL_ID
+        if len(in_ds.buffers) != len(model.inputs) + 1 or in_ds.dims is None:
+            return MODEL_INPUT_NOT_MATCH
+        if len(out_ds.buffers) != len(model.outputs):
+            return MODEL_OUTPUT_NOT_MATCH
+        feed = {}
+        shapes = self._shapes(model, in_ds.dims)
+        for name, (ptr, size) in zip(model.inputs, in_ds.buffers, strict=False):
+            shape = shapes[name]
+            n = int(np.prod(shape)) * np.dtype(model.dtypes[name]).itemsize
+            view = self._resolve(ptr, n)
+            if view is None or n > size:
+                return MODEL_INPUT_NOT_MATCH
+            feed[name] = np.frombuffer(bytes(view), dtype=model.dtypes[name]).reshape(shape)
+        results = model.session.run(model.outputs, feed)
+        for (ptr, size), value in zip(out_ds.buffers, results, strict=True):
+            data = np.ascontiguousarray(value).tobytes()
+            view = self._resolve(ptr, len(data))
+            if view is None or len(data) > size:
+                return MODEL_OUTPUT_NOT_MATCH
+            view[:] = data
+        self.executions += 1
+        return SUCCESS
+
+    # -- shapes --------------------------------------------------------------------------------
+    def _shapes(self, model: _Model, gear: list[int]) -> dict[str, list[int]]:
+        """Every input's and output's shape at `gear`: the gear's values fill the inputs' -1s in
+        order (ATC's --dynamic_dims), and the ONNX graph's symbolic dims follow from them."""
+        values = iter(gear)
+        symbols: dict[str, int] = {}
+        shapes: dict[str, list[int]] = {}
+        for i in model.session.get_inputs():
+            shape = []
+            for sym, dim in zip(i.shape, model.in_shapes[i.name], strict=True):
+                shape.append(next(values) if dim == -1 else dim)
+                if isinstance(sym, str):
+                    symbols[sym] = shape[-1]
+            shapes[i.name] = shape
+        for name, dims in model.out_shapes.items():
+            shapes[name] = [symbols[d] if isinstance(d, str) else int(d) for d in dims]
+        return shapes
+
+    def _nbytes(self, model: _Model, name: str, gear: list[int]) -> int:
+        return int(np.prod(self._shapes(model, gear)[name])) * np.dtype(model.dtypes[name]).itemsize
+
+
+class _Namespace:
+    """acl.rt, acl.mdl, acl.util: the fake's `<prefix>_<name>` methods under pyACL's names."""
+
+    def __init__(self, fake: FakeAcl, prefix: str) -> None:
+        self._fake = fake
+        self._prefix = prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fake, f"{self._prefix}_{name}")
