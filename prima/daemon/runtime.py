@@ -17,7 +17,7 @@ from prima import metrics
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
 from prima.forward.loader import LoadedModel
-from prima.net.client import NodeClient
+from prima.net.client import NodeClient, Transport
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
 from prima.plan import Plan
@@ -49,6 +49,7 @@ class NodeRuntime:
         ring_timeout_s: float = DEFAULT_RING_TIMEOUT_S,
         threads: int | None = None,
         profile_cache_dir: Path | None = None,
+        identity: Transport = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -59,6 +60,7 @@ class NodeRuntime:
         self.budget_bytes = budget_bytes  # None: auto, measured at each plan load
         self.threads = threads
         self.profile_cache_dir = profile_cache_dir
+        self.identity = identity  # how this node calls its peers (see NodeClient)
         self.fingerprint = loaded.gguf.fingerprint()
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
@@ -116,6 +118,7 @@ class NodeRuntime:
                 peer_address=peer_address,
                 refresh=refresh,
                 cache_dir=self.profile_cache_dir,
+                identity=self.identity,
             )
 
     # -- the plan ------------------------------------------------------------------------------
@@ -160,7 +163,11 @@ class NodeRuntime:
         layer_windows.start()
         hops = tuple(plan.hops())
         peers = {h.node_index for h in hops} | {0}
-        clients = {i: NodeClient(plan.nodes[i].address, plan.nodes[i].node_id) for i in peers if i != me}
+        clients = {
+            i: NodeClient(plan.nodes[i].address, node_id=plan.nodes[i].node_id, identity=self.identity)
+            for i in peers
+            if i != me
+        }
         layout = Layout(plan, me, hops, layer_windows, clients, wire_dtype, budget if auto else None)
         with self._lock:
             old, self._layout = self._layout, layout
