@@ -70,7 +70,9 @@ def cluster_issue(args: argparse.Namespace) -> int:
     out = args.out or Path(f"{args.name}.pem")
     credentials.write_private(out, identity.to_pem())
     print(f"wrote {out}; on the device run `prima cluster join {out.name}` (or copy it to")
-    print(f"~/.config/prima/cluster/{credentials.IDENTITY_FILE}), then start primad there; delete {out} after")
+    print(
+        f"~/.config/prima/cluster/{credentials.IDENTITY_FILE}), then start primad there; delete {out} after"
+    )
     return 0
 
 

@@ -71,7 +71,9 @@ def _handshake_failed(details: str) -> bool:
     """Whether an UNAVAILABLE status came from TLS (a peer or a caller without the cluster's
     certificate, or plaintext against TLS) rather than from nobody listening."""
     words = details.lower()
-    return any(w in words for w in ("handshake", "ssl", "certificate", "tls", "verification", "unauthenticated"))
+    return any(
+        w in words for w in ("handshake", "ssl", "certificate", "tls", "verification", "unauthenticated")
+    )
 
 
 def open_channel(

@@ -208,13 +208,17 @@ def is_loopback(host: str) -> bool:
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:
     """TLS that requires every caller to present a certificate from a trusted CA."""
     return grpc.ssl_server_credentials(
-        [(identity.key_pem, identity.cert_pem)], root_certificates=identity.roots_pem, require_client_auth=True
+        [(identity.key_pem, identity.cert_pem)],
+        root_certificates=identity.roots_pem,
+        require_client_auth=True,
     )
 
 
 def channel_credentials(identity: Identity) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
-        root_certificates=identity.roots_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+        root_certificates=identity.roots_pem,
+        private_key=identity.key_pem,
+        certificate_chain=identity.cert_pem,
     )
 
 

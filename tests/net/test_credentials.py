@@ -10,8 +10,10 @@ import pytest
 
 from prima.errors import InputError, NodeError, UntrustedNodeError
 from prima.net import credentials
-from prima.net.client import NodeClient
+from prima.net.client import NodeClient, open_channel
 from prima.net.credentials import ClusterCA, Identity
+from prima.net.proto import prima_pb2 as pb
+from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
 
 
@@ -109,3 +111,45 @@ def test_unreachable_node_is_not_called_untrusted(ca: ClusterCA) -> None:
 @pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("0.0.0.0", False)])
 def test_loopback_hosts(host: str, loopback: bool) -> None:
     assert credentials.is_loopback(host) is loopback
+
+
+RPCS = {
+    "Info": pb.InfoRequest,
+    "LoadPlan": pb.LoadPlanRequest,
+    "OpenSession": pb.OpenSessionRequest,
+    "CloseSession": pb.CloseSessionRequest,
+    "Abort": pb.AbortRequest,
+    "Profile": pb.ProfileRequest,
+    "Ping": pb.PingRequest,
+    "Generate": pb.GenerateRequest,
+    "Relay": pb.Activation,
+}
+
+
+@pytest.mark.parametrize("stranger", ["plaintext", "other-cluster"])
+@pytest.mark.parametrize("rpc", sorted(RPCS))
+def test_every_rpc_refuses_callers_outside_the_cluster(node_port: int, rpc: str, stranger: str) -> None:
+    """UNAVAILABLE at the handshake (NodeClient maps it to UntrustedNodeError): no handler runs."""
+    address = f"127.0.0.1:{node_port}"
+    if stranger == "plaintext":
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = open_channel(address, ClusterCA.create("other").issue("coordinator"))
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            _call(pb_grpc.NodeStub(channel), rpc)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        channel.close()
+
+
+def _call(stub: pb_grpc.NodeStub, rpc: str) -> None:
+    """Call `rpc` with an empty request, reading a streamed reply to its end."""
+    call = getattr(stub, rpc)
+    request = RPCS[rpc]()
+    if rpc == "Relay":
+        call(iter([request]), timeout=5)
+    elif rpc == "Generate":
+        list(call(request, timeout=5))
+    else:
+        call(request, timeout=5)
