@@ -33,6 +33,7 @@ from prima.forward.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import credentials
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
+from prima.net.limits import DaemonLimits
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
@@ -104,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure this device for the scheduler at start, replacing the cached profile",
     )
     p.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=DaemonLimits.max_sessions,
+        help=f"sessions held at once (default {DaemonLimits.max_sessions}); their KV caches together "
+        "may take at most a quarter of this device's RAM",
+    )
+    p.add_argument(
         "--cluster-dir",
         type=Path,
         default=None,
@@ -119,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     return p
+
+
+def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
+    """The daemon's bounds: --max-sessions, and KV caches within a quarter of the device's RAM."""
+    import psutil
+
+    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=psutil.virtual_memory().total // 4)
 
 
 def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
@@ -183,6 +198,7 @@ def serve(args: argparse.Namespace) -> int:
         ring_timeout_s=args.ring_timeout,
         threads=args.threads,
         identity=identity or "plaintext",
+        bounds=daemon_limits(args),
     )
     server, port = start_server(runtime, args.host, args.port, identity=identity)
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
