@@ -40,6 +40,10 @@ class NodeError(PrimaError):
     """A peer daemon is unreachable, answered with an error, or vanished mid-session."""
 
 
+class UntrustedNodeError(NodeError):
+    """A peer failed the TLS handshake: it (or this device) holds no certificate of the cluster."""
+
+
 class ProtocolError(PrimaError):
     """A message on the wire is malformed, oversized, or inconsistent with the session."""
 

@@ -10,6 +10,9 @@ The systemd unit and the container set XDG_CACHE_HOME=/var/cache, the one direct
 sandbox lets primad write. Keying the kernel directory on the sources matters: numba checks only
 a function's own file before reusing its compiled code, so after an edit (or an upgrade) a kernel
 cached from decode_layer.py would keep running old copies of the kernels it calls from other files.
+
+Credentials are configuration, not cache: they live under config_root() (`$PRIMA_CONFIG`, else
+`$XDG_CONFIG_HOME/prima`, else `~/.config/prima`), in `cluster/` (see prima/net/credentials.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 CACHE_ENV = "PRIMA_CACHE"
+CONFIG_ENV = "PRIMA_CONFIG"
 KERNEL_SOURCES = Path(__file__).resolve().parent / "kernels"
 
 
@@ -33,6 +37,18 @@ def cache_root() -> Path:
     if xdg and Path(xdg).is_absolute():
         return Path(xdg) / "prima"
     return Path.home() / ".cache" / "prima"
+
+
+def config_root() -> Path:
+    """Where prima keeps what the user set up (the cluster's credentials): `$PRIMA_CONFIG`, else
+    `$XDG_CONFIG_HOME/prima` (absolute), else `~/.config/prima`."""
+    explicit = os.environ.get(CONFIG_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "prima"
+    return Path.home() / ".config" / "prima"
 
 
 def models_dir() -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -18,6 +19,9 @@ from prima.model.registry import resolve_model
 
 # Tests send traffic only to loopback: mDNS discovery binds 127.0.0.1 (daemons inherit this).
 os.environ.setdefault("PRIMA_MDNS_INTERFACES", "127.0.0.1")
+# A developer's own cluster identity (~/.config/prima/cluster) never takes part in the tests:
+# local rings bring throwaway credentials, and tests that need a cluster make their own.
+os.environ.setdefault("PRIMA_CLUSTER_DIR", tempfile.mkdtemp(prefix="prima-test-cluster-"))
 
 # Set by .ci/run: the test models must be there (see models_required).
 REQUIRE_MODELS_ENV = "PRIMA_REQUIRE_MODELS"

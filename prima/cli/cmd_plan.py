@@ -131,7 +131,7 @@ def _plan_running(args: argparse.Namespace) -> tuple[list[DeviceProfile], ModelP
                 f"no primad answered over mDNS within {args.discover_timeout:g} s; start primad on the "
                 "devices, pass --nodes host:port,..., or plan a file with --devices"
             )
-    clients, _ = connect_nodes(addresses)
+    clients, _ = connect_nodes(addresses, skip_untrusted=not args.nodes)
     try:
         options = HaldaOptions(model, args.max_rounds, args.reprofile, pick_head=not args.nodes)
         view = plan_ring(clients, options, epoch=1)

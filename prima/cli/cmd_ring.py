@@ -25,7 +25,9 @@ from prima.cli.engine_options import add_discovery_args, discover_addresses
 from prima.coordinator.local_ring import LocalRing
 from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL
+from prima.net import credentials
 from prima.net.client import NodeClient
+from prima.net.credentials import ClusterCA
 
 STOP_TIMEOUT_S = 15.0  # a daemon sends its mDNS goodbye and stops its server within this
 
@@ -70,7 +72,7 @@ def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> in
     if args.detach:
         return _ring_up_detached(args, budgets)
     with LocalRing.start(
-        args.nodes, args.model, threads=args.threads, mem_budgets=budgets, mdns=True
+        args.nodes, args.model, threads=args.threads, mem_budgets=budgets, mdns=True, **ring_credentials()
     ) as ring:
         if args.json:
             print(
@@ -118,6 +120,16 @@ def ring_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def ring_credentials() -> dict[str, Any]:
+    """How a ring other processes will use is secured: with certificates from this device's
+    cluster CA if it holds one (any member may then call it), else plaintext on loopback, which
+    a coordinator without a cluster identity on this machine talks to (docs/security.md)."""
+    try:
+        return {"ca": ClusterCA.load(credentials.cluster_dir())}
+    except InputError:
+        return {"plaintext": True}
+
+
 def _ring_up_detached(args: argparse.Namespace, budgets: list[str] | None) -> int:
     state = paths.ring_state_file()
     running = [n for n in _recorded_nodes(state) if _is_primad(n["pid"])]
@@ -135,6 +147,7 @@ def _ring_up_detached(args: argparse.Namespace, budgets: list[str] | None) -> in
         mdns=True,
         detach=True,
         log_dir=logs,
+        **ring_credentials(),
     )
     nodes = [{"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in ring.nodes]
     state.parent.mkdir(parents=True, exist_ok=True)

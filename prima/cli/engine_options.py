@@ -268,7 +268,8 @@ def open_session(args: argparse.Namespace) -> Session:
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
             closers.append(local.close)
             addresses = local.addresses
-        ring = connect_ring(args, loaded, addresses, pick_head=not local_ring and not nodes)
+        discovered = not local_ring and not nodes
+        ring = connect_ring(args, loaded, addresses, pick_head=discovered, skip_untrusted=discovered)
         closers.append(ring.close)
         n_ctx = min(args.ctx, loaded.weights.config.context_length)
         return Session(loaded, ring, n_ctx, closers, ring)
@@ -299,10 +300,16 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
 
 
 def connect_ring(
-    args: argparse.Namespace, loaded: ModelFiles, addresses: list[str], *, pick_head: bool
+    args: argparse.Namespace,
+    loaded: ModelFiles,
+    addresses: list[str],
+    *,
+    pick_head: bool,
+    skip_untrusted: bool = False,
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
-    (with `pick_head`, the node with the most memory becomes the head)."""
+    (with `pick_head`, the node with the most memory becomes the head). `skip_untrusted` leaves
+    out nodes that cannot prove cluster membership (for discovered addresses: adverts are hints)."""
     from prima.coordinator.planner import HaldaOptions
     from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
@@ -320,4 +327,5 @@ def connect_ring(
         rounds=args.rounds or 1,
         wire_dtype=WireDType.parse(args.wire_dtype),
         halda=halda,
+        skip_untrusted=skip_untrusted,
     )

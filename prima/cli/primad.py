@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
@@ -30,7 +31,9 @@ from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.forward.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, resolve_model
+from prima.net import credentials
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
+from prima.net.limits import DaemonLimits
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
@@ -101,8 +104,62 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure this device for the scheduler at start, replacing the cached profile",
     )
+    p.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=DaemonLimits.max_sessions,
+        help=f"sessions held at once (default {DaemonLimits.max_sessions}); their KV caches together "
+        "may take at most a quarter of this device's RAM",
+    )
+    p.add_argument(
+        "--cluster-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"directory holding this device's {credentials.IDENTITY_FILE} (default: "
+        f"${credentials.CLUSTER_DIR_ENV}, else ~/.config/prima/cluster); see docs/security.md",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext gRPC to anyone who can reach the port, when this device has no cluster "
+        "identity (only on a network you trust entirely)",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     return p
+
+
+def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
+    """The daemon's bounds: --max-sessions, and KV caches within a quarter of the device's RAM."""
+    import psutil
+
+    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=psutil.virtual_memory().total // 4)
+
+
+def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
+    """This daemon's cluster identity, or None to serve plaintext: allowed on loopback (only this
+    machine can call) or with --insecure; anywhere else a daemon without credentials refuses to
+    start. With an identity, the node id is the one its certificate names."""
+    identity = credentials.load_identity(args.cluster_dir)
+    if identity is None:
+        if args.insecure:
+            log.warning("no cluster identity: serving plaintext gRPC on %s (--insecure)", args.host)
+        elif not credentials.is_loopback(args.host):
+            where = args.cluster_dir or credentials.cluster_dir()
+            raise InputError(
+                f"no cluster identity in {where}, so primad will not listen on {args.host}: on the device "
+                "that ran `prima cluster init`, run `prima cluster issue NAME` and copy the file it writes "
+                f"to {where}/{credentials.IDENTITY_FILE} here (docs/security.md); or --insecure on a "
+                "network you trust"
+            )
+        return None
+    if args.name is not None and args.name != identity.name:
+        raise InputError(
+            f"--name {args.name} differs from the node id in this device's certificate ({identity.name}); "
+            "drop --name, or issue a certificate for that name"
+        )
+    args.name = identity.name
+    return identity
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
+    identity = load_node_identity(args)
     path = resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
     ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
@@ -139,8 +197,10 @@ def serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch,
         ring_timeout_s=args.ring_timeout,
         threads=args.threads,
+        identity=identity or "plaintext",
+        bounds=daemon_limits(args),
     )
-    server, port = start_server(runtime, args.host, args.port)
+    server, port = start_server(runtime, args.host, args.port, identity=identity)
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"

@@ -1,7 +1,12 @@
 """N primad processes on 127.0.0.1 (port 0 each), for `prima run --local-ring N`, `prima ring up`,
 tests and benchmarks. Each daemon's bound port is read from its ready line, never guessed.
 With `mdns=True` they advertise themselves on 127.0.0.1 only, so a coordinator on this machine
-finds them by discovery."""
+finds them by discovery.
+
+The daemons talk mutual TLS with certificates from a CA: by default this process's throwaway one
+(prima.net.credentials.local_ca; its key never leaves memory), which this process's clients then
+trust, or a given cluster CA (`prima ring up` on the device that holds it). Each daemon's identity
+file lives in a private temporary directory only until the daemon has read it."""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from pathlib import Path
 
 from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
+from prima.net import credentials
+from prima.net.credentials import ClusterCA
 from prima.net.discovery import INTERFACES_ENV
 
 log = logging.getLogger("prima.coordinator")
@@ -62,13 +69,16 @@ class LocalRing:
         mdns: bool = False,
         detach: bool = False,
         preexec: Sequence[Callable[[], None] | None] | None = None,
+        ca: ClusterCA | None = None,
+        plaintext: bool = False,
     ) -> LocalRing:
         """Start `n` daemons (named node0..node{n-1} unless `names`) and wait until each prints
         its ready line. `models` and `mem_budgets` optionally give each node its own file or
         budget; `mdns` lets them advertise on 127.0.0.1. The daemons end with this process
         (Linux), unless `detach`: then they run on in their own session until stopped.
         `preexec[i]` runs in daemon i's process before it starts (e.g. joining a memory cgroup,
-        see cluster.emulate)."""
+        see cluster.emulate). Each daemon gets a certificate for its name from `ca` (default:
+        this process's throwaway CA); `plaintext` starts them without credentials instead."""
         if n < 1:
             raise NodeError(f"a ring needs at least one node, got {n}")
         names = list(names) if names else [f"node{i}" for i in range(n)]
@@ -90,9 +100,13 @@ class LocalRing:
         logs: list[int] = []  # a descriptor of each daemon's stderr file
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
+        secrets = tempfile.TemporaryDirectory(prefix="prima-ring-")
         try:
+            dirs = [] if plaintext else _issue(names, ca or credentials.local_ca(), Path(secrets.name))
             for i in range(n):
                 cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
+                if dirs:
+                    cmd += ["--cluster-dir", str(dirs[i])]
                 cmd += ["--model", str(models[i] if models else model), "--name", names[i], *extra_args]
                 cmd += ["--threads", str(threads)]
                 if not mdns:
@@ -119,6 +133,7 @@ class LocalRing:
             _stop(procs)
             raise
         finally:
+            secrets.cleanup()
             for fd in logs:
                 os.close(fd)
         log.info("local ring up: %s", ", ".join(f"{n.node_id}@{n.address}" for n in nodes))
@@ -141,6 +156,22 @@ class LocalRing:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _issue(names: Sequence[str], ca: ClusterCA, root: Path) -> list[Path]:
+    """A cluster directory per daemon under `root`, holding its identity for its name. The
+    daemons also trust this device's own cluster CA, so that its identity may call them."""
+    own = credentials.load_identity()
+    dirs = []
+    for name in names:
+        identity = ca.issue(name)
+        if own is not None:
+            identity = identity.trusting(own.roots_pem)
+        d = root / name
+        d.mkdir(mode=0o700)
+        credentials.write_private(d / credentials.IDENTITY_FILE, identity.to_pem())
+        dirs.append(d)
+    return dirs
 
 
 def _wait_ready(proc: subprocess.Popen[str], name: str, timeout_s: float, stderr_fd: int) -> LocalNode:

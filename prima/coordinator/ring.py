@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from prima.engine.generate import GenerateRequest, TokenEvent
-from prima.errors import NodeError, PlanError
+from prima.errors import NodeError, PlanError, UntrustedNodeError
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
@@ -42,14 +42,17 @@ class Ring:
         wire_dtype: WireDType = WireDType.F32,
         timeout_s: float = 10.0,
         halda: HaldaOptions | None = None,
+        skip_untrusted: bool = False,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
         `window_sizes`), else `window_sizes` (an even split if None) over `rounds`. Nodes that
-        Halda leaves out are not part of the ring."""
+        Halda leaves out are not part of the ring. With `skip_untrusted` (addresses found over
+        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too."""
         if not addresses:
             raise PlanError("no nodes given; pass --nodes host:port,... or --local-ring N")
-        clients, infos = connect_nodes(addresses, timeout_s=timeout_s)
+        clients, infos = connect_nodes(addresses, timeout_s=timeout_s, skip_untrusted=skip_untrusted)
+        addresses = [c.address for c in clients]
         try:
             epoch = max(info.plan_epoch for info in infos) + 1
             if halda is not None and not window_sizes:
@@ -112,16 +115,33 @@ class Ring:
 
 
 def connect_nodes(
-    addresses: Sequence[str], *, timeout_s: float = 10.0
+    addresses: Sequence[str], *, timeout_s: float = 10.0, skip_untrusted: bool = False
 ) -> tuple[list[NodeClient], list[NodeStatus]]:
     """A client per address, named by the node's id, after checking that the nodes run one
-    protocol and one model file and have distinct ids (NodeError / PlanError saying which)."""
+    protocol and one model file and have distinct ids (NodeError / PlanError saying which).
+    Each client then accepts only the certificate of the id its node claimed. With
+    `skip_untrusted`, nodes that fail the TLS handshake are dropped (with a warning) instead of
+    failing the whole ring; PlanError if none is left."""
     clients = [NodeClient(a, timeout_s=timeout_s) for a in addresses]
     try:
-        infos = [c.info() for c in clients]
+        infos = []
+        for c in list(clients):
+            try:
+                infos.append(c.info())
+            except UntrustedNodeError as exc:
+                if not skip_untrusted:
+                    raise
+                log.warning("leaving out %s: %s", c.address, exc)
+                clients.remove(c)
+                c.close()
+        if not clients:
+            raise PlanError(
+                f"none of the {len(addresses)} daemon(s) found proved it belongs to this cluster; "
+                "issue them identities (prima cluster issue, docs/security.md)"
+            )
         for c, info in zip(clients, infos, strict=True):
-            c.name = info.node_id
-        _check_same_model(addresses, infos)
+            c.expect(info.node_id)
+        _check_same_model([c.address for c in clients], infos)
     except BaseException:
         for c in clients:
             c.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from prima.forward.loader import LoadedModel
-from prima.net.client import NodeClient
+from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops
 from prima.scheduler.memory import MemoryLimit, read_memory_limit
@@ -75,6 +75,7 @@ def node_profile(
     peer_address: str = "",
     refresh: bool = False,
     cache_dir: Path | None = None,
+    identity: Transport = None,
 ) -> NodeProfile:
     """This device measured for the scheduler (cached per model file; `refresh` measures
     again), with the memory it may use now, plus the link to `peer_address` when one is given."""
@@ -87,7 +88,7 @@ def node_profile(
         found.profile, ram_total_bytes=limit.total, ram_available_bytes=limit.weights_budget()
     )
     if peer_address:
-        peer = NodeClient(peer_address)
+        peer = NodeClient(peer_address, identity=identity)
         try:
             latency_ms, bandwidth = peer.measure_link()
         finally:

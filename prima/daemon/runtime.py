@@ -17,9 +17,17 @@ from prima import metrics
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
 from prima.forward.loader import LoadedModel
-from prima.net.client import NodeClient
+from prima.net import limits
+from prima.net.client import NodeClient, Transport
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
-from prima.net.status import NotReadyError, StaleEpochError, UnknownSessionError
+from prima.net.limits import DaemonLimits, shown
+from prima.net.status import (
+    NotReadyError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    StaleEpochError,
+    UnknownSessionError,
+)
 from prima.plan import Plan
 from prima.weights.window import LayerWindows, Residency
 
@@ -48,6 +56,8 @@ class NodeRuntime:
         ring_timeout_s: float = DEFAULT_RING_TIMEOUT_S,
         threads: int | None = None,
         profile_cache_dir: Path | None = None,
+        identity: Transport = None,
+        bounds: DaemonLimits | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -58,12 +68,15 @@ class NodeRuntime:
         self.budget_bytes = budget_bytes  # None: auto, measured at each plan load
         self.threads = threads
         self.profile_cache_dir = profile_cache_dir
+        self.identity = identity  # how this node calls its peers (see NodeClient)
+        self.bounds = bounds or DaemonLimits()
+        self._owner: str | None = None  # who loaded the plan (its certificate's name)
         self.fingerprint = loaded.gguf.fingerprint()
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
         self._sessions: dict[str, NodeSession] = {}
-        self.worker = Worker(self, threads)
+        self.worker = Worker(self, threads, self.bounds)
         self.head = Head(self, ring_timeout_s, threads)
 
     # -- info ----------------------------------------------------------------------------------
@@ -105,6 +118,8 @@ class NodeRuntime:
         return layout.windows.residency() if layout else None
 
     def profile(self, peer_address: str = "", refresh: bool = False) -> NodeProfile:
+        if peer_address:
+            limits.check_address(peer_address)
         use_threads(self.threads)
         with self._profile_lock:
             return node_profile(
@@ -115,12 +130,45 @@ class NodeRuntime:
                 peer_address=peer_address,
                 refresh=refresh,
                 cache_dir=self.profile_cache_dir,
+                identity=self.identity,
+            )
+
+    # -- who may call --------------------------------------------------------------------------
+    def authorize(self, rpc: str, caller: str | None) -> None:
+        """PermissionDeniedError unless `caller` (the node id in its verified certificate; None
+        on a plaintext daemon, where nobody is checked) may make `rpc`: a plan is changed only by
+        the coordinator that loaded it (or anyone once it has no sessions), and sessions are
+        touched only by that coordinator and the plan's nodes."""
+        layout = self._layout
+        if caller is None or layout is None or self._owner is None or caller == self._owner:
+            return
+        if rpc == "LoadPlan":
+            if self._sessions:
+                raise PermissionDeniedError(
+                    f"plan epoch {layout.plan.epoch} of node {self.node_id} belongs to coordinator "
+                    f"{shown(self._owner)} and has {len(self._sessions)} open session(s); only it may "
+                    "change the plan until they end"
+                )
+            return
+        if caller not in {n.node_id for n in layout.plan.nodes}:
+            raise PermissionDeniedError(
+                f"{shown(caller)} is neither a node of plan epoch {layout.plan.epoch} nor the coordinator "
+                f"that loaded it; it may not call {rpc} on node {self.node_id}"
             )
 
     # -- the plan ------------------------------------------------------------------------------
-    def load_plan(self, plan: Plan, node_id: str, wire_dtype: WireDType) -> NodeStatus:
-        """Take on this node's windows of `plan`; drops every session of the previous plan."""
+    def load_plan(
+        self, plan: Plan, node_id: str, wire_dtype: WireDType, owner: str | None = None
+    ) -> NodeStatus:
+        """Take on this node's windows of `plan`; drops every session of the previous plan.
+        `owner` (the caller's certificate name) alone may change the plan while it has sessions."""
         cfg = self.model.config
+        current_epoch = self._layout.plan.epoch if self._layout else None
+        limits.check_epoch(plan.epoch, current_epoch)
+        limits.check_node_id(node_id)
+        for n in plan.nodes:
+            limits.check_node_id(n.node_id)
+            limits.check_address(n.address)
         if plan.n_layers != cfg.n_layers:
             raise PlanError(
                 f"the plan covers {plan.n_layers} layers but this node's model {self.loaded.name} has "
@@ -128,7 +176,7 @@ class NodeRuntime:
             )
         ids = [n.node_id for n in plan.nodes]
         if node_id not in ids:
-            raise PlanError(f"node id {node_id!r} is not in the plan (nodes: {ids})")
+            raise PlanError(f"node id {shown(node_id)} is not in the plan (nodes: {ids})")
         current = self._layout
         if current and plan.epoch < current.plan.epoch:
             raise StaleEpochError(
@@ -159,11 +207,16 @@ class NodeRuntime:
         layer_windows.start()
         hops = tuple(plan.hops())
         peers = {h.node_index for h in hops} | {0}
-        clients = {i: NodeClient(plan.nodes[i].address, plan.nodes[i].node_id) for i in peers if i != me}
+        clients = {
+            i: NodeClient(plan.nodes[i].address, node_id=plan.nodes[i].node_id, identity=self.identity)
+            for i in peers
+            if i != me
+        }
         layout = Layout(plan, me, hops, layer_windows, clients, wire_dtype, budget if auto else None)
         with self._lock:
             old, self._layout = self._layout, layout
             sessions, self._sessions = self._sessions, {}
+            self._owner = owner
         for s in sessions.values():
             s.close()
             if s.results is not None:
@@ -178,10 +231,11 @@ class NodeRuntime:
 
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
+        limits.check_session_id(session_id)
         layout = self.need_layout()
         if plan_epoch != layout.plan.epoch:
             raise StaleEpochError(
-                f"session {session_id} is for plan epoch {plan_epoch} but node {self.node_id} runs epoch "
+                f"session {shown(session_id)} is for plan epoch {plan_epoch} but node {self.node_id} runs epoch "
                 f"{layout.plan.epoch}; reload the plan on every node"
             )
         if not 0 < n_ctx <= self.model.config.context_length:
@@ -192,7 +246,8 @@ class NodeRuntime:
         )
         with self._lock:
             if session_id in self._sessions:
-                raise ProtocolError(f"session {session_id} is already open on node {self.node_id}")
+                raise ProtocolError(f"session {shown(session_id)} is already open on node {self.node_id}")
+            self._check_room(session.cache.n_bytes)
             self._sessions[session_id] = session
             metrics.NODE_SESSIONS.set(len(self._sessions))
         try:
@@ -200,6 +255,20 @@ class NodeRuntime:
         except PrimaError:
             self.close_session(session_id)
             raise
+
+    def _check_room(self, kv_bytes: int) -> None:
+        """PayloadTooLargeError if one more session (holding `kv_bytes`) passes the bounds."""
+        if len(self._sessions) >= self.bounds.max_sessions:
+            raise PayloadTooLargeError(
+                f"node {self.node_id} already holds {len(self._sessions)} sessions, its limit; close some first"
+            )
+        held = sum(s.cache.n_bytes for s in self._sessions.values())
+        if held + kv_bytes > self.bounds.max_kv_bytes:
+            raise PayloadTooLargeError(
+                f"node {self.node_id}: a session of {kv_bytes >> 20} MiB KV cache would pass its "
+                f"{self.bounds.max_kv_bytes >> 20} MiB for KV caches ({held >> 20} MiB held); lower n_ctx "
+                "or wait for sessions to close"
+            )
 
     def _fit_kv_caches(self, layout: Layout) -> None:
         """Under an auto budget, the sessions' KV caches (anonymous memory, allocated for their
@@ -216,6 +285,7 @@ class NodeRuntime:
         layout.windows.set_budget(budget)
 
     def close_session(self, session_id: str) -> None:
+        limits.check_session_id(session_id)
         with self._lock:
             session = self._sessions.pop(session_id, None)
             metrics.NODE_SESSIONS.set(len(self._sessions))
@@ -232,13 +302,14 @@ class NodeRuntime:
         session = self._sessions.get(session_id)
         if session is None:
             raise UnknownSessionError(
-                f"node {self.node_id} has no session {session_id!r}; open it first (or it was closed)"
+                f"node {self.node_id} has no session {shown(session_id)}; open it first (or it was closed)"
             )
         return session
 
     # -- activations ---------------------------------------------------------------------------
     def accept(self, act: Activation) -> None:
         """Check an arriving activation against the plan and session, then queue it."""
+        limits.check_session_id(act.session_id)
         layout = self.need_layout()
         if act.plan_epoch != layout.plan.epoch:
             raise StaleEpochError(
@@ -268,9 +339,10 @@ class NodeRuntime:
 
     def abort(self, session_id: str, node_id: str, message: str) -> None:
         """A node could not pass this session's activations on: end its generation here."""
+        limits.check_session_id(session_id)
         session = self._sessions.get(session_id)
         if session is not None and session.results is not None:
-            session.results.put(NodeError(message))
+            session.results.put(NodeError(f"node {shown(node_id)}: {message[: limits.MAX_MESSAGE_CHARS]}"))
 
     # -- the head ------------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:

@@ -19,6 +19,7 @@ from prima import metrics
 from prima.errors import NodeError, PrimaError, ProtocolError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
+from prima.net.limits import DaemonLimits, WorkBounds
 
 from .state import Layout, NodeSession
 from .threads import use_threads
@@ -41,16 +42,30 @@ class WorkerHost(Protocol):
 class Worker:
     """One compute thread with its queue, and the routing of finished activations."""
 
-    def __init__(self, host: WorkerHost, threads: int | None = None) -> None:
+    def __init__(
+        self, host: WorkerHost, threads: int | None = None, bounds: DaemonLimits | None = None
+    ) -> None:
         self.host = host
         self.threads = threads
+        # Activations from peers are counted while queued (bounded); those this node routes to
+        # itself, from a window it just computed, are not: they already held a place.
+        self.queued = WorkBounds(bounds or DaemonLimits())
+        self._admitted: set[int] = set()
         self._work: queue.SimpleQueue[Activation | None] = queue.SimpleQueue()
         self._relay_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="primad-compute", daemon=True)
         self._thread.start()
 
     def submit(self, act: Activation) -> None:
+        """Queue an activation from a peer; PayloadTooLargeError if the queue bounds are reached."""
+        self.queued.admit(act.session_id)
+        self._admitted.add(id(act))
         self._work.put(act)
+
+    def _taken(self, act: Activation) -> None:
+        if id(act) in self._admitted:
+            self._admitted.discard(id(act))
+            self.queued.done(act.session_id)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the batch in hand, then end the thread (bounded wait)."""
@@ -65,6 +80,7 @@ class Worker:
             act = pending.popleft() if pending else self._work.get()
             if act is None:
                 return
+            self._taken(act)
             group = [act]
             layout = self.host.layout
             if layout is not None and layout.windows.limited:
@@ -77,6 +93,7 @@ class Worker:
                         break
                 while pending and _same_hop(pending[0], act):
                     group.append(pending.popleft())  # type: ignore[arg-type]
+                    self._taken(group[-1])
             metrics.NODE_QUEUE_DEPTH.set(self._work.qsize() + len(pending))
             try:
                 with metrics.NODE_COMPUTE.time():

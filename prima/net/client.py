@@ -12,12 +12,13 @@ import math
 import queue
 import time
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import grpc
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
-from prima.errors import NodeError, ProtocolError
-from prima.net import codec
+from prima.errors import NodeError, ProtocolError, UntrustedNodeError
+from prima.net import codec, credentials
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
@@ -46,6 +47,12 @@ def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeE
     """A NodeError for a failed call: unreachable nodes and peer-reported errors read differently."""
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(details or ""):
+        return UntrustedNodeError(
+            f"node {name} at {address} failed the TLS handshake ({doing}): it is not a member of this "
+            "device's cluster, or this device is not a member of its cluster (or one side has no "
+            "credentials); issue it an identity with `prima cluster issue` (docs/security.md)"
+        )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return NodeError(
             f"node {name} at {address} did not answer ({doing}: {code.name}); "
@@ -55,14 +62,62 @@ def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeE
     return NodeError(f"{doing} on node {name} at {address} failed: {details}")
 
 
-class NodeClient:
-    """One channel to one daemon; cheap to keep for a session (HTTP/2 multiplexes calls)."""
+# How a client calls: with this identity; "plaintext"; or None, this process's own
+# (credentials.client_identity()).
+Transport = credentials.Identity | Literal["plaintext"] | None
 
-    def __init__(self, address: str, name: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+
+def _handshake_failed(details: str) -> bool:
+    """Whether an UNAVAILABLE status came from TLS (a peer or a caller without the cluster's
+    certificate, or plaintext against TLS) rather than from nobody listening."""
+    words = details.lower()
+    return any(
+        w in words for w in ("handshake", "ssl", "certificate", "tls", "verification", "unauthenticated")
+    )
+
+
+def open_channel(
+    address: str, identity: credentials.Identity | None, node_id: str | None = None
+) -> grpc.Channel:
+    """A channel to `address`: mutual TLS when this process has a cluster identity (the handshake
+    proves that the peer holds `node_id`'s certificate, or any member's without one), plaintext
+    otherwise."""
+    if identity is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = [*CHANNEL_OPTIONS, credentials.target_name_option(node_id)]
+    return grpc.secure_channel(address, credentials.channel_credentials(identity), options=options)
+
+
+class NodeClient:
+    """One channel to one daemon; cheap to keep for a session (HTTP/2 multiplexes calls).
+    With `node_id`, only a daemon holding that node's certificate is accepted at that address."""
+
+    def __init__(
+        self,
+        address: str,
+        name: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        node_id: str | None = None,
+        identity: Transport = None,
+    ) -> None:
         self.address = address
-        self.name = name or address
+        self.name = name or node_id or address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if identity is None:
+            identity = credentials.client_identity()
+        self.identity = None if identity == "plaintext" else identity
+        self.channel = open_channel(address, self.identity, node_id)
+        self.stub = pb_grpc.NodeStub(self.channel)
+
+    def expect(self, node_id: str) -> None:
+        """From now on accept only `node_id`'s certificate at this address (the id a daemon
+        claimed in Info is then proven by the handshake of every later call)."""
+        self.name = node_id
+        if self.identity is None:
+            return
+        self.channel.close()
+        self.channel = open_channel(self.address, self.identity, node_id)
         self.stub = pb_grpc.NodeStub(self.channel)
 
     def _call(

@@ -9,6 +9,7 @@ import grpc
 
 from prima.errors import NodeError
 from prima.net.client import MAX_MESSAGE_BYTES
+from prima.net.credentials import Identity, server_credentials
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.servicer import NodeHandler, NodeServicer
 
@@ -19,9 +20,15 @@ MAX_WORKERS = 32
 
 
 def start_server(
-    handler: NodeHandler, host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES
+    handler: NodeHandler,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    identity: Identity | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Serve `handler`; return the running server and the port it bound."""
+    """Serve `handler`; return the running server and the port it bound. With `identity`, over
+    mutual TLS: a caller without a certificate from the cluster's CA fails the handshake and
+    never reaches a handler. Without, plaintext (primad allows that on loopback only)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="primad-rpc"),
         options=[
@@ -34,7 +41,11 @@ def start_server(
     )
     pb_grpc.add_NodeServicer_to_server(NodeServicer(handler), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        target = f"{host}:{port}"
+        if identity is None:
+            bound = server.add_insecure_port(target)
+        else:
+            bound = server.add_secure_port(target, server_credentials(identity))
     except RuntimeError as exc:
         raise NodeError(f"cannot listen on {host}:{port}: {exc}; pick another --port") from exc
     if bound == 0:

@@ -14,9 +14,10 @@ from typing import Protocol, TypeVar
 import grpc
 
 from prima.engine.generate import GenerateRequest, TokenEvent
-from prima.errors import PrimaError
+from prima.errors import PrimaError, ProtocolError
 from prima.net import codec
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
+from prima.net.credentials import peer_name
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.status import status_for
@@ -35,7 +36,11 @@ class NodeHandler(Protocol):
 
     def info(self) -> NodeStatus: ...
 
-    def load_plan(self, plan: Plan, node_id: str, wire_dtype: WireDType) -> NodeStatus: ...
+    def load_plan(
+        self, plan: Plan, node_id: str, wire_dtype: WireDType, owner: str | None = None
+    ) -> NodeStatus: ...
+
+    def authorize(self, rpc: str, caller: str | None) -> None: ...
 
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None: ...
 
@@ -54,8 +59,12 @@ class NodeServicer(pb_grpc.NodeServicer):
     def __init__(self, handler: NodeHandler) -> None:
         self.handler = handler
 
-    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T], rpc: str = "") -> T:
+        """Run `fn` for a call (after checking that its caller may make it, when `rpc` names it)
+        and end the call with the status of any PrimaError it raises."""
         try:
+            if rpc:
+                self.handler.authorize(rpc, peer_name(context))
             return fn()
         except PrimaError as exc:
             log.info("answering %s: %s", status_for(exc).name, exc)
@@ -68,23 +77,30 @@ class NodeServicer(pb_grpc.NodeServicer):
     def LoadPlan(self, request: pb.LoadPlanRequest, context: grpc.ServicerContext) -> pb.LoadPlanReply:
         def load() -> NodeStatus:
             plan = codec.plan_from_proto(request.plan)
-            dtype = WireDType(request.wire_dtype) if request.wire_dtype else WireDType.F32
-            return self.handler.load_plan(plan, request.node_id, dtype)
+            try:
+                dtype = WireDType(request.wire_dtype) if request.wire_dtype else WireDType.F32
+            except ValueError:
+                raise ProtocolError(f"wire dtype {request.wire_dtype} is not one prima knows") from None
+            return self.handler.load_plan(plan, request.node_id, dtype, owner=peer_name(context))
 
-        return pb.LoadPlanReply(info=codec.node_status_to_proto(self._guard(context, load)))
+        return pb.LoadPlanReply(info=codec.node_status_to_proto(self._guard(context, load, "LoadPlan")))
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.Empty:
         h = self.handler
-        self._guard(context, lambda: h.open_session(request.session_id, request.plan_epoch, request.n_ctx))
+        self._guard(
+            context,
+            lambda: h.open_session(request.session_id, request.plan_epoch, request.n_ctx),
+            "OpenSession",
+        )
         return pb.Empty()
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self._guard(context, lambda: self.handler.close_session(request.session_id))
+        self._guard(context, lambda: self.handler.close_session(request.session_id), "CloseSession")
         return pb.Empty()
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.Empty:
         h = self.handler
-        self._guard(context, lambda: h.abort(request.session_id, request.node_id, request.message))
+        self._guard(context, lambda: h.abort(request.session_id, request.node_id, request.message), "Abort")
         return pb.Empty()
 
     def Profile(self, request: pb.ProfileRequest, context: grpc.ServicerContext) -> pb.ProfileReply:
@@ -102,7 +118,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             for msg in request_iterator:
                 h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
 
-        self._guard(context, relay)
+        self._guard(context, relay, "Relay")
         return pb.Empty()
 
     def Generate(

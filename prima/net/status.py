@@ -26,12 +26,19 @@ class PayloadTooLargeError(ProtocolError):
     """A tensor or batch exceeds the node's limits."""
 
 
+class PermissionDeniedError(ProtocolError):
+    """A cluster member asked for something only another member may do (another coordinator's
+    plan, a session of a plan the caller is not in)."""
+
+
 def status_for(exc: Exception) -> grpc.StatusCode:
     """The gRPC status a servicer answers with for `exc` (most specific class first)."""
     if isinstance(exc, UnknownSessionError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, StaleEpochError | NotReadyError):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, PayloadTooLargeError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, ProtocolError | PlanError | InputError):

@@ -1,0 +1,116 @@
+"""What a daemon accepts from its callers, in numbers, and the checks that hold them to it.
+
+Every limit is answered with a precise status (RESOURCE_EXHAUSTED for a full daemon,
+INVALID_ARGUMENT for a malformed value) and a message that quotes at most SHOWN_CHARS of any
+string a caller sent, so a hostile caller can neither exhaust the daemon nor make it echo a
+megabyte back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from prima.errors import ProtocolError
+from prima.net.status import PayloadTooLargeError
+
+SHOWN_CHARS = 64
+MAX_MESSAGE_CHARS = 1024  # of a peer's Abort message, passed on to the coordinator
+MAX_SESSION_ID_BYTES = 128
+MAX_NODE_ID_BYTES = 63
+MAX_ADDRESS_BYTES = 255
+# Epochs only grow; a jump bigger than this is a broken or hostile coordinator, which could
+# otherwise push the epoch to 2**64-1 and leave no newer one for anyone.
+MAX_EPOCH_STEP = 1 << 20
+MAX_EPOCH = 1 << 53
+
+
+@dataclass(frozen=True)
+class DaemonLimits:
+    """A daemon's bounds. KV bytes default to a quarter of the machine's memory (set at start)."""
+
+    max_sessions: int = 16
+    max_kv_bytes: int = 1 << 30
+    max_queued: int = 256  # activations waiting for the compute thread, all sessions together
+    max_queued_per_session: int = 64
+
+
+def shown(text: str) -> str:
+    """`text` quoted for an error message, cut to SHOWN_CHARS."""
+    return repr(text[:SHOWN_CHARS]) + ("..." if len(text) > SHOWN_CHARS else "")
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id:
+        raise ProtocolError("the session id is empty; give each session a unique id")
+    if len(session_id.encode()) > MAX_SESSION_ID_BYTES or not session_id.isprintable():
+        raise ProtocolError(f"session id {shown(session_id)} is not 1-{MAX_SESSION_ID_BYTES} printable bytes")
+
+
+def check_node_id(node_id: str) -> None:
+    if not node_id or len(node_id.encode()) > MAX_NODE_ID_BYTES or not node_id.isprintable():
+        raise ProtocolError(f"node id {shown(node_id)} is not 1-{MAX_NODE_ID_BYTES} printable bytes")
+
+
+def check_address(address: str) -> None:
+    """A peer address must be host:port (no unix: sockets or other gRPC schemes): a daemon only
+    dials network peers."""
+    host, sep, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host[1:-1] if bracketed else host
+    ok = (
+        bool(sep and bare)
+        and len(address) <= MAX_ADDRESS_BYTES
+        and port.isdigit()
+        and 0 < int(port) < 65536
+        and "/" not in address
+        and (bracketed or ":" not in bare)
+        and bare.isprintable()
+    )
+    if not ok:
+        raise ProtocolError(f"address {shown(address)} is not host:port")
+
+
+def check_epoch(epoch: int, current: int | None) -> None:
+    """A plan's epoch: positive, and no lower than (nor far beyond) the epoch loaded now."""
+    if not 0 < epoch <= MAX_EPOCH:
+        raise ProtocolError(f"plan epoch {epoch} is outside [1, 2**53]")
+    if current is not None and epoch > current + MAX_EPOCH_STEP:
+        raise ProtocolError(
+            f"plan epoch {epoch} jumps more than {MAX_EPOCH_STEP} past the loaded epoch {current}; "
+            "use the loaded epoch + 1"
+        )
+
+
+class WorkBounds:
+    """Counts the activations queued for the compute thread, in all and per session."""
+
+    def __init__(self, limits: DaemonLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._total = 0
+        self._per_session: Counter[str] = Counter()
+
+    def admit(self, session_id: str) -> None:
+        """Count one more queued activation, or PayloadTooLargeError if a bound is reached."""
+        with self._lock:
+            if self._total >= self.limits.max_queued:
+                raise PayloadTooLargeError(
+                    f"{self._total} activations are already queued on this node; send more slowly"
+                )
+            if self._per_session[session_id] >= self.limits.max_queued_per_session:
+                raise PayloadTooLargeError(
+                    f"session {shown(session_id)} already has {self.limits.max_queued_per_session} "
+                    "activations queued here; wait for results before sending more"
+                )
+            self._total += 1
+            self._per_session[session_id] += 1
+
+    def done(self, session_id: str) -> None:
+        with self._lock:
+            if self._per_session[session_id] > 0:
+                self._total -= 1
+                self._per_session[session_id] -= 1
+            if self._per_session[session_id] == 0:
+                del self._per_session[session_id]

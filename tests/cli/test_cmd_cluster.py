@@ -1,0 +1,51 @@
+"""`prima cluster` makes a CA and identities; a joined device's primad serves under the name in
+its certificate, and without one refuses to listen off loopback unless --insecure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prima.cli import primad
+from prima.cli.main import main
+from prima.errors import InputError
+from prima.net import credentials
+
+
+def test_init_issue_join(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keeper, phone = tmp_path / "keeper", tmp_path / "phone"
+    assert main(["cluster", "--dir", str(keeper), "init", "--name", "laptop"]) == 0
+    assert main(["cluster", "--dir", str(keeper), "init"]) == 1  # would replace the cluster
+    out = tmp_path / "phone.pem"
+    assert main(["cluster", "--dir", str(keeper), "issue", "phone", "-o", str(out)]) == 0
+    assert out.stat().st_mode & 0o077 == 0
+    assert main(["cluster", "--dir", str(phone), "join", str(out)]) == 0
+    laptop_id, phone_id = credentials.load_identity(keeper), credentials.load_identity(phone)
+    assert laptop_id is not None
+    assert phone_id is not None
+    assert (laptop_id.name, phone_id.name) == ("laptop", "phone")
+    assert phone_id.roots_pem == laptop_id.roots_pem  # one cluster
+    assert not (phone / credentials.CA_KEY_FILE).exists()
+    capsys.readouterr()
+
+
+def _args(tmp_path: Path, *argv: str):  # noqa: ANN202
+    return primad.build_parser().parse_args(["--cluster-dir", str(tmp_path), *argv])
+
+
+def test_primad_without_identity_stays_on_loopback(tmp_path: Path) -> None:
+    assert primad.load_node_identity(_args(tmp_path, "--host", "127.0.0.1")) is None
+    with pytest.raises(InputError, match="prima cluster issue"):
+        primad.load_node_identity(_args(tmp_path, "--host", "0.0.0.0"))
+    assert primad.load_node_identity(_args(tmp_path, "--host", "0.0.0.0", "--insecure")) is None
+
+
+def test_primad_serves_under_its_certificates_name(tmp_path: Path) -> None:
+    ca = credentials.ClusterCA.create()
+    credentials.write_private(tmp_path / credentials.IDENTITY_FILE, ca.issue("phone").to_pem())
+    args = _args(tmp_path, "--host", "0.0.0.0")
+    assert primad.load_node_identity(args) is not None
+    assert args.name == "phone"
+    with pytest.raises(InputError, match="differs"):
+        primad.load_node_identity(_args(tmp_path, "--host", "0.0.0.0", "--name", "other"))

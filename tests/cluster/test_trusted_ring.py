@@ -1,0 +1,114 @@
+"""A ring of cluster members only: rogue daemons that advertise the ring's model over mDNS, with
+a far better profile, but hold no certificate of this cluster (one with another cluster's, one
+plaintext) are never planned and never get a call past the handshake; the run on the honest
+daemons equals the single-device engine. Each module browses its own service type."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prima.cli.main import main
+from prima.coordinator.local_ring import LocalRing
+from prima.engine.generate import generate
+from prima.engine.local import LocalEngine
+from prima.engine.prompt import prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.forward.loader import load_model
+from prima.net import discovery
+from prima.net.client import NodeClient
+from prima.net.codec import NodeProfile, NodeStatus
+from prima.net.credentials import ClusterCA
+from prima.net.server import start_server
+from prima.scheduler.profile_cache import CACHE_ENV
+
+from .conftest import start_ring
+
+pytestmark = pytest.mark.slow
+
+N_CTX = 128
+MAX_TOKENS = 6
+PROMPT = "The capital of France is"
+
+
+class RogueHandler:
+    """A daemon face that would gladly take the ring: it answers Info like an honest node and
+    Profile with 100x the memory; every call that reaches it is recorded."""
+
+    d_model = 576
+    vocab_size = 49152
+    max_batch_tokens = 512
+
+    def __init__(self, info: NodeStatus, profile: NodeProfile) -> None:
+        self.calls: list[str] = []
+        self._info = info
+        self._profile = profile
+
+    def info(self) -> NodeStatus:
+        self.calls.append("Info")
+        return self._info
+
+    def profile(self, peer_address: str, refresh: bool) -> NodeProfile:
+        self.calls.append("Profile")
+        return self._profile
+
+    def __getattr__(self, name: str) -> object:
+        def record(*args: object, **kwargs: object) -> None:
+            self.calls.append(name)
+
+        return record
+
+
+@pytest.fixture(scope="module")
+def mdns_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(discovery.SERVICE_TYPE_ENV, f"_pr{secrets.token_hex(4)}._tcp.local.")
+        mp.setenv(discovery.INTERFACES_ENV, "127.0.0.1")
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def ring(mdns_env: None, smollm2_path: Path, ring_logs: Path) -> Iterator[LocalRing]:
+    yield from start_ring(2, smollm2_path, ring_logs, mdns=True)
+
+
+def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys) -> None:  # noqa: ANN001
+    honest = NodeClient(ring.addresses[0])
+    info, profile = honest.info(), honest.profile()
+    honest.close()
+    better = dataclasses.replace(profile.device, ram_available_bytes=profile.device.ram_available_bytes * 100)
+    rogues = []
+    servers = []
+    for name, identity in [
+        ("rogue-tls", ClusterCA.create("other").issue("rogue-tls")),
+        ("rogue-plain", None),
+    ]:
+        handler = RogueHandler(dataclasses.replace(info, node_id=name), NodeProfile(better, 0, 0.0))
+        server, port = start_server(handler, "127.0.0.1", 0, identity=identity)  # type: ignore[arg-type]
+        advert = discovery.NodeAdvert(name, "127.0.0.1", port, info.model_fingerprint, info.model_name)
+        servers.append((server, discovery.Advertiser(advert, interfaces="127.0.0.1")))
+        rogues.append(handler)
+    try:
+        for _, advertiser in servers:
+            advertiser.__enter__()
+        argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
+        assert main([*argv, "--json", "--exact", "--expect", "4"]) == 0
+    finally:
+        for server, advertiser in servers:
+            advertiser.__exit__(None, None, None)
+            server.stop(grace=None)
+    out = json.loads(capsys.readouterr().out)
+    assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
+    assert [r.calls for r in rogues] == [[], []]  # not even Info: the handshake stopped them
+    loaded = load_model(smollm2_path, mode="exact")
+    ids = prompt_ids(loaded.tokenizer, PROMPT)
+    engine = LocalEngine(loaded.model, n_ctx=N_CTX)
+    stops = sorted(loaded.tokenizer.stop_ids)
+    ref = generate(engine, ids, max_tokens=MAX_TOKENS, sampler=SamplerConfig(), stop_ids=stops)
+    assert out["token_ids"] == ref.token_ids
