@@ -79,7 +79,9 @@ class GenerationResult:
 class GenerateRequest:
     """One generation as every path takes it, on this device or on a ring's head: what to
     continue, how far, how to sample, where to stop. `want_prompt_logits` asks for the prompt's
-    last-token logits once, with the end of the generation (`prima run --logits-out`)."""
+    last-token logits once, with the end of the generation (`prima run --logits-out`).
+    `first_step` > 0 resumes a generation whose first `first_step` tokens end the prompt (after
+    a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -88,6 +90,7 @@ class GenerateRequest:
     n_ctx: int = 2048
     ubatch: int = 0  # prompt micro-batch size in tokens; 0 = the engine's default
     want_prompt_logits: bool = False
+    first_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def sample_tokens(
     """The generation loop: prefill the prompt, then sample and decode until a stop id or the
     token budget. The one place tokens are sampled, on whatever engine runs the layers."""
     prompt, max_tokens = check_prompt(request.prompt_ids, request.max_tokens, engine.n_ctx)
-    sample = Sampler(request.sampler)
+    sample = Sampler(request.sampler, request.first_step)
     stops = set(request.stop_ids)
     history = list(prompt)
     engine.reset()

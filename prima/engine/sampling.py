@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty.
 
-Pure numpy over one logit vector; randomness comes from an injected numpy Generator so a seed
-reproduces a run exactly.
+Pure numpy over one logit vector. Each draw's randomness is derived from (seed, step), so a seed
+reproduces a run exactly and a generation resumed at step n (after a failover re-planned the ring)
+draws what the uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -45,12 +46,20 @@ class SamplerConfig:
 
 
 class Sampler:
-    def __init__(self, config: SamplerConfig) -> None:
+    """Samples token after token; `step` counts the draws of this generation so far (a resumed
+    generation starts at the number of tokens already sampled)."""
+
+    def __init__(self, config: SamplerConfig, step: int = 0) -> None:
+        if step < 0:
+            raise InputError(f"the sampler's first step must be >= 0, got {step}")
         self.config = config
-        self.rng = np.random.default_rng(config.seed)
+        self.step = step
+        # Unseeded runs draw their entropy once, so their steps still differ from each other.
+        self._entropy = np.random.SeedSequence(config.seed).entropy
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         cfg = self.config
+        step, self.step = self.step, self.step + 1
         logits = np.asarray(logits, dtype=np.float32)
         if cfg.repeat_penalty != 1.0 and history:
             logits = apply_repeat_penalty(logits, history[-cfg.repeat_last_n :], cfg.repeat_penalty)
@@ -67,7 +76,9 @@ class Sampler:
             mask = probs >= cfg.min_p * probs[0]
             ids = ids[mask]
         probs = _softmax(logits[ids] / np.float32(cfg.temperature))
-        return int(self.rng.choice(ids, p=probs))
+        # A generator per (seed, step): draw n needs no replay of draws 0..n-1.
+        rng = np.random.default_rng(np.random.SeedSequence([self._entropy, step]))
+        return int(rng.choice(ids, p=probs))
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:

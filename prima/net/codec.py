@@ -25,7 +25,7 @@ from prima.plan import NodeAssignment, Plan, Window
 from prima.scheduler.profile import DeviceProfile
 from prima.weights.window import Residency
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 Q8_BLOCK = 32
 MAX_TENSOR_BYTES = 256 << 20  # hard ceiling whatever the caller allows
 
@@ -367,6 +367,7 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         n_ctx=req.n_ctx,
         ubatch=req.ubatch,
         want_prompt_logits=req.want_prompt_logits,
+        first_step=req.first_step,
     )
 
 
@@ -383,6 +384,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> 
         n_ctx=msg.n_ctx or 2048,
         ubatch=msg.ubatch,
         want_prompt_logits=msg.want_prompt_logits,
+        first_step=msg.first_step,
     )
 
 

@@ -48,3 +48,19 @@ def test_repeat_penalty_lowers_seen_tokens() -> None:
 def test_bad_sampler_settings_are_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(InputError):
         SamplerConfig(**kwargs)
+
+
+def test_sampler_resumed_at_step_n_draws_what_the_unbroken_run_draws() -> None:
+    """A generation resumed after a failover starts its sampler at the tokens already sampled."""
+    logits = np.linspace(0, 1, 50).astype(np.float32)
+    cfg = SamplerConfig(temperature=5.0, top_k=10, top_p=1.0, min_p=0.0, seed=11)
+    whole = Sampler(cfg)
+    unbroken = [whole.sample(logits) for _ in range(30)]
+    resumed = Sampler(cfg, step=17)
+    assert [resumed.sample(logits) for _ in range(13)] == unbroken[17:]
+    assert len(set(unbroken)) > 1
+
+
+def test_sampler_step_must_not_be_negative() -> None:
+    with pytest.raises(InputError, match="step"):
+        Sampler(SamplerConfig(), step=-1)

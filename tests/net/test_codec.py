@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from prima.engine.generate import GenerateRequest
 from prima.engine.sampling import SamplerConfig
 from prima.errors import ProtocolError
 from prima.net import codec
@@ -122,3 +123,9 @@ def test_node_profile_round_trips_and_bad_json_is_a_protocol_error() -> None:
     for bad, words in [("{", "not JSON"), ("[1]", "not a JSON object"), ('{"node_id": 3}', "node_id")]:
         with pytest.raises(ProtocolError, match=words):
             codec.node_profile_from_proto(pb.ProfileReply(device_profile_json=bad))
+
+
+def test_generate_request_round_trips_a_resumed_generation() -> None:
+    req = GenerateRequest((1, 2, 3), 5, SamplerConfig(temperature=0.5, seed=3), (0,), n_ctx=64, first_step=2)
+    back = codec.generate_request_from_proto(codec.generate_request_to_proto(req), vocab_size=10)
+    assert back == req

@@ -206,7 +206,7 @@ class SamplerSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repeat_last_n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits")
+    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class GenerateRequest(_message.Message):
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     UBATCH_FIELD_NUMBER: _ClassVar[int]
     WANT_PROMPT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampler: SamplerSettings
@@ -221,7 +222,8 @@ class GenerateRequest(_message.Message):
     n_ctx: int
     ubatch: int
     want_prompt_logits: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ...) -> None: ...
+    first_step: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits")
