@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ring-timeout",
         type=float,
         default=DEFAULT_RING_TIMEOUT_S,
-        help=f"seconds the head waits for activations to come back (default {DEFAULT_RING_TIMEOUT_S:.0f})",
+        help="seconds the head waits for activations from a ring whose nodes all answer its probes; a hung "
+        f"or vanished node is named within seconds (default {DEFAULT_RING_TIMEOUT_S:.0f})",
     )
     p.add_argument(
         "--no-mdns", action="store_true", help="do not advertise over mDNS (coordinators then need --nodes)"

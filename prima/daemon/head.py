@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import uuid
 from collections.abc import Generator
 from typing import Protocol
@@ -23,6 +24,7 @@ from prima.engine.local import DEFAULT_UBATCH
 from prima.errors import ContextFullError, InputError, NodeError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
+from prima.net.liveness import Liveness, probe_nodes, wait_for
 from prima.net.status import NotReadyError
 from prima.plan import Plan
 
@@ -123,10 +125,18 @@ class HeadHost(Protocol):
 class Head:
     """The head node's ring sessions (a RingLink) and the generations run on them."""
 
-    def __init__(self, host: HeadHost, ring_timeout_s: float, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        host: HeadHost,
+        ring_timeout_s: float,
+        threads: int | None = None,
+        liveness: Liveness | None = None,
+    ) -> None:
         self.host = host
-        self.ring_timeout_s = ring_timeout_s
         self.threads = threads
+        # A hung or vanished node is named within seconds; ring_timeout_s only bounds a ring
+        # whose nodes all answer but whose activations never come back.
+        self.liveness = liveness or Liveness(give_up_s=ring_timeout_s)
 
     @property
     def plan(self) -> Plan:
@@ -147,7 +157,15 @@ class Head:
                 yield event
         finally:
             if not closed:
-                engine.close()
+                # Failed or cancelled: a hung peer's CloseSession must not hold up the error on
+                # its way to the coordinator, so the peers are told from another thread.
+                self.host.close_session(engine.session_id)
+                threading.Thread(
+                    target=self.close_ring_session,
+                    args=(engine.session_id,),
+                    name="primad-close",
+                    daemon=True,
+                ).start()
 
     # -- RingLink ------------------------------------------------------------------------------
     def open_ring_session(self, session_id: str, n_ctx: int) -> None:
@@ -171,13 +189,18 @@ class Head:
         self.host.route(self.host.need_layout(), self.host.need_session(act.session_id), act)
 
     def receive(self, session_id: str) -> Activation:
-        """The next micro-batch back from the ring; NodeError if a node failed or went quiet."""
+        """The next micro-batch back from the ring; NodeError if a node failed, or went quiet
+        and stopped answering probes (prima.net.liveness)."""
         results = self.host.need_session(session_id).results
         assert results is not None, "opened by open_ring_session"
-        try:
-            item = results.get(timeout=self.ring_timeout_s)
-        except queue.Empty:
-            raise self._diagnose(session_id) from None
+        layout = self.host.need_layout()
+        peers = list(layout.clients.values())
+        item = wait_for(
+            lambda timeout_s: results.get(timeout=timeout_s),
+            lambda timeout_s: probe_nodes(peers, timeout_s),
+            self.liveness.for_token_time(layout.plan.predicted_ms_per_token),
+            what=f"session {session_id}",
+        )
         if isinstance(item, NodeError):
             raise item
         return item
@@ -193,21 +216,3 @@ class Head:
                 client.close_session(session_id)
             except NodeError as exc:
                 log.info("closing session %s: %s", session_id, exc)
-
-    def _diagnose(self, session_id: str) -> NodeError:
-        """Name the node(s) that stopped answering after the ring went quiet."""
-        layout = self.host.need_layout()
-        dead = []
-        for client in layout.clients.values():
-            try:
-                client.info(timeout_s=2.0)
-            except NodeError:
-                dead.append(f"{client.name} at {client.address}")
-        if dead:
-            return NodeError(
-                f"session {session_id}: node(s) {', '.join(dead)} stopped answering; restart them"
-            )
-        return NodeError(
-            f"session {session_id}: no answer from the ring within {self.ring_timeout_s:.0f} s "
-            "although every node is up; check the nodes' logs"
-        )
