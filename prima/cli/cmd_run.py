@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         }
         if session.ring is not None:
             out["plan"] = session.ring.plan.to_dict()
+            out["recoveries"] = [r.as_dict() for r in getattr(session.generator, "recoveries", [])]
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")

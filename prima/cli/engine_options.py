@@ -34,6 +34,7 @@ from prima.net import discovery
 # The engines, the ring and the model code (numba, grpc) load when a session opens, not when
 # the flags are declared: `--help` stays fast.
 if TYPE_CHECKING:
+    from prima.coordinator.planner import HaldaOptions
     from prima.coordinator.ring import Ring
     from prima.engine.generate import GenerateRequest, GenerationResult, Generator, TextDecoder
     from prima.engine.sampling import SamplerConfig
@@ -230,8 +231,10 @@ def _mode(args: argparse.Namespace) -> str:
 
 def open_session(args: argparse.Namespace) -> Session:
     """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
+    from prima.coordinator.failover import FailoverRing, RingSpec
     from prima.coordinator.local_ring import LocalRing
     from prima.model.files import open_model
+    from prima.net.codec import WireDType
 
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
@@ -268,11 +271,18 @@ def open_session(args: argparse.Namespace) -> Session:
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
             closers.append(local.close)
             addresses = local.addresses
-        discovered = not local_ring and not nodes
-        ring = connect_ring(args, loaded, addresses, pick_head=discovered, skip_untrusted=discovered)
+        pick_head = not local_ring and not nodes  # discovered: adverts are hints
+        ring = connect_ring(args, loaded, addresses, pick_head=pick_head, skip_untrusted=pick_head)
         closers.append(ring.close)
         n_ctx = min(args.ctx, loaded.weights.config.context_length)
-        return Session(loaded, ring, n_ctx, closers, ring)
+        # Generations survive nodes leaving: re-planned over the daemons still answering.
+        spec = RingSpec(
+            tuple(addresses),
+            halda_options(args, loaded, pick_head=pick_head),
+            args.rounds or 1,
+            WireDType.parse(args.wire_dtype),
+        )
+        return Session(loaded, FailoverRing(ring, spec), n_ctx, closers, ring)
     except BaseException:
         for c in reversed(closers):
             c()
@@ -310,22 +320,28 @@ def connect_ring(
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
     (with `pick_head`, the node with the most memory becomes the head). `skip_untrusted` leaves
     out nodes that cannot prove cluster membership (for discovered addresses: adverts are hints)."""
-    from prima.coordinator.planner import HaldaOptions
     from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
-    from prima.scheduler.profile import ModelProfile
 
-    windows = args.windows
-    halda = None
-    if windows is None and args.rounds is None:
+    halda = halda_options(args, loaded, pick_head=pick_head)
+    if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
-        model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
-        halda = HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
     return Ring.connect(
         addresses,
-        window_sizes=windows,
+        window_sizes=args.windows,
         rounds=args.rounds or 1,
         wire_dtype=WireDType.parse(args.wire_dtype),
         halda=halda,
         skip_untrusted=skip_untrusted,
     )
+
+
+def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:
+    """How Halda plans the ring, or None when --windows or --rounds plan it by hand."""
+    from prima.coordinator.planner import HaldaOptions
+    from prima.scheduler.profile import ModelProfile
+
+    if args.windows is not None or args.rounds is not None:
+        return None
+    model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
+    return HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)

@@ -148,7 +148,18 @@ class LocalRing:
         self.procs[index].kill()
         self.procs[index].wait(timeout=10)
 
+    def pause(self, index: int) -> None:
+        """Stop one daemon in its tracks (SIGSTOP): a hung peer, whose sockets stay open."""
+        self.procs[index].send_signal(signal.SIGSTOP)
+
+    def resume(self, index: int) -> None:
+        """Let a paused daemon run on (SIGCONT)."""
+        self.procs[index].send_signal(signal.SIGCONT)
+
     def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a paused daemon cannot act on SIGTERM
         _stop(self.procs)
 
     def __enter__(self) -> LocalRing:

@@ -141,7 +141,7 @@ def connect_nodes(
             )
         for c, info in zip(clients, infos, strict=True):
             c.expect(info.node_id)
-        _check_same_model([c.address for c in clients], infos)
+        check_same_model([c.address for c in clients], infos)
     except BaseException:
         for c in clients:
             c.close()
@@ -149,7 +149,7 @@ def connect_nodes(
     return clients, infos
 
 
-def _check_same_model(addresses: Sequence[str], infos: Sequence[NodeStatus]) -> None:
+def check_same_model(addresses: Sequence[str], infos: Sequence[NodeStatus]) -> None:
     for addr, info in zip(addresses, infos, strict=True):
         if info.protocol_version != PROTOCOL_VERSION:
             raise NodeError(

@@ -187,22 +187,37 @@ class NodeClient:
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
         """Token ids as the head samples them, then one GenerationDone. Closing the iterator
         early cancels the generation on the head."""
-        call = self.stub.Generate(codec.generate_request_to_proto(request))
+        return iter(GenerateStream(self, request))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class GenerateStream:
+    """One Generate call: iterate it for the token events; `cancel()`, from any thread, ends a
+    read that is waiting (the iteration then raises NodeError), e.g. when the head has hung."""
+
+    def __init__(self, client: NodeClient, request: GenerateRequest) -> None:
+        self.client = client
+        self._call = client.stub.Generate(codec.generate_request_to_proto(request))
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        name, address = self.client.name, self.client.address
         try:
-            for reply in call:
+            for reply in self._call:
                 event = codec.token_event_from_proto(reply)
                 yield event
                 if isinstance(event, GenerationDone):
                     return
         except grpc.RpcError as exc:
-            raise node_error(self.name, self.address, exc, "Generate") from None
+            raise node_error(name, address, exc, "Generate") from None
         except ProtocolError as exc:
-            raise NodeError(f"node {self.name} at {self.address} sent an unusable reply: {exc}") from None
+            raise NodeError(f"node {name} at {address} sent an unusable reply: {exc}") from None
         finally:
-            call.cancel()
+            self._call.cancel()
 
-    def close(self) -> None:
-        self.channel.close()
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class RelayStream:

@@ -1,0 +1,293 @@
+"""A generation that survives nodes leaving the ring.
+
+FailoverRing runs requests on a Ring's head and remembers the tokens it has passed on. When the
+stream fails (a node was killed or hung, found by the head or by this side's own probes of the
+head), it closes the stream, asks every known daemon whether it still answers, plans again over
+those that do (Halda, or an even split when the ring was planned by hand), loads that plan at a
+newer epoch (which ends the old sessions on every survivor), and sends the new head the original
+prompt followed by the tokens already generated, with the token budget reduced by as many and the
+sampler started at that step. The new ring rebuilds every KV cache by a pipelined prefill of that
+prompt and samples on: with greedy or seeded sampling the tokens are those of the unbroken run,
+and the caller's stream has no duplicate and no gap. The head's role moves like any other: the
+first node of the new plan embeds and samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
+from prima.errors import NodeError, PlanError, PrimaError
+from prima.net.client import GenerateStream, NodeClient
+from prima.net.codec import NodeStatus, WireDType
+from prima.net.liveness import Liveness, probe_nodes, wait_for
+from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
+
+from .planner import HaldaOptions, plan_ring
+from .ring import Ring, check_same_model
+
+log = logging.getLogger("prima.coordinator")
+
+DEFAULT_MAX_RECOVERIES = 4
+# This side only watches the head; the head names a hung follower itself within seconds, so this
+# gives up later than the head's own ring timeout would.
+COORDINATOR_LIVENESS = Liveness(quiet_s=2.0, probe_timeout_s=2.0, misses=2, give_up_s=900.0)
+_END = object()
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One failover, as --json and the logs report it (times in ms)."""
+
+    error: str  # what failed, as the ring reported it
+    at_token: int  # tokens generated before the failure
+    detect_ms: float  # from the last token received to the error
+    replan_ms: float  # probing the daemons, planning and loading the new plan
+    replay_ms: float  # from the continued request to its first token (the caches rebuilt)
+    nodes: tuple[str, ...]  # the new ring, head first
+
+    def as_dict(self) -> dict[str, object]:
+        out = dataclasses.asdict(self)
+        out["nodes"] = list(self.nodes)
+        for key in ("detect_ms", "replan_ms", "replay_ms"):
+            out[key] = round(float(out[key]), 3)  # type: ignore[arg-type]
+        return out
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """How to plan the ring again: every daemon it may use (including ones that left, which
+    rejoin when they answer), and Halda's options or the rounds of a plan made by hand."""
+
+    addresses: tuple[str, ...]
+    halda: HaldaOptions | None = None
+    rounds: int = 1
+    wire_dtype: WireDType = WireDType.F32
+
+
+def continuation(request: GenerateRequest, emitted: Sequence[int]) -> GenerateRequest:
+    """The request that carries on `request` after `emitted` tokens: they end the prompt, the
+    budget shrinks by as many, the sampler starts at that step. The prompt's logits are asked
+    for separately (FailoverRing), as this prompt is not the caller's."""
+    return dataclasses.replace(
+        request,
+        prompt_ids=request.prompt_ids + tuple(int(t) for t in emitted),
+        max_tokens=request.max_tokens - len(emitted),
+        first_step=request.first_step + len(emitted),
+        want_prompt_logits=False,
+    )
+
+
+class FailoverRing:
+    """A Generator (prima.engine.generate) over `ring` that re-plans and resumes when nodes
+    leave. It changes `ring` in place (its clients and plan), so whoever holds the ring sees the
+    current one; `recoveries` lists the failovers of the last generation."""
+
+    def __init__(
+        self,
+        ring: Ring,
+        spec: RingSpec,
+        *,
+        max_recoveries: int = DEFAULT_MAX_RECOVERIES,
+        liveness: Liveness = COORDINATOR_LIVENESS,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.ring = ring
+        self.spec = spec
+        self.max_recoveries = max_recoveries
+        self.liveness = liveness
+        self.clock = clock
+        self.recoveries: list[Recovery] = []
+
+    @property
+    def plan(self) -> Plan:
+        return self.ring.plan
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        """Token ids, then one GenerationDone, across as many failovers as `max_recoveries`;
+        closing the iterator early cancels the generation on the current head."""
+        self.recoveries = []
+        emitted: list[int] = []
+        events = watched_stream(self.ring.head, request, self.liveness)
+        last = self.clock()
+        resumed_at: float | None = None  # when the continued request was sent
+        pending: dict[str, object] | None = None  # the recovery waiting for its replay time
+        try:
+            while True:
+                try:
+                    for event in events:
+                        if pending is not None and resumed_at is not None:
+                            pending["replay_ms"] = (self.clock() - resumed_at) * 1000
+                            self._record(Recovery(**pending))  # type: ignore[arg-type]
+                            pending = resumed_at = None
+                        if isinstance(event, GenerationDone):
+                            yield self._finish(event, request, bool(self.recoveries))
+                            return
+                        emitted.append(event)
+                        last = self.clock()
+                        yield event
+                    raise NodeError(f"the head {self.ring.head.name} ended the stream without its last reply")
+                except NodeError as exc:
+                    detected = self.clock()
+                    events.close()
+                    if pending is not None:  # failed again before the replay finished
+                        pending["replay_ms"] = (detected - (resumed_at or detected)) * 1000
+                        self._record(Recovery(**pending))  # type: ignore[arg-type]
+                        pending = None
+                    if len(self.recoveries) >= self.max_recoveries:
+                        raise NodeError(f"{exc} (gave up after {len(self.recoveries)} recoveries)") from None
+                    log.warning("ring failed after %d tokens: %s; re-planning", len(emitted), exc)
+                    try:
+                        self.replan()
+                    except PrimaError as again:
+                        raise NodeError(f"{exc}; the ring could not recover: {again}") from None
+                    pending = {
+                        "error": str(exc),
+                        "at_token": len(emitted),
+                        "detect_ms": (detected - last) * 1000,
+                        "replan_ms": (self.clock() - detected) * 1000,
+                        "replay_ms": 0.0,
+                        "nodes": tuple(n.node_id for n in self.ring.plan.nodes),
+                    }
+                    rest = continuation(request, emitted)
+                    if rest.max_tokens <= 0:  # every token was out; only the closing reply was lost
+                        self._record(Recovery(**pending))  # type: ignore[arg-type]
+                        yield self._finish(GenerationDone("length", 0.0, 0.0), request, True)
+                        return
+                    resumed_at = self.clock()
+                    last = resumed_at
+                    events = watched_stream(self.ring.head, rest, self.liveness)
+        finally:
+            events.close()
+
+    def replan(self) -> None:
+        """Plan over the daemons that answer now and load that plan on them at a newer epoch;
+        PlanError (saying what is missing) when they cannot hold the model."""
+        clients, infos = reachable_nodes(self.spec.addresses, self.liveness.probe_timeout_s)
+        if not clients:
+            raise PlanError(
+                f"none of the daemons ({', '.join(self.spec.addresses)}) answers; restart primad on them"
+            )
+        holding = {
+            c.address for c, i in zip(clients, infos, strict=True) if i.plan_epoch == self.ring.plan.epoch
+        }
+        if {c.address for c in self.ring.clients} <= holding:
+            for c in clients:
+                c.close()
+            raise PlanError("every node of the ring still answers with its plan, so no node left")
+        try:
+            check_same_model([c.address for c in clients], infos)
+            epoch = max(max(i.plan_epoch for i in infos), self.ring.plan.epoch) + 1
+            n_layers = infos[0].n_layers
+            if self.spec.halda is not None:
+                view = plan_ring(clients, self.spec.halda, epoch=epoch)
+                plan, devices = view.plan, view.devices
+            else:
+                sizes = even_window_sizes(len(clients), n_layers, self.spec.rounds)
+                nodes = [(i.node_id, c.address) for c, i in zip(clients, infos, strict=True)]
+                plan, devices = (
+                    plan_from_window_sizes(nodes, sizes, self.spec.rounds, n_layers, epoch=epoch),
+                    (),
+                )
+            by_address = {c.address: c for c in clients}
+            members = [by_address[n.address] for n in plan.nodes]
+            old = self.ring.clients
+            self.ring.clients, self.ring.devices = members, tuple(devices)
+            for c in old:
+                c.close()
+            self.ring.load_plan(plan, self.spec.wire_dtype)
+        finally:
+            for c in clients:
+                if c not in self.ring.clients:
+                    c.close()
+
+    def _finish(self, done: GenerationDone, request: GenerateRequest, resumed: bool) -> GenerationDone:
+        """The closing event; after a failover the prompt's logits (if asked for) come from one
+        more prefill of the caller's prompt, as the last request's prompt was not it."""
+        if not (resumed and request.want_prompt_logits):
+            return done
+        ask = dataclasses.replace(request, max_tokens=0, first_step=0)
+        for event in watched_stream(self.ring.head, ask, self.liveness):
+            if isinstance(event, GenerationDone):
+                return dataclasses.replace(done, prompt_logits=event.prompt_logits)
+        return done
+
+    def _record(self, recovery: Recovery) -> None:
+        self.recoveries.append(recovery)
+        log.warning(
+            "recovered after %d tokens on %s: detection %.0f ms, re-plan %.0f ms, replay %.0f ms",
+            recovery.at_token,
+            " -> ".join(recovery.nodes),
+            recovery.detect_ms,
+            recovery.replan_ms,
+            recovery.replay_ms,
+        )
+
+    # -- what Ring offers, for holders of a Session's generator --------------------------------
+    @property
+    def clients(self) -> list[NodeClient]:
+        return self.ring.clients
+
+    def info(self) -> list[NodeStatus]:
+        return self.ring.info()
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+def reachable_nodes(addresses: Sequence[str], timeout_s: float) -> tuple[list[NodeClient], list[NodeStatus]]:
+    """Clients (named by node id) for the daemons among `addresses` that answer Info within
+    `timeout_s` (and, with TLS, prove cluster membership), in the order given, with their Info."""
+    clients, infos = [], []
+    for address in addresses:
+        client = NodeClient(address)
+        try:
+            info = client.info(timeout_s=timeout_s)
+        except NodeError as exc:
+            log.info("leaving out %s: %s", address, exc)
+            client.close()
+            continue
+        client.expect(info.node_id)  # with TLS, later calls prove the id it claimed
+        clients.append(client)
+        infos.append(info)
+    return clients, infos
+
+
+def watched_stream(head: NodeClient, request: GenerateRequest, liveness: Liveness) -> Iterator[TokenEvent]:
+    """The head's Generate stream, read on a helper thread so that a head that hangs (stopped,
+    cut off) is found by probing it during silences instead of waiting on the socket."""
+    stream = GenerateStream(head, request)
+    items: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def pump() -> None:
+        try:
+            for event in stream:
+                items.put(event)
+            items.put(_END)
+        except NodeError as exc:
+            items.put(exc)
+
+    reader = threading.Thread(target=pump, name="prima-generate", daemon=True)
+    reader.start()
+    try:
+        while True:
+            item = wait_for(
+                lambda timeout_s: items.get(timeout=timeout_s),
+                lambda timeout_s: probe_nodes([head], timeout_s),
+                liveness,
+                what=f"generation on the head {head.name}",
+            )
+            if item is _END:
+                return
+            if isinstance(item, NodeError):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        stream.cancel()
+        reader.join(timeout=liveness.probe_timeout_s)

@@ -1,0 +1,113 @@
+"""A generation survives nodes leaving the ring: a follower or the head killed (SIGKILL), a
+follower hung (SIGSTOP), two failures in one run. Every run streams exactly the tokens of the
+unbroken run, greedy, and its streamed text is its final text; no daemon keeps the session."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from prima.coordinator.failover import FailoverRing, RingSpec
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerationResult, TokenEvent, generate, stream_text
+from prima.engine.local import LocalEngine
+from prima.engine.prompt import prompt_ids
+from prima.forward.loader import load_model
+
+from .conftest import GREEDY, N_CTX, UBATCH, ring_request, start_ring
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 64
+PROMPT_TEXT = "The capital of France is"
+Action = Callable[[LocalRing], None]
+
+
+@cache
+def prompt(model_path: Path) -> tuple[int, ...]:
+    return tuple(prompt_ids(load_model(model_path, layers=range(0)).tokenizer, PROMPT_TEXT))
+
+
+@cache
+def unbroken_tokens(model_path: Path) -> tuple[int, ...]:
+    """The failure-free run's tokens (one device; rings give exactly these, see test_ring.py)."""
+    loaded = load_model(model_path, mode="exact")
+    engine = LocalEngine(loaded.model, n_ctx=N_CTX, ubatch=UBATCH)
+    return tuple(generate(engine, prompt(model_path), max_tokens=MAX_TOKENS, sampler=GREEDY).token_ids)
+
+
+@pytest.fixture
+def three_nodes(smollm2_path: Path, ring_logs: Path, request: pytest.FixtureRequest) -> Iterator[LocalRing]:
+    yield from start_ring(3, smollm2_path, ring_logs / request.node.name)
+
+
+def run_with_failures(
+    local: LocalRing, model_path: Path, failures: dict[int, Action]
+) -> tuple[list[str], GenerationResult, FailoverRing]:
+    """Generate on a ring of every daemon, doing `failures[k]` once token k has arrived."""
+    ring = FailoverRing(Ring.connect(local.addresses), RingSpec(tuple(local.addresses)))
+
+    def events() -> Iterator[TokenEvent]:
+        for i, event in enumerate(ring.generate(ring_request(prompt(model_path), MAX_TOKENS))):
+            yield event
+            if i in failures:
+                failures[i](local)
+
+    decoder = load_model(model_path, layers=range(0)).tokenizer.stream_decoder()
+    try:
+        out = list(stream_text(events(), prompt(model_path), decoder=decoder))
+    except BaseException:
+        ring.close()
+        raise
+    result = out.pop()
+    assert isinstance(result, GenerationResult)
+    return [str(piece) for piece in out], result, ring
+
+
+def check_run(
+    pieces: list[str], result: GenerationResult, ring: FailoverRing, model_path: Path, at: list[int]
+) -> None:
+    try:
+        assert tuple(result.token_ids) == unbroken_tokens(model_path), f"failures after tokens {at}"
+        assert "".join(pieces) == result.text
+        # Tokens already on their way may arrive after the failure: recoveries start no earlier.
+        assert len(ring.recoveries) == len(at)
+        assert all(r.at_token >= k + 1 for r, k in zip(ring.recoveries, at, strict=True))
+        assert all(info.sessions == 0 for info in ring.info())
+    finally:
+        ring.close()
+
+
+def test_killed_follower_is_replaced_mid_generation(three_nodes: LocalRing, smollm2_path: Path) -> None:
+    at = random.Random(1).randrange(4, 48)
+    pieces, result, ring = run_with_failures(three_nodes, smollm2_path, {at: lambda r: r.kill(2)})
+    assert [n.node_id for n in ring.plan.nodes] == ["node0", "node1"]
+    check_run(pieces, result, ring, smollm2_path, [at])
+
+
+def test_killed_head_hands_its_role_on(three_nodes: LocalRing, smollm2_path: Path) -> None:
+    at = random.Random(2).randrange(4, 48)
+    pieces, result, ring = run_with_failures(three_nodes, smollm2_path, {at: lambda r: r.kill(0)})
+    assert ring.plan.head.node_id == "node1"
+    check_run(pieces, result, ring, smollm2_path, [at])
+
+
+def test_hung_follower_is_found_and_left_out(three_nodes: LocalRing, smollm2_path: Path) -> None:
+    at = random.Random(3).randrange(4, 48)
+    pieces, result, ring = run_with_failures(three_nodes, smollm2_path, {at: lambda r: r.pause(1)})
+    assert [n.node_id for n in ring.plan.nodes] == ["node0", "node2"]
+    assert "node1" in ring.recoveries[0].error
+    check_run(pieces, result, ring, smollm2_path, [at])
+
+
+def test_two_failures_in_one_run(three_nodes: LocalRing, smollm2_path: Path) -> None:
+    first, second = sorted(random.Random(4).sample(range(4, 60), 2))
+    failures: dict[int, Action] = {first: lambda r: r.kill(1), second: lambda r: r.kill(0)}
+    pieces, result, ring = run_with_failures(three_nodes, smollm2_path, failures)
+    assert [n.node_id for n in ring.plan.nodes] == ["node2"]
+    check_run(pieces, result, ring, smollm2_path, [first, second])
