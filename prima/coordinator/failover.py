@@ -61,6 +61,37 @@ class Recovery:
 
 
 @dataclass(frozen=True)
+class _Replay:
+    """A recovery whose continued request has been sent; done when its first token arrives."""
+
+    error: str
+    at_token: int
+    detect_s: float
+    replan_s: float
+    sent_at: float
+    nodes: tuple[str, ...]
+
+    def done(self, now: float) -> Recovery:
+        recovery = Recovery(
+            self.error,
+            self.at_token,
+            self.detect_s * 1000,
+            self.replan_s * 1000,
+            (now - self.sent_at) * 1000,
+            self.nodes,
+        )
+        log.warning(
+            "recovered after %d tokens on %s: detection %.0f ms, re-plan %.0f ms, replay %.0f ms",
+            recovery.at_token,
+            " -> ".join(recovery.nodes),
+            recovery.detect_ms,
+            recovery.replan_ms,
+            recovery.replay_ms,
+        )
+        return recovery
+
+
+@dataclass(frozen=True)
 class RingSpec:
     """How to plan the ring again: every daemon it may use (including ones that left, which
     rejoin when they answer), and Halda's options or the rounds of a plan made by hand."""
@@ -103,7 +134,8 @@ class FailoverRing:
         self.max_recoveries = max_recoveries
         self.liveness = liveness
         self.clock = clock
-        self.recoveries: list[Recovery] = []
+        self.recoveries: list[Recovery] = []  # of the generation started last
+        self._replanning = threading.Lock()
 
     @property
     def plan(self) -> Plan:
@@ -111,23 +143,24 @@ class FailoverRing:
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
         """Token ids, then one GenerationDone, across as many failovers as `max_recoveries`;
-        closing the iterator early cancels the generation on the current head."""
-        self.recoveries = []
+        closing the iterator early cancels the generation on the current head. Generations may
+        run at once (prima serve --parallel): one re-plans, the others resume on its plan."""
+        recoveries: list[Recovery] = []
+        self.recoveries = recoveries
         emitted: list[int] = []
+        epoch = self.ring.plan.epoch
         events = watched_stream(self.ring.head, request, self.liveness)
         last = self.clock()
-        resumed_at: float | None = None  # when the continued request was sent
-        pending: dict[str, object] | None = None  # the recovery waiting for its replay time
+        replaying: _Replay | None = None  # a recovery until its first token arrives
         try:
             while True:
                 try:
                     for event in events:
-                        if pending is not None and resumed_at is not None:
-                            pending["replay_ms"] = (self.clock() - resumed_at) * 1000
-                            self._record(Recovery(**pending))  # type: ignore[arg-type]
-                            pending = resumed_at = None
+                        if replaying is not None:
+                            recoveries.append(replaying.done(self.clock()))
+                            replaying = None
                         if isinstance(event, GenerationDone):
-                            yield self._finish(event, request, bool(self.recoveries))
+                            yield self._finish(event, request, bool(recoveries))
                             return
                         emitted.append(event)
                         last = self.clock()
@@ -136,33 +169,29 @@ class FailoverRing:
                 except NodeError as exc:
                     detected = self.clock()
                     events.close()
-                    if pending is not None:  # failed again before the replay finished
-                        pending["replay_ms"] = (detected - (resumed_at or detected)) * 1000
-                        self._record(Recovery(**pending))  # type: ignore[arg-type]
-                        pending = None
-                    if len(self.recoveries) >= self.max_recoveries:
-                        raise NodeError(f"{exc} (gave up after {len(self.recoveries)} recoveries)") from None
+                    if replaying is not None:  # failed again before the replay finished
+                        recoveries.append(replaying.done(detected))
+                    if len(recoveries) >= self.max_recoveries:
+                        raise NodeError(f"{exc} (gave up after {len(recoveries)} recoveries)") from None
                     log.warning("ring failed after %d tokens: %s; re-planning", len(emitted), exc)
-                    try:
-                        self.replan()
-                    except PrimaError as again:
-                        raise NodeError(f"{exc}; the ring could not recover: {again}") from None
-                    pending = {
-                        "error": str(exc),
-                        "at_token": len(emitted),
-                        "detect_ms": (detected - last) * 1000,
-                        "replan_ms": (self.clock() - detected) * 1000,
-                        "replay_ms": 0.0,
-                        "nodes": tuple(n.node_id for n in self.ring.plan.nodes),
-                    }
+                    with self._replanning:
+                        try:
+                            if self.ring.plan.epoch == epoch:  # else another generation re-planned
+                                self.replan()
+                        except PrimaError as again:
+                            raise NodeError(f"{exc}; the ring could not recover: {again}") from None
+                        epoch = self.ring.plan.epoch
+                        head = self.ring.head
+                        nodes = tuple(n.node_id for n in self.ring.plan.nodes)
+                    now = self.clock()
+                    replaying = _Replay(str(exc), len(emitted), detected - last, now - detected, now, nodes)
                     rest = continuation(request, emitted)
                     if rest.max_tokens <= 0:  # every token was out; only the closing reply was lost
-                        self._record(Recovery(**pending))  # type: ignore[arg-type]
+                        recoveries.append(replaying.done(now))
                         yield self._finish(GenerationDone("length", 0.0, 0.0), request, True)
                         return
-                    resumed_at = self.clock()
-                    last = resumed_at
-                    events = watched_stream(self.ring.head, rest, self.liveness)
+                    last = now
+                    events = watched_stream(head, rest, self.liveness)
         finally:
             events.close()
 
@@ -217,17 +246,6 @@ class FailoverRing:
             if isinstance(event, GenerationDone):
                 return dataclasses.replace(done, prompt_logits=event.prompt_logits)
         return done
-
-    def _record(self, recovery: Recovery) -> None:
-        self.recoveries.append(recovery)
-        log.warning(
-            "recovered after %d tokens on %s: detection %.0f ms, re-plan %.0f ms, replay %.0f ms",
-            recovery.at_token,
-            " -> ".join(recovery.nodes),
-            recovery.detect_ms,
-            recovery.replan_ms,
-            recovery.replay_ms,
-        )
 
     # -- what Ring offers, for holders of a Session's generator --------------------------------
     @property
