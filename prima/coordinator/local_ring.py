@@ -174,11 +174,11 @@ def _issue(names: Sequence[str], ca: ClusterCA, root: Path) -> list[Path]:
     daemons also trust this device's own cluster CA, so that its identity may call them."""
     own = credentials.load_identity()
     dirs = []
-    for name in names:
+    for i, name in enumerate(names):
         identity = ca.issue(name)
         if own is not None:
             identity = identity.trusting(own.roots_pem)
-        d = root / name
+        d = root / f"{i}-{name}"  # names may repeat (a test of duplicate ids): the index keeps them apart
         d.mkdir(mode=0o700)
         credentials.write_private(d / credentials.IDENTITY_FILE, identity.to_pem())
         dirs.append(d)

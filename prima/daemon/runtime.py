@@ -332,7 +332,7 @@ class NodeRuntime:
         if act.hop_index == n_hops:
             deliver(session, act)
         else:
-            self.worker.submit(act)
+            self.worker.submit(act, session.n_ctx)
 
     def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
         self.worker.route(layout, session, act)

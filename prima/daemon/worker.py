@@ -56,16 +56,17 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="primad-compute", daemon=True)
         self._thread.start()
 
-    def submit(self, act: Activation) -> None:
-        """Queue an activation from a peer; PayloadTooLargeError if the queue bounds are reached."""
-        self.queued.admit(act.session_id)
+    def submit(self, act: Activation, session_cap: int) -> None:
+        """Queue an activation from a peer of a session whose context holds `session_cap` tokens;
+        PayloadTooLargeError if the queue bounds are reached."""
+        self.queued.admit(act.session_id, len(act.positions), session_cap)
         self._admitted.add(id(act))
         self._work.put(act)
 
     def _taken(self, act: Activation) -> None:
         if id(act) in self._admitted:
             self._admitted.discard(id(act))
-            self.queued.done(act.session_id)
+            self.queued.done(act.session_id, len(act.positions))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the batch in hand, then end the thread (bounded wait)."""

@@ -32,8 +32,9 @@ class DaemonLimits:
 
     max_sessions: int = 16
     max_kv_bytes: int = 1 << 30
-    max_queued: int = 256  # activations waiting for the compute thread, all sessions together
-    max_queued_per_session: int = 64
+    # Tokens of activations from peers waiting for the compute thread, all sessions together. A
+    # session may queue at most its context's worth: a whole prompt, pipelined, always fits.
+    max_queued_tokens: int = 1 << 16
 
 
 def shown(text: str) -> str:
@@ -84,7 +85,7 @@ def check_epoch(epoch: int, current: int | None) -> None:
 
 
 class WorkBounds:
-    """Counts the activations queued for the compute thread, in all and per session."""
+    """Counts the tokens queued for the compute thread, in all and per session."""
 
     def __init__(self, limits: DaemonLimits) -> None:
         self.limits = limits
@@ -92,25 +93,26 @@ class WorkBounds:
         self._total = 0
         self._per_session: Counter[str] = Counter()
 
-    def admit(self, session_id: str) -> None:
-        """Count one more queued activation, or PayloadTooLargeError if a bound is reached."""
+    def admit(self, session_id: str, tokens: int, session_cap: int) -> None:
+        """Count `tokens` more queued tokens of a session that may queue `session_cap` (its
+        context), or PayloadTooLargeError if a bound is reached."""
         with self._lock:
-            if self._total >= self.limits.max_queued:
+            if self._total + tokens > self.limits.max_queued_tokens:
                 raise PayloadTooLargeError(
-                    f"{self._total} activations are already queued on this node; send more slowly"
+                    f"{self._total} tokens of activations are already queued on this node; send more slowly"
                 )
-            if self._per_session[session_id] >= self.limits.max_queued_per_session:
+            if self._per_session[session_id] + tokens > session_cap:
                 raise PayloadTooLargeError(
-                    f"session {shown(session_id)} already has {self.limits.max_queued_per_session} "
-                    "activations queued here; wait for results before sending more"
+                    f"session {shown(session_id)} already has {self._per_session[session_id]} tokens queued "
+                    f"here, and its context holds {session_cap}; wait for results before sending more"
                 )
-            self._total += 1
-            self._per_session[session_id] += 1
+            self._total += tokens
+            self._per_session[session_id] += tokens
 
-    def done(self, session_id: str) -> None:
+    def done(self, session_id: str, tokens: int) -> None:
         with self._lock:
-            if self._per_session[session_id] > 0:
-                self._total -= 1
-                self._per_session[session_id] -= 1
-            if self._per_session[session_id] == 0:
+            taken = min(tokens, self._per_session[session_id])
+            self._total -= taken
+            self._per_session[session_id] -= taken
+            if self._per_session[session_id] <= 0:
                 del self._per_session[session_id]

@@ -164,7 +164,11 @@ def test_unit_starts_under_its_own_sandbox(smollm2_path: Path, tmp_path: Path) -
     try:
         ready = _ready_line(proc, timeout_s=300)
         assert ready, proc.stderr.read() if proc.poll() is not None else "no ready line"
-        assert NodeClient(json.loads(ready)["address"]).info().node_id == env["PRIMAD_NAME"]
+        # Without credentials a daemon serves plaintext on loopback only; this process may hold
+        # a local ring's identity from an earlier test, so it asks for plaintext explicitly.
+        client = NodeClient(json.loads(ready)["address"], identity="plaintext")
+        assert client.info().node_id == env["PRIMAD_NAME"]
+        client.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -30,7 +30,7 @@ from prima.plan import plan_from_window_sizes
 
 N_MESSAGES = 2500
 SEED = 12
-BOUNDS = DaemonLimits(max_sessions=4, max_kv_bytes=64 << 20, max_queued=16, max_queued_per_session=4)
+BOUNDS = DaemonLimits(max_sessions=4, max_kv_bytes=64 << 20, max_queued_tokens=16)
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
