@@ -108,6 +108,11 @@ class SparseFile:
 
     # -- what it holds ---------------------------------------------------------------------------
     @property
+    def partial(self) -> bool:
+        """Whether this file has a record of pieces (it may hold every byte by now)."""
+        return self._pieces is not None
+
+    @property
     def complete(self) -> bool:
         return self._pieces is None or self.held_bytes() == self.file_size
 
