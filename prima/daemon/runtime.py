@@ -378,3 +378,4 @@ class NodeRuntime:
         if layout:
             for c in layout.clients.values():
                 c.close()
+        self.store.close()
