@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from prima.errors import ModelFileError
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
+from prima.model.sparse import held_bytes
 
 _MIB = 1 << 20
 
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(pull(args.name, progress=not args.no_progress))
         return 0
     entries = list_models()
+    held = {e.name: _held(e.path) if e.present else 0 for e in entries}
     if args.json:
         rows = [
             {
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 "size": e.size,
                 "sha256": e.sha256,
                 "present": e.present,
+                "held_bytes": held[e.name],
                 "default": e.name == DEFAULT_MODEL,
             }
             for e in entries
@@ -95,7 +100,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'NAME':<{width}} {'SIZE':>9}  {'STATUS':<10} PATH")
     for e in entries:
         name = e.name + (" *" if e.name == DEFAULT_MODEL else "")
-        status = "present" if e.present else "not pulled"
+        status = "not pulled"
+        if e.present:
+            status = "present" if held[e.name] >= e.size else f"{held[e.name] / max(e.size, 1):.0%} held"
         print(f"{name:<{width}} {e.size / _MIB:>5.0f} MiB  {status:<10} {e.path}")
     print("* default model; `prima models pull NAME` downloads one")
     return 0
+
+
+def _held(path: Path) -> int:
+    """Bytes of the model file at `path` this device holds: all, or what a node that fetches its
+    windows (primad --fetch-from) has fetched so far (see prima.model.sparse)."""
+    try:
+        return held_bytes(path)[0]
+    except ModelFileError:
+        return 0

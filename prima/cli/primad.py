@@ -30,10 +30,13 @@ from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.forward.loader import load_model
-from prima.model.registry import DEFAULT_MODEL, resolve_model
+from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
+from prima.model.sparse import SparseFile
 from prima.net import credentials
+from prima.net.client import NodeClient
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
-from prima.net.limits import DaemonLimits
+from prima.net.fetch import bootstrap
+from prima.net.limits import DaemonLimits, check_address
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
@@ -53,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
+    )
+    p.add_argument(
+        "--fetch-from",
+        default=None,
+        metavar="HOST:PORT",
+        help="a primad holding the whole model: with no (or a partial) file at --model, fetch from "
+        "it the header now and, when a plan arrives, only the bytes of this node's windows, into a "
+        "sparse file at --model (a path, or a model name's place in the cache)",
     )
     p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
     p.add_argument(
@@ -179,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
     identity = load_node_identity(args)
-    path = resolve_model(args.model)
+    store = fetch_model(args, identity) if args.fetch_from else None
+    path = store.path if store else resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
     ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
     # Map the file and check the model; a node validates its layers only when a plan names them.
@@ -200,6 +212,8 @@ def serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         identity=identity or "plaintext",
         bounds=daemon_limits(args),
+        store=store,
+        fetch_from=(args.fetch_from,) if args.fetch_from else (),
     )
     server, port = start_server(runtime, args.host, args.port, identity=identity)
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
@@ -228,6 +242,19 @@ def serve(args: argparse.Namespace) -> int:
     server.stop(grace=2.0).wait(5.0)
     runtime.shutdown()
     return 0
+
+
+def fetch_model(args: argparse.Namespace, identity: credentials.Identity | None) -> SparseFile:
+    """--fetch-from: the file at --model (a name's cache path, or a path), made a sparse copy
+    of the model the peer serves holding at least its header (see prima.net.fetch)."""
+    check_address(args.fetch_from)
+    name = str(args.model)
+    path = model_path(name) if name in KNOWN_MODELS else Path(name).expanduser()
+    source = NodeClient(args.fetch_from, identity=identity or "plaintext")
+    try:
+        return bootstrap(path, source)
+    finally:
+        source.close()
 
 
 def _serve_metrics(runtime: NodeRuntime, host: str, port: int | None) -> int | None:

@@ -17,9 +17,11 @@ from prima import metrics
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
 from prima.forward.loader import LoadedModel
+from prima.model.sparse import SparseFile
 from prima.net import limits
 from prima.net.client import NodeClient, Transport
 from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
+from prima.net.fetch import Manifest, manifest_of
 from prima.net.limits import DaemonLimits, shown
 from prima.net.status import (
     NotReadyError,
@@ -31,6 +33,7 @@ from prima.net.status import (
 from prima.plan import Plan
 from prima.weights.window import LayerWindows, Residency
 
+from .fetching import WindowFetcher
 from .head import Head
 from .profile import node_profile, window_budget
 from .state import Layout, NodeSession
@@ -58,6 +61,8 @@ class NodeRuntime:
         profile_cache_dir: Path | None = None,
         identity: Transport = None,
         bounds: DaemonLimits | None = None,
+        store: SparseFile | None = None,
+        fetch_from: tuple[str, ...] = (),
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -72,6 +77,9 @@ class NodeRuntime:
         self.bounds = bounds or DaemonLimits()
         self._owner: str | None = None  # who loaded the plan (its certificate's name)
         self.fingerprint = loaded.gguf.fingerprint()
+        # The model file, whole or holding only some windows' bytes (fetched at LoadPlan).
+        self.store = store or SparseFile.open(loaded.path, self.fingerprint)
+        self.fetcher = WindowFetcher(self.store, identity, fetch_from)
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
@@ -111,6 +119,10 @@ class NodeRuntime:
             residency=layout.windows.residency() if layout else None,
             sessions=len(self._sessions),
         )
+
+    def manifest(self) -> Manifest:
+        """What this node holds of its model file, for peers that fetch from it."""
+        return manifest_of(self.store, self.loaded.name, self.loaded.gguf.data_offset)
 
     def residency(self) -> Residency | None:
         """What the current plan's layers hold in memory, None before a plan."""
@@ -191,6 +203,7 @@ class NodeRuntime:
                 f"the plan puts {accel} layers of node {node_id} on an accelerator, but it computes on "
                 f"the {self.model.backend.name} backend only; plan again from the nodes' profiles"
             )
+        self._fetch_windows(plan, me)
         for w in windows:
             self.loaded.weights.validate(range(w.start, w.end))
         # The backend readies each layer (the worker runs them one by one, so compute on one
@@ -228,6 +241,14 @@ class NodeRuntime:
                 c.close()
         log.info("node %s: plan epoch %d, windows %s", node_id, plan.epoch, " ".join(map(str, windows)))
         return self.info()
+
+    def _fetch_windows(self, plan: Plan, me: int) -> None:
+        """A partial model file: fetch the bytes of this node's windows it lacks; then forget the
+        views of its layers built before (the profile may have timed layers over holes)."""
+        if self.fetcher.ensure(self.loaded.gguf, plan, me).written_bytes:
+            mine = {i for w in plan.nodes[me].windows for i in range(w.start, w.end)}
+            self.loaded.weights.forget_layers(mine)
+            self.model.release_layers(mine)
 
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
@@ -357,3 +378,4 @@ class NodeRuntime:
         if layout:
             for c in layout.clients.values():
                 c.close()
+        self.store.close()

@@ -41,6 +41,10 @@ class Transformer:
             if keep is None or layers not in keep:
                 self.backend.release_window(self._windows.pop(layers))
 
+    def release_layers(self, layers: set[int]) -> None:
+        """Release the windows holding any of `layers` (their bytes changed: fetched)."""
+        self.release_windows(keep={w for w in self._windows if not layers.intersection(w)})
+
     def forward_layers(
         self, h: np.ndarray, positions: np.ndarray, start: int, end: int, cache: KVState
     ) -> np.ndarray:

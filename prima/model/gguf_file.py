@@ -229,6 +229,17 @@ class _Cursor:
 FINGERPRINT_SAMPLES = 16  # pages of the file hashed into its fingerprint
 
 
+def fingerprint_spans(file_size: int, data_offset: int) -> list[tuple[int, int]]:
+    """The byte spans `[start, end)` GGUFFile.fingerprint hashes, in order: the header, then a
+    page at each of FINGERPRINT_SAMPLES points spread over the file. A node holding only part of
+    the file (prima.model.sparse) fetches these too, so its fingerprint is the whole file's."""
+    spans = [(0, data_offset)]
+    for i in range(FINGERPRINT_SAMPLES):
+        at = file_size * i // FINGERPRINT_SAMPLES
+        spans.append((at, min(at + 4096, file_size)))
+    return spans
+
+
 class GGUFFile:
     """A GGUF model file opened read-only: `metadata` (decoded key/values), `tensors` (index by
     name), and `tensor_bytes(name)` / `tensor_array(name)` as zero-copy views into the mmap."""
@@ -327,10 +338,8 @@ class GGUFFile:
         coordinator can check they run the same model."""
         data = self.data
         h = hashlib.sha256(str(data.size).encode())
-        h.update(data[: self.data_offset].tobytes())
-        for i in range(FINGERPRINT_SAMPLES):
-            at = data.size * i // FINGERPRINT_SAMPLES
-            h.update(data[at : at + 4096].tobytes())
+        for start, end in fingerprint_spans(data.size, self.data_offset):
+            h.update(data[start:end].tobytes())
         return h.hexdigest()
 
     def tensor_bytes(self, name: str) -> np.ndarray:

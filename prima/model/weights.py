@@ -136,6 +136,12 @@ class ModelWeights:
             )
         return self._layers[i]
 
+    def forget_layers(self, layers: set[int]) -> None:
+        """Drop the cached views of `layers`: built before their bytes were fetched into a
+        partial file (prima.model.sparse), their copied vectors hold the file's holes."""
+        for i in layers:
+            self._layers.pop(i, None)
+
     def layer_tensor_names(self, i: int) -> list[str]:
         """Every tensor of layer `i` (for prefetch, release and residency accounting)."""
         prefix = f"blk.{i}."

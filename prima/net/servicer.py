@@ -15,7 +15,8 @@ import grpc
 
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import PrimaError, ProtocolError
-from prima.net import codec
+from prima.model.sparse import SparseFile
+from prima.net import codec, fetch
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.credentials import peer_name
 from prima.net.proto import prima_pb2 as pb
@@ -53,6 +54,10 @@ class NodeHandler(Protocol):
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]: ...
 
     def profile(self, peer_address: str, refresh: bool) -> NodeProfile: ...
+
+    store: SparseFile  # the node's model file, whole or partial
+
+    def manifest(self) -> fetch.Manifest: ...
 
 
 class NodeServicer(pb_grpc.NodeServicer):
@@ -138,3 +143,17 @@ class NodeServicer(pb_grpc.NodeServicer):
                 yield codec.token_event_to_proto(event)
         finally:
             events.close()
+
+    def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:
+        return fetch.manifest_to_proto(self._guard(context, self.handler.manifest))
+
+    def FetchRanges(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FilePiece]:
+        """Bytes of this node's model file, for a node that holds only part of it. Any cluster
+        member may ask (the channel proved membership); the bytes are the model every member
+        may run anyway. Each piece is read as it is sent, so gRPC's flow control paces the reads."""
+        h = self.handler
+        chosen = self._guard(context, lambda: fetch.requested_pieces(request, h.manifest()))
+        for r in chosen:
+            if not context.is_active():
+                return
+            yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))

@@ -12,6 +12,7 @@ import pytest
 from prima.cli.main import main
 from prima.model import registry
 from prima.model.registry import KNOWN_MODELS, KnownModel, WheelMember
+from prima.model.sparse import SparseFile
 
 
 @pytest.fixture
@@ -31,6 +32,21 @@ def test_models_list_table_marks_default_and_status(cache: Path, capsys: pytest.
     assert "*" in smol
     assert "not pulled" in smol
     assert "present" in gemma
+
+
+def test_models_list_shows_how_much_of_a_partial_model_is_held(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = cache / KNOWN_MODELS["gemma3-270m"].filename
+    store = SparseFile.create(path, "ab" * 32, 4 << 20)
+    data = b"z" * (1 << 20)
+    store.write(0, data, hashlib.sha256(data).hexdigest())
+    store.close()
+    assert main(["models", "list"]) == 0
+    gemma = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gemma3-270m"))
+    assert "25% held" in gemma
+    assert main(["models", "list", "--json"]) == 0
+    assert {r["name"]: r for r in json.loads(capsys.readouterr().out)}["gemma3-270m"]["held_bytes"] == 1 << 20
 
 
 def test_models_list_json(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -270,3 +270,51 @@ class PingReply(_message.Message):
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class ByteSpan(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelManifest(_message.Message):
+    __slots__ = ("model_name", "model_fingerprint", "file_size", "data_offset", "complete", "held")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_fingerprint: str
+    file_size: int
+    data_offset: int
+    complete: bool
+    held: _containers.RepeatedCompositeFieldContainer[ByteSpan]
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., file_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., complete: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[ByteSpan, _Mapping]]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "ranges", "piece_bytes")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteSpan]
+    piece_bytes: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteSpan, _Mapping]]] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
+
+class FilePiece(_message.Message):
+    __slots__ = ("offset", "data", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    sha256: str
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...

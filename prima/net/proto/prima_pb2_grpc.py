@@ -80,6 +80,16 @@ class NodeStub:
                 request_serializer=prima_dot_v1_dot_prima__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=prima_dot_v1_dot_prima__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.Manifest = channel.unary_unary(
+                '/prima.v1.Node/Manifest',
+                request_serializer=prima_dot_v1_dot_prima__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=prima_dot_v1_dot_prima__pb2.ModelManifest.FromString,
+                _registered_method=True)
+        self.FetchRanges = channel.unary_stream(
+                '/prima.v1.Node/FetchRanges',
+                request_serializer=prima_dot_v1_dot_prima__pb2.FetchRequest.SerializeToString,
+                response_deserializer=prima_dot_v1_dot_prima__pb2.FilePiece.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -140,6 +150,19 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Manifest(self, request, context):
+        """Any node, to any cluster member: its model file's bytes, for nodes that hold only part of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchRanges(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +210,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=prima_dot_v1_dot_prima__pb2.GenerateRequest.FromString,
                     response_serializer=prima_dot_v1_dot_prima__pb2.GenerateReply.SerializeToString,
+            ),
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=prima_dot_v1_dot_prima__pb2.ManifestRequest.FromString,
+                    response_serializer=prima_dot_v1_dot_prima__pb2.ModelManifest.SerializeToString,
+            ),
+            'FetchRanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchRanges,
+                    request_deserializer=prima_dot_v1_dot_prima__pb2.FetchRequest.FromString,
+                    response_serializer=prima_dot_v1_dot_prima__pb2.FilePiece.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -432,6 +465,60 @@ class Node:
             '/prima.v1.Node/Generate',
             prima_dot_v1_dot_prima__pb2.GenerateRequest.SerializeToString,
             prima_dot_v1_dot_prima__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prima.v1.Node/Manifest',
+            prima_dot_v1_dot_prima__pb2.ManifestRequest.SerializeToString,
+            prima_dot_v1_dot_prima__pb2.ModelManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prima.v1.Node/FetchRanges',
+            prima_dot_v1_dot_prima__pb2.FetchRequest.SerializeToString,
+            prima_dot_v1_dot_prima__pb2.FilePiece.FromString,
             options,
             channel_credentials,
             insecure,
