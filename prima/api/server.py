@@ -44,7 +44,7 @@ from prima.api.openai_schema import (
     usage_chunk,
 )
 from prima.api.service import CompletionService, ServerBusyError
-from prima.api.web_page import SECURITY_HEADERS, asset
+from prima.api.web_page import SECURITY_HEADERS, asset, is_page_file
 from prima.engine.generate import GenerationResult
 from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
 
@@ -282,7 +282,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         """With an API key set, every route but OPEN_PATHS and the page's files needs it, compared
         in constant time. A refused request's body is never read, so the connection closes."""
         key = self.server.api_key
-        if key is None or path in OPEN_PATHS or (self.command == "GET" and asset(path) is not None):
+        if key is None or path in OPEN_PATHS or (self.command == "GET" and is_page_file(path)):
             return
         scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key):
