@@ -4,10 +4,16 @@ Nothing here touches sockets or the engine, so every validation rule is unit-tes
 the trust boundary: a body is checked field by field and every rejection names the field, the way
 OpenAI's own 400s do. Unknown fields are ignored (clients send many); known fields of the wrong
 type are rejected, because silently ignoring `"max_tokens": "16"` hides a client bug.
+
+Everything the engine would trip on is refused here with a 400 rather than failing deeper as a
+500: bodies nested deeper than MAX_JSON_DEPTH, strings holding lone surrogates (which no encoder
+takes), non-finite numbers (`1e999` parses as infinity) and integers out of a field's range
+(a negative `seed`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,6 +23,10 @@ from prima.errors import InputError
 Kind = Literal["chat", "text"]
 
 MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 4096
+MAX_JSON_DEPTH = 32  # a chat body is 5 deep; content parts 6
+MAX_INT = (1 << 63) - 1  # what an int field may hold unless it says less
+MIN_TEMPERATURE = 1e-3  # below this, sampling divides by ~0: such temperatures mean greedy
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -26,6 +36,17 @@ class RequestError(InputError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model this server does not run (OpenAI answers 404 model_not_found)."""
+
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(
+            f"the model {_quote(asked)} does not exist here; this server runs {served!r} "
+            "(send that, or leave 'model' out)",
+            "model",
+        )
 
 
 @dataclass(frozen=True)
@@ -93,6 +114,10 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         raise RequestError(f"'messages' must be a list, got {_type_name(raw)}", "messages")
     if not raw:
         raise RequestError("'messages' is empty: send at least one message", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise RequestError(
+            f"'messages' has {len(raw)} messages; at most {MAX_MESSAGES} are allowed", "messages"
+        )
     messages = tuple(_parse_message(n, m) for n, m in enumerate(raw))
     tools = obj.get("tools")
     if tools:
@@ -137,7 +162,39 @@ def parse_completion_request(body: Any) -> GenerationRequest:
 def _require_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_type_name(body)}")
+    check_json_tree(body)
     return body
+
+
+def check_json_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a parsed body nested deeper than `max_depth` or holding a string (key or value)
+    that is not valid Unicode (a lone surrogate from a `\\ud800` escape). Iterative, so depth
+    itself cannot overflow the stack."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > max_depth:
+            raise RequestError(f"the request body is nested more than {max_depth} levels deep")
+        if isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        else:
+            stack.extend((v, depth + 1) for v in value)
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"the request holds a string with a lone surrogate ({text[exc.start]!r} at index "
+            f"{exc.start}); send valid Unicode"
+        ) from None
 
 
 def _reject_unsupported(obj: Mapping[str, Any]) -> None:
@@ -221,13 +278,18 @@ def _parse_prompt(raw: Any) -> str | tuple[int, ...]:
 
 def _parse_sampling(obj: Mapping[str, Any]) -> SamplingOverrides:
     return SamplingOverrides(
-        temperature=_opt_number(obj, "temperature", low=0.0, high=2.0),
+        temperature=_parse_temperature(obj),
         top_p=_opt_number(obj, "top_p", low=0.0, high=1.0, low_open=True),
         top_k=_opt_int(obj, "top_k", minimum=0),
         min_p=_opt_number(obj, "min_p", low=0.0, high=1.0, high_open=True),
-        repeat_penalty=_opt_number(obj, "repeat_penalty", low=0.0, high=None, low_open=True),
-        seed=_opt_int(obj, "seed", minimum=None),
+        repeat_penalty=_opt_number(obj, "repeat_penalty", low=0.01, high=100.0),
+        seed=_opt_int(obj, "seed", minimum=0, maximum=(1 << 64) - 1),
     )
+
+
+def _parse_temperature(obj: Mapping[str, Any]) -> float | None:
+    t = _opt_number(obj, "temperature", low=0.0, high=2.0)
+    return 0.0 if t is not None and t < MIN_TEMPERATURE else t
 
 
 def _parse_stop(obj: Mapping[str, Any]) -> tuple[str, ...]:
@@ -266,7 +328,7 @@ def _opt_bool(obj: Mapping[str, Any], name: str, prefix: str = "") -> bool | Non
     return v
 
 
-def _opt_int(obj: Mapping[str, Any], name: str, *, minimum: int | None) -> int | None:
+def _opt_int(obj: Mapping[str, Any], name: str, *, minimum: int | None, maximum: int = MAX_INT) -> int | None:
     v = obj.get(name)
     if v is None:
         return None
@@ -276,7 +338,9 @@ def _opt_int(obj: Mapping[str, Any], name: str, *, minimum: int | None) -> int |
     if isinstance(v, bool) or not isinstance(v, int):
         raise RequestError(f"'{name}' must be an integer, got {_type_name(v)}", name)
     if minimum is not None and v < minimum:
-        raise RequestError(f"'{name}' must be >= {minimum}, got {v}", name)
+        raise RequestError(f"'{name}' must be >= {minimum}, got {_quote_int(v)}", name)
+    if v > maximum:
+        raise RequestError(f"'{name}' must be <= {maximum}, got {_quote_int(v)}", name)
     return v
 
 
@@ -294,7 +358,12 @@ def _opt_number(
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise RequestError(f"'{name}' must be a number, got {_type_name(v)}", name)
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # an int beyond float range
+        v = math.copysign(math.inf, v)
+    if not math.isfinite(v):
+        raise RequestError(f"'{name}' must be a finite number, got {v}", name)
     too_low = low is not None and (v <= low if low_open else v < low)
     too_high = high is not None and (v >= high if high_open else v > high)
     if too_low or too_high:
@@ -303,6 +372,16 @@ def _opt_number(
         bounds = f"{lo}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}{hi}"
         raise RequestError(f"'{name}' must be in {bounds}, got {v}", name)
     return v
+
+
+def _quote_int(v: int) -> str:
+    """An int for a message: huge ones by size (str() refuses over 4300 digits)."""
+    return str(v) if abs(v) < 10**30 else f"an integer of {v.bit_length()} bits"
+
+
+def _quote(text: str, limit: int = 64) -> str:
+    """A caller's string for a message, cut to `limit` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _type_name(v: Any) -> str:

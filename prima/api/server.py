@@ -4,10 +4,15 @@ One thread per connection reads and validates its request while another request 
 generating; the generation itself is serialized by the service's queue. This module is the only
 place that maps errors to HTTP statuses, and the only one that knows about sockets: it tells the
 service a client is gone by peeking at the connection before each token.
+
+It is also where a client is bounded (`HttpLimits`): connections at once, the time to send a
+body and its size, how long a connection may sit idle. With an API key, every route but
+/health and the web page's files needs `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import select
@@ -17,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
@@ -26,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prima.api.cluster_view import ClusterMonitor
 from prima.api.openai_schema import (
     GenerationRequest,
+    ModelNotFoundError,
     RequestError,
     Usage,
     completion_response,
@@ -37,14 +44,25 @@ from prima.api.openai_schema import (
     usage_chunk,
 )
 from prima.api.service import CompletionService, ServerBusyError
-from prima.api.web_page import SECURITY_HEADERS, asset
+from prima.api.web_page import SECURITY_HEADERS, asset, is_page_file
 from prima.engine.generate import GenerationResult
 from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
 
 log = logging.getLogger("prima.api")
 
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context, small enough to refuse abuse
-SOCKET_TIMEOUT_S = 120.0  # an idle keep-alive connection or a stalled client frees its thread after this
+API_KEY_ENV = "PRIMA_API_KEY"
+OPEN_PATHS = ("/health",)  # answer without a key (and the web page's files, which hold no data)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may make the server hold. Each bound is answered with a 4xx naming it."""
+
+    max_body_bytes: int = 1 << 20  # 1 MiB: far above any prompt that fits a context
+    body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
+    idle_timeout_s: float = 30.0  # per read of a request line or header, keep-alive idle, per write
+    max_connections: int = 64  # connections served at once; more get 429 and are closed
+
 
 POST_ROUTES: dict[str, Callable[[Any], GenerationRequest]] = {
     "/v1/chat/completions": parse_chat_request,
@@ -54,15 +72,21 @@ GET_ROUTES = ("/", "/health", "/v1/models", "/v1/cluster", "/metrics")
 
 
 class HttpError(Exception):
-    """A request refused before it reaches the service (routing, body framing, JSON)."""
+    """A request refused before it reaches the service (routing, body framing, JSON, key)."""
 
     def __init__(
-        self, status: HTTPStatus, message: str, code: str, err_type: str = "invalid_request_error"
+        self,
+        status: HTTPStatus,
+        message: str,
+        code: str,
+        err_type: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.err_type = err_type
+        self.headers = headers
 
 
 class ClientGone(Exception):
@@ -72,21 +96,87 @@ class ClientGone(Exception):
 class ApiServer(ThreadingHTTPServer):
     """The HTTP server bound to one CompletionService. Binding happens in the constructor, so
     the port (use 0 in tests) is known and connectable before `serve_forever` starts.
-    `monitor` answers /v1/cluster and hears of every finished generation and failure."""
+    `monitor` answers /v1/cluster and hears of every finished generation and failure;
+    `api_key`, if set, is required of every request but /health and the page's files."""
 
     daemon_threads = True
+    REFUSALS_AT_ONCE = 8  # threads answering 429 to connections over the limit
+    REFUSAL_S = 1.0  # the most time one refusal takes
 
     def __init__(
         self,
         address: tuple[str, int],
         service: CompletionService,
-        max_body_bytes: int = MAX_BODY_BYTES,
         monitor: ClusterMonitor | None = None,
+        *,
+        limits: HttpLimits | None = None,
+        api_key: str | None = None,
     ):
         self.service = service
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits or HttpLimits()
+        self.api_key = api_key.encode() if api_key else None
         self.monitor = monitor or ClusterMonitor(service.model_id)
+        self._slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self._refusals = threading.BoundedSemaphore(self.REFUSALS_AT_ONCE)
         super().__init__(address, ApiHandler)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.limits.max_body_bytes
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread of its own if a slot is free; else answer 429 (on a
+        short-lived thread, at most REFUSALS_AT_ONCE of them) or, past that, just close it."""
+        if self._slots.acquire(blocking=False):
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self._slots.release()
+                raise
+            return
+        log.info("refusing %s: %d connections already", client_address, self.limits.max_connections)
+        if not self._refusals.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        threading.Thread(target=self._refuse, args=(request,), name="prima-api-refuse", daemon=True).start()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """429 on a connection over the limit; then read (a bounded amount, for a bounded time)
+        what the client sent, so closing does not reset the connection before it reads the answer."""
+        body = json.dumps(
+            error_body(
+                f"the server has {self.limits.max_connections} connections open, its limit; retry later",
+                "invalid_request_error",
+                "too_many_connections",
+            )
+        ).encode()
+        head = (
+            f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        ).encode()
+        deadline = time.monotonic() + self.REFUSAL_S
+        try:
+            sock.settimeout(self.REFUSAL_S)
+            sock.sendall(head + body)
+            sock.shutdown(socket.SHUT_WR)
+            for _ in range(64):  # at most 4 MiB
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                sock.settimeout(remaining)
+                if not sock.recv(1 << 16):
+                    break
+        except OSError:
+            pass
+        finally:
+            sock.close()
+            self._refusals.release()
 
     @property
     def url(self) -> str:
@@ -119,8 +209,11 @@ class ApiServer(ThreadingHTTPServer):
 class ApiHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
     server_version = "prima"
-    timeout = SOCKET_TIMEOUT_S
     server: ApiServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.limits.idle_timeout_s  # the base class sets it on the socket
+        super().setup()
 
     # --- dispatch --------------------------------------------------------------------------------
 
@@ -141,9 +234,14 @@ class ApiHandler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         self._response_started = False
         try:
+            self._check_key(path)
             handler(path)
         except HttpError as exc:
-            self._send_error(exc.status, str(exc), exc.err_type, exc.code)
+            self._send_error(exc.status, str(exc), exc.err_type, exc.code, headers=exc.headers)
+        except ModelNotFoundError as exc:
+            self._send_error(
+                HTTPStatus.NOT_FOUND, str(exc), "invalid_request_error", "model_not_found", exc.param
+            )
         except RequestError as exc:
             self._send_error(
                 HTTPStatus.BAD_REQUEST, str(exc), "invalid_request_error", "invalid_request", exc.param
@@ -180,6 +278,26 @@ class ApiHandler(BaseHTTPRequestHandler):
                 "internal_error",
             )
 
+    def _check_key(self, path: str) -> None:
+        """With an API key set, every route but OPEN_PATHS and the page's files needs it, compared
+        in constant time. A refused request's body is never read, so the connection closes."""
+        key = self.server.api_key
+        if key is None or path in OPEN_PATHS or (self.command == "GET" and is_page_file(path)):
+            return
+        scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key):
+            return
+        self.close_connection = True
+        raise HttpError(
+            HTTPStatus.UNAUTHORIZED,
+            "a valid API key is required: send 'Authorization: Bearer <key>' with the key "
+            f"`prima serve` was started with (--api-key or ${API_KEY_ENV})"
+            if scheme
+            else "this server needs an API key: send 'Authorization: Bearer <key>'",
+            "invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="prima"'},
+        )
+
     def _handle_get(self, path: str) -> None:
         service = self.server.service
         if path == "/health":
@@ -210,8 +328,7 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _handle_post(self, path: str) -> None:
         parse = POST_ROUTES.get(path)
         if parse is None:
-            body_len = self._content_length()  # read and drop the body so keep-alive stays in sync
-            self.rfile.read(body_len)
+            self._read_body(self._content_length())  # read and drop it so keep-alive stays in sync
             if path in GET_ROUTES:
                 self._method_not_allowed(path)
             self._not_found(path)
@@ -268,17 +385,47 @@ class ApiHandler(BaseHTTPRequestHandler):
             )
         return length
 
+    def _read_body(self, length: int) -> bytes:
+        """`length` bytes of body, all of which must arrive within the body timeout: a client
+        trickling a byte at a time holds this thread for seconds, not for as long as it likes."""
+        timeout_s = self.server.limits.body_timeout_s
+        deadline = time.monotonic() + timeout_s
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while got < length:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(remaining)
+                chunk = self.rfile.read1(min(length - got, 1 << 16))
+                if not chunk:
+                    raise ClientGone("the client closed the connection mid-body")
+                chunks.append(chunk)
+                got += len(chunk)
+        except TimeoutError:
+            self.close_connection = True
+            raise HttpError(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body did not arrive within {timeout_s:g} s ({got} of {length} bytes came)",
+                "request_timeout",
+            ) from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        return b"".join(chunks)
+
     def _read_json(self) -> Any:
-        length = self._content_length()
-        data = self.rfile.read(length)
-        if len(data) < length:
-            raise ClientGone("the client closed the connection mid-body")
+        data = self._read_body(self._content_length())
         if not data.strip():
             raise HttpError(
                 HTTPStatus.BAD_REQUEST, "the request body is empty; send a JSON object", "invalid_json"
             )
         try:
             return json.loads(data, parse_constant=_reject_constant)
+        except RecursionError:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, "the request body is nested too deeply", "invalid_json"
+            ) from None
         except (UnicodeDecodeError, ValueError) as exc:
             raise HttpError(
                 HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {exc}", "invalid_json"
@@ -355,8 +502,10 @@ class ApiHandler(BaseHTTPRequestHandler):
         except OSError as exc:
             raise ClientGone(f"the client went away mid-stream ({exc.__class__.__name__})") from None
 
-    def _send_json(self, status: HTTPStatus, obj: dict[str, Any]) -> None:
-        self._send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
+    def _send_json(
+        self, status: HTTPStatus, obj: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> None:
+        self._send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
 
     def _send_bytes(
         self, status: HTTPStatus, data: bytes, content_type: str, headers: Mapping[str, str] | None = None
@@ -375,14 +524,20 @@ class ApiHandler(BaseHTTPRequestHandler):
             raise ClientGone(f"the client went away before the response ({exc.__class__.__name__})") from None
 
     def _send_error(
-        self, status: HTTPStatus, message: str, err_type: str, code: str, param: str | None = None
+        self,
+        status: HTTPStatus,
+        message: str,
+        err_type: str,
+        code: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         if getattr(self, "_response_started", False):
             # Mid-response (a stream): a second status line would corrupt it; dropping the connection is all we can do.
             self.close_connection = True
             return
         try:
-            self._send_json(status, error_body(message, err_type, code, param))
+            self._send_json(status, error_body(message, err_type, code, param), headers)
         except ClientGone:
             self.close_connection = True
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from prima import metrics
-from prima.api.openai_schema import GenerationRequest, RequestError
+from prima.api.openai_schema import GenerationRequest, ModelNotFoundError, RequestError
 from prima.engine.generate import (
     GenerateRequest,
     GenerationDone,
@@ -181,7 +181,11 @@ class CompletionService:
         return self._closing.is_set()
 
     def prepare(self, req: GenerationRequest) -> PreparedGeneration:
-        """Tokenize and check the request before it queues, so bad input never waits for the engine."""
+        """Tokenize and check the request before it queues, so bad input never waits for the engine.
+        A request may leave `model` out (the server runs one); if it names one, it must be ours,
+        so a client pointed at the wrong server learns so instead of getting another model's text."""
+        if req.model is not None and req.model != self.model_id:
+            raise ModelNotFoundError(req.model, self.model_id)
         tok = self.loaded.tokenizer
         if req.kind == "chat":
             ids = chat_prompt_ids(

@@ -28,6 +28,11 @@ class Asset:
     content_type: str
 
 
+def is_page_file(path: str) -> bool:
+    """Whether `path` names one of the page's files (which hold no data: served without a key)."""
+    return path == "/" or (path.startswith("/static/") and path.removeprefix("/static/") in ASSETS)
+
+
 def asset(path: str) -> Asset | None:
     """The file for a request path (`/` is the page, `/static/<name>` its parts), None if there
     is none by that name."""

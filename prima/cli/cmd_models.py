@@ -1,4 +1,5 @@
-"""`prima models list|pull`: show the known models and fetch them into the cache."""
+"""`prima models list|pull|verify`: show the known models, fetch them into the cache, and check
+the cached files against their sha256."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import json
 from pathlib import Path
 
 from prima.errors import ModelFileError
-from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
+from prima.model.registry import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    list_models,
+    pull,
+    remove_stale_partials,
+    verify,
+)
 from prima.model.sparse import held_bytes
 
 _MIB = 1 << 20
@@ -23,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     get.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}")
     get.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     get.set_defaults(func=run)
+    check = actions.add_parser(
+        "verify", help="re-hash cached models against their sha256 (and remove dead partial downloads)"
+    )
+    check.add_argument("names", nargs="*", metavar="NAME", help="models to check (default: every pulled one)")
+    check.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    check.set_defaults(func=run_verify)
     synth = actions.add_parser(
         "synth",
         help="write a random-weight GGUF of a chosen size (for trying models bigger than memory)",
@@ -72,6 +86,26 @@ def run_synth(args: argparse.Namespace) -> int:
     out = write_synth_model(args.output, spec, source)
     print(f"{out}: {describe(spec, vocab)}")
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Exit 1 if a model is corrupt, or was named and is not pulled."""
+    for partial in remove_stale_partials():
+        print(f"removed {partial} (a pull that did not finish)")
+    names = args.names or [e.name for e in list_models() if e.present]
+    if not names:
+        print("no models pulled; `prima models pull NAME` downloads one")
+        return 0
+    failed = False
+    for name in names:
+        if name not in KNOWN_MODELS:
+            print(f"{name}: unknown model; known models: {', '.join(KNOWN_MODELS)}")
+            failed = True
+            continue
+        result = verify(name, progress=not args.no_progress)
+        print(result.describe())
+        failed = failed or not result.ok
+    return 1 if failed else 0
 
 
 def run(args: argparse.Namespace) -> int:

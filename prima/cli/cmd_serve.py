@@ -3,16 +3,21 @@ web page at / to chat with it and watch the cluster.
 
 The sampling flags set the defaults a request gets when it leaves a field out; request fields
 always win. Up to --parallel requests generate at once, the rest wait in turn. Ctrl-C stops the
-server cleanly."""
+server cleanly.
+
+With --api-key (or $PRIMA_API_KEY) every route but /health and the web page needs
+`Authorization: Bearer KEY`. Without one, listening beyond loopback prints a warning: anyone
+who can reach the port can use the model."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from prima.api.cluster_view import ClusterMonitor, read_local, read_ring
-from prima.api.server import ApiServer
+from prima.api.server import API_KEY_ENV, ApiServer, HttpLimits
 from prima.api.service import CompletionService, EngineQueue, ServeDefaults
 from prima.cli.arg_types import non_negative_int, port, positive_int
 from prima.cli.cmd_run import (
@@ -24,6 +29,7 @@ from prima.cli.cmd_run import (
 )
 from prima.cli.engine_options import Session, add_model_args, open_session
 from prima.errors import InputError
+from prima.net.credentials import is_loopback
 from prima.scheduler.profile import ModelProfile
 
 DEFAULT_PARALLEL = 4
@@ -57,6 +63,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"requests generated at once, each with its own KV cache; more wait in turn (default {DEFAULT_PARALLEL})",
     )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV}; prefer the variable: "
+        "flags show in the process list)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=HttpLimits.max_connections,
+        help=f"connections served at once; more get 429 (default {HttpLimits.max_connections})",
+    )
     add_chat_template_arg(p)
     add_sampling_args(p, temp=0.7)
     p.set_defaults(func=run)
@@ -80,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         chat_template=template,
     )
     monitor = _cluster_monitor(session, model_id, args.ctx)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    limits = HttpLimits(max_connections=args.max_connections)
     try:
-        server = ApiServer((args.host, args.port), service, monitor=monitor)
+        server = ApiServer((args.host, args.port), service, monitor=monitor, limits=limits, api_key=api_key)
     except OSError as exc:
         session.close()
         raise InputError(
@@ -92,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         f"{server.url}/  (Ctrl-C stops)",
         file=sys.stderr,
     )
+    warning = open_access_warning(args.host, api_key)
+    if warning:
+        print(f"prima serve: warning: {warning}", file=sys.stderr)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -101,6 +124,17 @@ def run(args: argparse.Namespace) -> int:
         server.server_close()
         session.close()
     return 0
+
+
+def open_access_warning(host: str, api_key: str | None) -> str | None:
+    """What to tell the user when the API is open to more than this machine, else None."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"listening on {host or 'every address'} with no API key: anyone who can reach this port "
+        f"can use the model and read the cluster view; set ${API_KEY_ENV} (or --api-key) or "
+        "bind --host 127.0.0.1"
+    )
 
 
 def _cluster_monitor(session: Session, model_id: str, n_ctx: int) -> ClusterMonitor:

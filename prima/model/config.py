@@ -3,11 +3,16 @@
 One frozen dataclass serves every supported architecture; the differences between them
 (RoPE layout, QK norms, Gemma's extra norms and embedding scale, sliding-window layers) are
 fields here, so the forward pass has a single code path.
+
+Metadata comes from the file, so every number is checked for its type and a sane range before
+it sizes anything: a corrupt head count is a ModelFileError naming the key, never a
+ZeroDivisionError or a 2**40-element KV cache.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +22,8 @@ from prima.errors import ModelFileError, UnsupportedModelError
 from prima.kernels.ops import ROPE_NEOX, ROPE_NORM
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+MAX_DIM = 1 << 20  # layers, widths, heads: far above any model, small enough that products fit memory
+MAX_CONTEXT = 1 << 24
 
 # RoPE layouts: ROPE_NORM, ROPE_NEOX (prima.kernels.ops). GGUF llama models have q/k rows
 # permuted at conversion to use NORM.
@@ -72,6 +79,33 @@ def _need(meta: Mapping[str, Any], key: str, path: Path | str) -> Any:
     return meta[key]
 
 
+def _int(
+    meta: Mapping[str, Any], key: str, path: Path | str, default: int | None = None, high: int = MAX_DIM
+) -> int:
+    """A positive integer key (at most `high`); `default` if absent, required when it is None."""
+    value = _need(meta, key, path) if default is None else meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= high:
+        raise ModelFileError(
+            f"{path}: metadata {key} is {value!r}; expected an integer in [1, {high}]: the file is corrupt"
+        )
+    return int(value)
+
+
+def _float(meta: Mapping[str, Any], key: str, path: Path | str, default: float) -> float:
+    """A positive finite float key, `default` if absent."""
+    value = meta.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ModelFileError(
+            f"{path}: metadata {key} is {value!r}; expected a positive number: the file is corrupt"
+        )
+    return float(value)
+
+
 def config_from_metadata(
     meta: Mapping[str, Any], vocab_size: int, path: Path | str = "<gguf>"
 ) -> ModelConfig:
@@ -83,14 +117,20 @@ def config_from_metadata(
             f"prima runs: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     p = f"{arch}."
-    n_layers = int(_need(meta, p + "block_count", path))
-    d_model = int(_need(meta, p + "embedding_length", path))
-    n_heads = int(_need(meta, p + "attention.head_count", path))
-    n_kv_heads = int(meta.get(p + "attention.head_count_kv", n_heads))
-    head_dim = int(meta.get(p + "attention.key_length", d_model // n_heads))
-    if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+    n_layers = _int(meta, p + "block_count", path)
+    d_model = _int(meta, p + "embedding_length", path)
+    n_heads = _int(meta, p + "attention.head_count", path)
+    n_kv_heads = _int(meta, p + "attention.head_count_kv", path, default=n_heads)
+    if n_heads % n_kv_heads:
         raise ModelFileError(f"{path}: {n_heads} attention heads cannot share {n_kv_heads} KV heads")
-    rope_dim = int(meta.get(p + "rope.dimension_count", head_dim))
+    head_dim = _int(meta, p + "attention.key_length", path, default=max(d_model // n_heads, 1))
+    rope_dim = _int(meta, p + "rope.dimension_count", path, default=head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ModelFileError(
+            f"{path}: RoPE over {rope_dim} of a head's {head_dim} dimensions; the file is corrupt"
+        )
+    if not 1 <= vocab_size <= 1 << 24:
+        raise ModelFileError(f"{path}: a vocabulary of {vocab_size} tokens; the file is corrupt")
     common = dict(
         arch=arch,
         n_layers=n_layers,
@@ -98,11 +138,11 @@ def config_from_metadata(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn_dim=int(_need(meta, p + "feed_forward_length", path)),
+        ffn_dim=_int(meta, p + "feed_forward_length", path),
         vocab_size=vocab_size,
-        context_length=int(meta.get(p + "context_length", 2048)),
-        norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(meta.get(p + "rope.freq_base", 10000.0)),
+        context_length=_int(meta, p + "context_length", path, default=2048, high=MAX_CONTEXT),
+        norm_eps=_float(meta, p + "attention.layer_norm_rms_epsilon", path, 1e-5),
+        rope_base=_float(meta, p + "rope.freq_base", path, 10000.0),
         rope_dim=rope_dim,
         attn_scale=1.0 / math.sqrt(head_dim),
     )
@@ -120,7 +160,9 @@ def config_from_metadata(
         activation="gelu",
         embed_scale=math.sqrt(d_model),
         rope_base_local=10000.0,
-        sliding_window=int(meta.get(p + "attention.sliding_window", 0)),
+        sliding_window=_int(meta, p + "attention.sliding_window", path, default=MAX_CONTEXT, high=MAX_CONTEXT)
+        if p + "attention.sliding_window" in meta
+        else 0,
         swa_pattern=6,
         has_qk_norm=True,
         has_post_norms=True,

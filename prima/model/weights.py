@@ -2,7 +2,9 @@
 
 Nothing is dequantized or copied here except the small norm vectors; a node that owns a window
 of layers builds LayerWeights only for those layers, so the pages of other layers are never
-touched.
+touched. Every tensor's shape is checked against the ModelConfig as its view is made: the kernels
+trust shapes, so a file whose attn_q is narrower than its config says must stop here, not read
+past a tensor's bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from prima.errors import ModelFileError
 from prima.kernels.quants import check_supported
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig, config_from_metadata
-from prima.model.gguf_file import GGUFFile
+from prima.model.gguf_file import GGUFFile, TensorInfo
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
@@ -56,13 +58,17 @@ class ModelWeights:
     def __init__(self, gguf: GGUFFile) -> None:
         self.gguf = gguf
         embd = self._info("token_embd.weight")
+        if len(embd.shape) != 2:
+            raise ModelFileError(
+                f"{gguf.path}: tensor 'token_embd.weight' has shape {list(embd.shape)}, expected 2-D"
+            )
         self.config: ModelConfig = config_from_metadata(
             gguf.metadata, vocab_size=embd.shape[0], path=gguf.path
         )
         self._layers: dict[int, LayerWeights] = {}
 
     # -- tensors -------------------------------------------------------------------------------
-    def _info(self, name: str):  # noqa: ANN202 - TensorInfo
+    def _info(self, name: str) -> TensorInfo:
         info = self.gguf.tensors.get(name)
         if info is None:
             raise ModelFileError(
@@ -75,15 +81,30 @@ class ModelWeights:
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
-    def matrix(self, name: str) -> QTensor:
+    def _check_shape(self, info: TensorInfo, expected: tuple[int, ...]) -> None:
+        if info.shape != expected:
+            c = self.config
+            raise ModelFileError(
+                f"{self.gguf.path}: tensor {info.name!r} has shape {list(info.shape)} but the model's "
+                f"metadata ({c.arch}: d_model {c.d_model}, {c.n_heads} heads of {c.head_dim}, "
+                f"{c.n_kv_heads} KV heads, ffn {c.ffn_dim}, vocab {c.vocab_size}) needs "
+                f"{list(expected)}; the file is corrupt or was converted wrongly"
+            )
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> QTensor:
+        """A 2-D weight as a QTensor view; `shape` (rows, cols) is what the config says it must be."""
         info = self._info(name)
         if len(info.shape) != 2:
             raise ModelFileError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, expected 2-D")
+        if shape is not None:
+            self._check_shape(info, shape)
         return QTensor(name, info.qtype, (info.shape[0], info.shape[1]), self.gguf.tensor_bytes(name))
 
-    def vector(self, name: str) -> np.ndarray:
-        """A small float tensor (norm weight, bias) as a float32 array."""
+    def vector(self, name: str, length: int | None = None) -> np.ndarray:
+        """A small float tensor (norm weight, bias) as a float32 array of `length` if given."""
         info = self._info(name)
+        if length is not None:
+            self._check_shape(info, (length,))
         if info.qtype not in _FLOAT_TYPES:
             raise ModelFileError(
                 f"{self.gguf.path}: tensor {name!r} is {info.qtype.name}; expected a float type"
@@ -93,46 +114,50 @@ class ModelWeights:
             return (arr.astype(np.uint32) << 16).view(np.float32).reshape(-1)
         return np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
 
-    def _optional_vector(self, name: str) -> np.ndarray | None:
-        return self.vector(name) if self.has(name) else None
+    def _optional_vector(self, name: str, length: int) -> np.ndarray | None:
+        return self.vector(name, length) if self.has(name) else None
 
     # -- model parts ---------------------------------------------------------------------------
     @property
     def token_embd(self) -> QTensor:
-        return self.matrix("token_embd.weight")
+        return self.matrix("token_embd.weight", (self.config.vocab_size, self.config.d_model))
 
     @property
     def output_norm(self) -> np.ndarray:
-        return self.vector("output_norm.weight")
+        return self.vector("output_norm.weight", self.config.d_model)
 
     @property
     def output(self) -> QTensor:
         """The output head; tied models reuse the token embedding."""
-        return self.matrix("output.weight") if self.has("output.weight") else self.token_embd
+        if not self.has("output.weight"):
+            return self.token_embd
+        return self.matrix("output.weight", (self.config.vocab_size, self.config.d_model))
 
     def layer(self, i: int) -> LayerWeights:
         if not 0 <= i < self.config.n_layers:
             raise IndexError(f"layer {i} outside [0, {self.config.n_layers})")
         if i not in self._layers:
             p = f"blk.{i}."
+            c = self.config
+            d, q, kv, ffn = c.d_model, c.q_dim, c.kv_dim, c.ffn_dim
             self._layers[i] = LayerWeights(
                 index=i,
-                attn_norm=self.vector(p + "attn_norm.weight"),
-                attn_q=self.matrix(p + "attn_q.weight"),
-                attn_k=self.matrix(p + "attn_k.weight"),
-                attn_v=self.matrix(p + "attn_v.weight"),
-                attn_output=self.matrix(p + "attn_output.weight"),
-                ffn_norm=self.vector(p + "ffn_norm.weight"),
-                ffn_gate=self.matrix(p + "ffn_gate.weight"),
-                ffn_up=self.matrix(p + "ffn_up.weight"),
-                ffn_down=self.matrix(p + "ffn_down.weight"),
-                attn_q_bias=self._optional_vector(p + "attn_q.bias"),
-                attn_k_bias=self._optional_vector(p + "attn_k.bias"),
-                attn_v_bias=self._optional_vector(p + "attn_v.bias"),
-                attn_q_norm=self._optional_vector(p + "attn_q_norm.weight"),
-                attn_k_norm=self._optional_vector(p + "attn_k_norm.weight"),
-                post_attention_norm=self._optional_vector(p + "post_attention_norm.weight"),
-                post_ffw_norm=self._optional_vector(p + "post_ffw_norm.weight"),
+                attn_norm=self.vector(p + "attn_norm.weight", d),
+                attn_q=self.matrix(p + "attn_q.weight", (q, d)),
+                attn_k=self.matrix(p + "attn_k.weight", (kv, d)),
+                attn_v=self.matrix(p + "attn_v.weight", (kv, d)),
+                attn_output=self.matrix(p + "attn_output.weight", (d, q)),
+                ffn_norm=self.vector(p + "ffn_norm.weight", d),
+                ffn_gate=self.matrix(p + "ffn_gate.weight", (ffn, d)),
+                ffn_up=self.matrix(p + "ffn_up.weight", (ffn, d)),
+                ffn_down=self.matrix(p + "ffn_down.weight", (d, ffn)),
+                attn_q_bias=self._optional_vector(p + "attn_q.bias", q),
+                attn_k_bias=self._optional_vector(p + "attn_k.bias", kv),
+                attn_v_bias=self._optional_vector(p + "attn_v.bias", kv),
+                attn_q_norm=self._optional_vector(p + "attn_q_norm.weight", c.head_dim),
+                attn_k_norm=self._optional_vector(p + "attn_k_norm.weight", c.head_dim),
+                post_attention_norm=self._optional_vector(p + "post_attention_norm.weight", d),
+                post_ffw_norm=self._optional_vector(p + "post_ffw_norm.weight", d),
             )
         return self._layers[i]
 

@@ -12,6 +12,7 @@ from prima.api.openai_schema import (
     GenerationRequest,
     RequestError,
     Usage,
+    check_json_tree,
     completion_response,
     finish_reason,
     parse_chat_request,
@@ -161,3 +162,20 @@ def test_text_response_and_chunks_have_openai_shape() -> None:
     chunk = stream_chunk(req, **ident, text=" t")
     assert chunk["object"] == "text_completion"
     assert chunk["choices"][0]["text"] == " t"
+
+
+def test_temperatures_too_small_to_divide_by_mean_greedy() -> None:
+    req = parse_completion_request({"prompt": "x", "temperature": 1e-30})
+    assert req.sampling.temperature == 0.0
+    assert parse_completion_request({"prompt": "x", "temperature": 0.5}).sampling.temperature == 0.5
+
+
+def test_json_tree_check_is_iterative_and_names_the_depth() -> None:
+    deep: list[object] = []
+    inner = deep
+    for _ in range(5000):  # deeper than Python's recursion limit
+        inner.append([])
+        inner = inner[0]  # type: ignore[assignment]
+    with pytest.raises(RequestError, match="nested more than 32"):
+        check_json_tree({"x": deep})
+    check_json_tree({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})

@@ -262,7 +262,7 @@ def test_greedy_chat_completion_equals_generate(server: ApiServer) -> None:
     status, body = _post(
         server,
         "/v1/chat/completions",
-        {"model": "whatever", "messages": CHAT, "max_tokens": 12, "temperature": 0},
+        {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 12, "temperature": 0},
     )
     assert status == 200, body
     assert body["object"] == "chat.completion"

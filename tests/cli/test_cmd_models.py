@@ -87,3 +87,22 @@ def test_models_pull_unknown_name_is_an_error(cache: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert "unknown model 'llama-9000'" in err
     assert "smollm2-135m" in err
+
+
+def test_models_verify_reports_each_model_and_fails_on_a_corrupt_one(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    payload = b"GGUF tiny model"
+    good = KnownModel("good", "good.gguf", hashlib.sha256(payload).hexdigest(), len(payload), ())
+    bad = KnownModel("bad", "bad.gguf", "0" * 64, len(payload), ())
+    monkeypatch.setattr(registry, "KNOWN_MODELS", {"good": good, "bad": bad})
+    monkeypatch.setattr("prima.cli.cmd_models.KNOWN_MODELS", registry.KNOWN_MODELS)
+    (cache / "good.gguf").write_bytes(payload)
+    assert main(["models", "verify", "--no-progress"]) == 0
+    assert "good: ok" in capsys.readouterr().out
+    (cache / "bad.gguf").write_bytes(payload)
+    assert main(["models", "verify", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "bad: CORRUPT" in out
+    assert "prima models pull bad" in out
+    assert main(["models", "verify", "--no-progress", "nope"]) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from prima.errors import InputError, ModelFileError
 from prima.model.chat_template import (
     GEMMA_TURN_TEMPLATE,
     PLAIN_TEMPLATE,
+    RenderLimits,
+    TemplateLimitError,
     chat_template_for,
     render_chat,
 )
@@ -131,3 +134,52 @@ def test_sandbox_blocks_mutation() -> None:
 def test_message_without_role_is_rejected() -> None:
     with pytest.raises(InputError, match="role"):
         render_chat(PLAIN_TEMPLATE, [{"content": "hi"}])
+
+
+SMALL_LIMITS = RenderLimits(max_steps=20_000, max_chars=100_000, max_int=100_000)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        pytest.param("{{ 'x' * 1000000000 }}", id="repeat-literal"),
+        pytest.param("{% set n = 1000000000 %}{{ [0] * n }}", id="repeat-list"),
+        pytest.param(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", id="loop"
+        ),
+        pytest.param(
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            id="doubling",
+        ),
+        pytest.param("{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('ab') }}", id="doubling-macro"),
+        pytest.param("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", id="recursion"),
+        pytest.param("{{ 'x'|center(1000000000) }}", id="filter-width"),
+        pytest.param("{{ '{:>999999999}'.format(1) }}", id="format-width"),
+        pytest.param("{{ '%0999999999d' % 1 }}", id="percent-width"),
+        pytest.param("{% set x = 10 %}{{ x ** 100000000 }}", id="power"),
+        pytest.param("{{ range(1000000)|list|length }}", id="big-range"),
+        pytest.param(
+            "{% for m in messages %}{% for i in range(99999) %}xx{% endfor %}{% endfor %}", id="output"
+        ),
+    ],
+)
+def test_render_chat_bounds_a_hostile_template(template: str) -> None:
+    with pytest.raises(TemplateLimitError):
+        render_chat(template, CONVERSATION, limits=SMALL_LIMITS)
+
+
+def test_render_limit_is_an_input_error_and_the_default_renders_long_chats() -> None:
+    assert issubclass(TemplateLimitError, InputError)  # the API answers 400, not 500
+    long_chat = [{"role": "user", "content": "word " * 100_000}] * 4
+    assert len(render_chat(PLAIN_TEMPLATE, long_chat)) > 2_000_000
+
+
+def test_render_chat_puts_back_the_tracer_it_found() -> None:
+    before = sys.gettrace()
+    render_chat(PLAIN_TEMPLATE, CONVERSATION)
+    assert sys.gettrace() is before
+
+
+def test_a_template_failing_on_python_errors_is_a_model_file_error() -> None:
+    with pytest.raises(ModelFileError, match="TypeError"):
+        render_chat("{{ 1 + messages[0]['content'] }}", CONVERSATION)

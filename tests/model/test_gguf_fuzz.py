@@ -1,0 +1,214 @@
+"""Corrupted copies of the test models: every one either raises a PrimaError or opens with every
+tensor's geometry intact. Nothing else (no ValueError, OverflowError, IndexError, no view past
+the end of the file) may escape.
+
+300 seeded corruptions: byte flips in the header (the fixed fields and first keys, the tensor
+infos, anywhere before the data), truncations, and fields overwritten with edge values (0, 1,
+2**31, 2**32, 2**63, 2**64 - 1, ...). The copies are sparse: the header is the model's and the
+tensor data a hole of zeros, since opening never computes; each case patches the one copy and
+puts its bytes back afterwards, so no model is copied per case."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+
+from prima.errors import PrimaError
+from prima.model.gguf_file import GGUFFile
+from prima.model.weights import ModelWeights
+
+SEED = 12
+CASES = {"smollm2": 240, "gemma3": 60}  # gemma's 262k-token vocabulary makes each open slower
+EDGE_U64 = (0, 1, 2, 3, 31, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the header's parts sit in the original file."""
+
+    size: int
+    data_offset: int
+    tensor_info_offset: int
+    fields: tuple[tuple[int, int], ...]  # (position, width in bytes) of each tensor-info number
+
+
+@dataclass(frozen=True)
+class Corruption:
+    kind: str
+    at: int
+    data: bytes = b""
+
+    def __str__(self) -> str:
+        return f"{self.kind} at byte {self.at}" + (f" <- {self.data.hex()}" if self.data else "")
+
+
+def _layout(path: Path) -> Layout:
+    with GGUFFile(path) as gguf:
+        start, data_offset = gguf.tensor_info_offset, gguf.data_offset
+        n_tensors = len(gguf.tensors)
+    raw = path.read_bytes()[:data_offset]
+    fields = []
+    pos = start
+    for _ in range(n_tensors):  # name, n_dims, ne[n_dims], type, offset
+        (n,) = struct.unpack_from("<Q", raw, pos)
+        pos += 8 + n
+        (n_dims,) = struct.unpack_from("<I", raw, pos)
+        fields.append((pos, 4))
+        pos += 4
+        fields.extend((pos + 8 * i, 8) for i in range(n_dims))
+        pos += 8 * n_dims
+        fields.append((pos, 4))
+        fields.append((pos + 4, 8))
+        pos += 12
+    return Layout(os.path.getsize(path), data_offset, start, tuple(fields))
+
+
+def _edge(rng: np.random.Generator) -> int:
+    return EDGE_U64[int(rng.integers(len(EDGE_U64)))]
+
+
+def _corruptions(layout: Layout, n: int, rng: np.random.Generator) -> list[Corruption]:
+    out = []
+    for _ in range(n):
+        kind = rng.choice(
+            ["flip-start", "flip-infos", "flip-any", "truncate", "field", "u64"],
+            p=[0.2, 0.2, 0.15, 0.1, 0.25, 0.1],
+        )
+        if kind == "truncate":
+            # Mostly inside the header, sometimes in the tensor data.
+            end = layout.data_offset if rng.random() < 0.7 else layout.size
+            out.append(Corruption("truncate", int(rng.integers(0, end))))
+        elif kind == "field":
+            pos, width = layout.fields[int(rng.integers(len(layout.fields)))]
+            value = _edge(rng) if rng.random() < 0.7 else int(rng.integers(0, 2**63))
+            out.append(Corruption("field", pos, (value % 2 ** (8 * width)).to_bytes(width, "little")))
+        elif kind == "u64":
+            pos = int(rng.integers(0, layout.data_offset - 8))
+            out.append(Corruption("u64", pos, _edge(rng).to_bytes(8, "little")))
+        else:
+            lo, hi = {
+                "flip-start": (0, min(4096, layout.data_offset)),
+                "flip-infos": (layout.tensor_info_offset, layout.data_offset),
+                "flip-any": (0, layout.data_offset),
+            }[kind]
+            out.append(Corruption("flip", int(rng.integers(lo, hi)), bytes([int(rng.integers(1, 256))])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sparse_models(
+    smollm2_path: Path, gemma3_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Layout, bytes]]:
+    """Per model: a copy with the real header and a hole for the data, its layout, its header."""
+    out = {}
+    for tag, src in (("smollm2", smollm2_path), ("gemma3", gemma3_path)):
+        layout = _layout(src)
+        with open(src, "rb") as fh:
+            header = fh.read(layout.data_offset)
+        dst = tmp_path_factory.mktemp("fuzz") / f"{tag}.gguf"
+        with open(dst, "wb") as fh:
+            fh.write(header)
+            fh.truncate(layout.size)
+        out[tag] = (dst, layout, header)
+    return out
+
+
+def _check_open(path: Path) -> None:
+    """Open as a node does (index, config, every layer's views); every tensor must then lie
+    whole inside the file, its byte count what its type and shape say."""
+    with GGUFFile(path) as gguf:
+        ModelWeights(gguf).validate()
+        spans = []
+        for t in gguf.tensors.values():
+            if t.n_bytes:
+                block_elems, block_bytes = GGML_QUANT_SIZES[t.qtype]
+                assert t.n_bytes == math.prod(t.shape) // block_elems * block_bytes, t
+                assert gguf.data_offset <= t.offset, t
+                assert t.offset + t.n_bytes <= gguf.file_size, t
+                assert gguf.tensor_bytes(t.name).nbytes == t.n_bytes
+                spans.append((t.offset, t.offset + t.n_bytes))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def _apply(path: Path, c: Corruption) -> None:
+    if c.kind == "truncate":
+        os.truncate(path, c.at)
+        return
+    with open(path, "r+b") as fh:
+        fh.seek(c.at)
+        fh.write(c.data)
+
+
+def _restore(path: Path, layout: Layout, header: bytes, c: Corruption) -> None:
+    """Put the original bytes back: the header from memory, the data as the hole it was."""
+    with open(path, "r+b") as fh:
+        if c.kind == "truncate":
+            fh.truncate(layout.size)
+            if c.at < len(header):
+                fh.seek(c.at)
+                fh.write(header[c.at :])
+        elif c.at < len(header):
+            fh.seek(c.at)
+            fh.write(header[c.at : c.at + len(c.data)])
+
+
+@pytest.mark.parametrize(("tag", "n"), list(CASES.items()), ids=list(CASES))
+def test_corrupt_models_raise_prima_errors_or_open_whole(
+    sparse_models: dict[str, tuple[Path, Layout, bytes]], tag: str, n: int
+) -> None:
+    path, layout, header = sparse_models[tag]
+    _check_open(path)  # the untouched copy opens
+    rng = np.random.default_rng([SEED, len(tag)])
+    outcomes = {"refused": 0, "opened": 0}
+    for c in _corruptions(layout, n, rng):
+        _apply(path, c)
+        try:
+            _check_open(path)
+            outcomes["opened"] += 1
+        except PrimaError:
+            outcomes["refused"] += 1
+        except Exception as exc:
+            raise AssertionError(f"{tag}, {c}: {exc.__class__.__name__}: {exc}") from exc
+        finally:
+            _restore(path, layout, header, c)
+    assert outcomes["refused"] > n // 4, outcomes  # the corruptions do reach the checks
+    _check_open(path)
+
+
+def test_a_huge_dimension_does_not_wrap_to_a_small_tensor(
+    sparse_models: dict[str, tuple[Path, Layout, bytes]],
+) -> None:
+    """ne[0] = 2**63 on a tensor that had 576: as int64 the product wraps; it must be refused."""
+    path, layout, header = sparse_models["smollm2"]
+    pos, _ = layout.fields[1]  # the first tensor's ne[0]
+    c = Corruption("field", pos, (2**63).to_bytes(8, "little"))
+    _apply(path, c)
+    try:
+        with pytest.raises(PrimaError, match="would end at byte"):
+            GGUFFile(path)
+    finally:
+        _restore(path, layout, header, c)
+
+
+@pytest.mark.parametrize("length", [2**64 - 1, 2**63, 2**40, 2**26 + 1])
+def test_a_huge_vocabulary_string_length_is_refused(
+    sparse_models: dict[str, tuple[Path, Layout, bytes]], length: int
+) -> None:
+    path, layout, header = sparse_models["smollm2"]
+    key = b"tokenizer.ggml.tokens"
+    pos = header.index(key) + len(key) + 4 + 4 + 8  # value type, item type, count: the first length
+    c = Corruption("field", pos, length.to_bytes(8, "little"))
+    _apply(path, c)
+    try:
+        with pytest.raises(PrimaError):
+            GGUFFile(path)
+    finally:
+        _restore(path, layout, header, c)
