@@ -73,8 +73,8 @@ def kernel_source_key() -> str:
         h.update(version("numba").encode())
     except Exception:  # noqa: BLE001 - no numba (the numpy fallback): nothing is compiled anyway
         h.update(b"no-numba")
-    for path in sorted(KERNEL_SOURCES.glob("*.py")):
-        h.update(path.name.encode())
+    for path in sorted(KERNEL_SOURCES.rglob("*.py")):  # the format modules sit in a subpackage
+        h.update(path.relative_to(KERNEL_SOURCES).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
