@@ -26,7 +26,7 @@ from prima.model.weights import ModelWeights
 from prima.weights.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from prima.kernels.decode_layer import FusedBlock
+    from prima.backends.cpu_decode import FusedBlock
 
 log = logging.getLogger("prima.backends")
 
@@ -134,6 +134,6 @@ class CpuBackend:
         """The one-call form of a block, or None (no numba, or a projection in a float format)."""
         if not kernels.HAVE_NUMBA:
             return None
-        from prima.kernels.decode_layer import FusedBlock
+        from prima.backends.cpu_decode import FusedBlock
 
         return FusedBlock.build(params.weights, self.config, params.inv_freq, params.window)

@@ -5,46 +5,25 @@ output projection, residual, gate/up, activation, down, residual); run from Pyth
 call and argument checks cost about as much as its arithmetic, ~50 us per block. Here the whole
 block is one numba function that calls the same kernels (prima.kernels.drivers, fused_ops)
 directly, so Python is crossed once per block. The arithmetic, and so the result, is that of the
-step-by-step path in prima.forward.transformer, which prefill and other backends keep using.
+reference block (prima.backends.reference), which prefill and other backends keep using; the
+CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlock).
 
   decode_layer(x, ws, fmts, int8, lut, vecs, k_cache, v_cache, t, positions, inv_freq, neox,
                n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table)
 
 `ws` holds the seven projections (q, k, v, output, gate, up, down) as raw uint8 rows, `fmts`
-their GGML type ids, `vecs` the block's small vectors (see VECTORS; empty where absent). The
+their GGML type ids, `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent). The
 caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from prima.kernels import drivers, fused_ops, ops
-from prima.kernels.quants import F16_TABLE
-from prima.kernels.tensor import QTensor
-from prima.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from prima.model.weights import LayerWeights
-
-PROJECTIONS: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-VECTORS: tuple[str, ...] = (
-    "attn_norm",
-    "ffn_norm",
-    "attn_q_bias",
-    "attn_k_bias",
-    "attn_v_bias",
-    "attn_q_norm",
-    "attn_k_norm",
-    "post_attention_norm",
-    "post_ffw_norm",
-)
+from prima.kernels import drivers, fused_ops
 
 
 @njit(cache=True)
@@ -192,80 +171,3 @@ def decode_layer(  # noqa: ANN201
     ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)
     x, _ = fused_ops.residual_norm(x, ffn, post_ffw, post_ffw[:0], eps)
     return x
-
-
-def _vector(v: np.ndarray | None) -> np.ndarray:
-    return np.empty(0, dtype=np.float32) if v is None else np.array(v, dtype=np.float32)
-
-
-@dataclass(frozen=True, eq=False)
-class FusedBlock:
-    """What decode_layer needs of one block, gathered once: raw weights as read-only views (numba
-    compiles one variant per array type), format ids, writable float32 vectors, RoPE table."""
-
-    ws: tuple[np.ndarray, ...]
-    fmts: np.ndarray
-    vecs: tuple[np.ndarray, ...]
-    inv_freq: np.ndarray
-    window: int
-    config: ModelConfig
-
-    @staticmethod
-    def build(
-        layer: LayerWeights, config: ModelConfig, inv_freq: np.ndarray, window: int
-    ) -> FusedBlock | None:
-        """The block of LayerWeights `layer`, or None when a projection has a format without a
-        fused kernel (float weights): those blocks keep the step-by-step path."""
-        tensors: list[QTensor] = [getattr(layer, name) for name in PROJECTIONS]
-        if any(int(w.qtype) not in drivers.QUANTIZED_IDS for w in tensors):
-            return None
-        ws = []
-        for w in tensors:
-            view = w.raw.view()
-            view.flags.writeable = False
-            ws.append(view)
-        return FusedBlock(
-            ws=tuple(ws),
-            fmts=np.array([int(w.qtype) for w in tensors], dtype=np.int64),
-            vecs=tuple(_vector(getattr(layer, name)) for name in VECTORS),
-            inv_freq=inv_freq,
-            window=window,
-            config=config,
-        )
-
-    def run(
-        self,
-        x: np.ndarray,
-        positions: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        t: int,
-        int8: bool,
-    ) -> np.ndarray:
-        cfg = self.config
-        return decode_layer(
-            x,
-            self.ws,
-            self.fmts,
-            int8,
-            F16_TABLE,
-            self.vecs,
-            k_cache,
-            v_cache,
-            t,
-            positions,
-            self.inv_freq,
-            fused_ops.is_neox(cfg.rope_type),
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            cfg.norm_eps,
-            cfg.attn_scale,
-            self.window,
-            cfg.ffn_dim,
-            cfg.activation == "gelu",
-            ops.gelu_fp16_table() if cfg.activation == "gelu" else _NO_TABLE,
-        )
-
-
-_NO_TABLE = np.empty(0, dtype=np.float32)
