@@ -19,9 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
-from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, sample_tokens
+from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, forward_ids, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
-from prima.errors import ContextFullError, InputError, NodeError
+from prima.errors import InputError, NodeError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
@@ -76,14 +76,7 @@ class RingEngine:
         self.n_past = 0
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.size == 0:
-            raise InputError("nothing to compute: the token list is empty")
-        if self.n_past + ids.size > self.n_ctx:
-            raise ContextFullError(
-                f"{self.n_past + ids.size} tokens do not fit the context of {self.n_ctx}; "
-                "shorten the prompt, lower -n, or raise --ctx"
-            )
+        ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         n_batches = 0
         for s in range(0, ids.size, self.ubatch):
             chunk = ids[s : s + self.ubatch]

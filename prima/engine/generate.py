@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from prima.engine.sampling import Sampler, SamplerConfig
-from prima.errors import InputError
+from prima.errors import ContextFullError, InputError
 
 
 class Engine(Protocol):
@@ -250,6 +250,20 @@ def collect(
         if on_text:
             on_text(event)
     raise AssertionError("stream_text always ends with a GenerationResult")
+
+
+def forward_ids(token_ids: list[int] | np.ndarray, n_past: int, n_ctx: int) -> np.ndarray:
+    """The ids of one forward call as int64, checked against the room left in the context (an
+    engine holding `n_past` of `n_ctx` positions)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size == 0:
+        raise InputError("nothing to compute: the token list is empty")
+    if n_past + ids.size > n_ctx:
+        raise ContextFullError(
+            f"{n_past + ids.size} tokens do not fit the context of {n_ctx}; "
+            "shorten the prompt, lower -n, or raise --ctx"
+        )
+    return ids
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int, n_ctx: int) -> tuple[list[int], int]:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 
-from prima.engine.generate import Engine, GenerateRequest, TokenEvent, sample_tokens
-from prima.errors import ContextFullError, InputError
+from prima.engine.generate import Engine, GenerateRequest, TokenEvent, forward_ids, sample_tokens
+from prima.errors import InputError
 from prima.forward.loader import LoadedModel
 from prima.forward.transformer import Transformer
 from prima.plan import Window
@@ -56,14 +56,7 @@ class LocalEngine:
         self.n_past = 0
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.size == 0:
-            raise InputError("nothing to compute: the token list is empty")
-        if self.n_past + ids.size > self.n_ctx:
-            raise ContextFullError(
-                f"{self.n_past + ids.size} tokens do not fit the context of {self.n_ctx}; "
-                "shorten the prompt, lower -n, or raise --ctx"
-            )
+        ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         m = self.model
         starts = range(0, ids.size, self.ubatch)
         chunks = [ids[s : s + self.ubatch] for s in starts]
