@@ -1,8 +1,7 @@
 """The weight formats prima runs, their block geometry, and a clear error for the rest.
 
-The quantized formats are the table in prima.kernels.formats; block sizes come from gguf-py
-(`GGML_QUANT_SIZES`, matched against ggml.h), so a format is described once. Nothing here needs
-numba: a device without it checks the same types and runs them on gguf-py's dequantizer."""
+Block sizes come from gguf-py (`GGML_QUANT_SIZES`, matched against ggml.h); prima never keeps its
+own copy of them, so a format is described once."""
 
 from __future__ import annotations
 
@@ -10,13 +9,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from prima.errors import UnsupportedModelError
-from prima.kernels import formats
 
 Q = GGMLQuantizationType
 
 FLOAT_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F32, Q.F16, Q.BF16})
-QUANT_QTYPES: frozenset[GGMLQuantizationType] = frozenset(formats.QTYPES)
-SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | QUANT_QTYPES
+LEGACY_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
+K_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | LEGACY_QTYPES | K_QTYPES
 
 # f16 bit pattern -> float32, indexed by the 16-bit word. numba has no float16 type, and one
 # 256 KiB table lookup per 32-element block costs far less than bit-twiddling the conversion.
