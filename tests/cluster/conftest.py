@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from prima.engine.generate import GenerateRequest, GenerationDone, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
+from prima.net import discovery
+from prima.scheduler.profile_cache import CACHE_ENV
 
 N_CTX = 512  # the oracle's long prompts have ~310 tokens
 UBATCH = 4  # small, so prompts are cut into several micro-batches that pipeline round the ring
@@ -56,6 +59,16 @@ def ring_tokens(
     events = list(ring.generate(ring_request(prompt_ids, max_tokens, **kwargs)))  # type: ignore[arg-type]
     assert isinstance(events[-1], GenerationDone)
     return [t for t in events if isinstance(t, int)]
+
+
+@pytest.fixture(scope="module")
+def mdns_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A private service type and profile cache, for this process and the daemons it starts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(discovery.SERVICE_TYPE_ENV, f"_pr{secrets.token_hex(4)}._tcp.local.")
+        mp.setenv(discovery.INTERFACES_ENV, "127.0.0.1")
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
+        yield
 
 
 @pytest.fixture(scope="module")

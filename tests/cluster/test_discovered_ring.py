@@ -22,7 +22,6 @@ from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.net import discovery
 from prima.net.client import NodeClient
-from prima.scheduler.profile_cache import CACHE_ENV
 
 from .conftest import start_ring
 
@@ -34,16 +33,6 @@ PROMPT = "The capital of France is"
 # 13 of SmolLM2's 30 layers (2.2 MB each) fit this budget resident: the plan needs two nodes at
 # least (a node may take more than 13 by streaming the rest, when its disk is faster than a hop).
 BUDGET = "30M"
-
-
-@pytest.fixture(scope="module")
-def mdns_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A private service type and profile cache, for this process and the daemons it starts."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(discovery.SERVICE_TYPE_ENV, f"_pr{secrets.token_hex(4)}._tcp.local.")
-        mp.setenv(discovery.INTERFACES_ENV, "127.0.0.1")
-        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
-        yield
 
 
 @pytest.fixture(scope="module")

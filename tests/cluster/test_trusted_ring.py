@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile, NodeStatus
 from prima.net.credentials import ClusterCA
 from prima.net.server import start_server
-from prima.scheduler.profile_cache import CACHE_ENV
 
 from .conftest import start_ring
 
@@ -62,15 +60,6 @@ class RogueHandler:
             self.calls.append(name)
 
         return record
-
-
-@pytest.fixture(scope="module")
-def mdns_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(discovery.SERVICE_TYPE_ENV, f"_pr{secrets.token_hex(4)}._tcp.local.")
-        mp.setenv(discovery.INTERFACES_ENV, "127.0.0.1")
-        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
-        yield
 
 
 @pytest.fixture(scope="module")
