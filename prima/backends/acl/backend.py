@@ -27,9 +27,10 @@ from prima.backends.acl import atc
 from prima.backends.acl.onnx_window import WindowGraph, attention_mask, window_graph
 from prima.backends.acl.runtime import DYNAMIC_DIMS_INPUT, AclError, AclRuntime, DeviceModel, open_runtime
 from prima.backends.cpu import CpuBackend
-from prima.errors import ContextFullError, InputError
+from prima.errors import InputError
 from prima.kernels.tensor import QTensor
 from prima.model.weights import ModelWeights
+from prima.weights.kv_cache import WrittenPositions
 
 log = logging.getLogger("prima.backends")
 
@@ -49,7 +50,7 @@ class AclKV:
         self.slot_bytes = ctx * row_bytes
         self.k: dict[int, int] = {}
         self.v: dict[int, int] = {}
-        self._length = dict.fromkeys(self.layers, 0)
+        self._written = WrittenPositions(n_ctx, self.layers)
         ptrs: list[int] = []
         self._free = weakref.finalize(self, _free_all, runtime, ptrs)
         for i in self.layers:
@@ -68,18 +69,10 @@ class AclKV:
 
     def reserve(self, layer: int, start: int, end: int) -> None:
         """Check that [start, end) can be written next (contiguous, within n_ctx)."""
-        if end > self.n_ctx:
-            raise ContextFullError(
-                f"context full: position {end - 1} does not fit a context of {self.n_ctx} tokens; "
-                "start a new session or raise --ctx"
-            )
-        if start > self._length[layer]:
-            raise ValueError(f"layer {layer}: write at {start} leaves a gap after {self._length[layer]}")
-        self._length[layer] = end
+        self._written.advance(layer, start, end)
 
     def truncate(self, length: int) -> None:
-        for i in self.layers:
-            self._length[i] = min(self._length[i], length)
+        self._written.truncate(length)
 
 
 def _free_all(runtime: AclRuntime, ptrs: list[int]) -> None:
