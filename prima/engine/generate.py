@@ -107,11 +107,10 @@ TokenEvent = int | GenerationDone
 
 
 class Generator(Protocol):
-    """Anything that runs a GenerateRequest: this device (LocalGenerator) or a ring (the
-    coordinator's Ring, the head daemon). It yields token ids as they are sampled, then one
-    GenerationDone; closing the iterator early cancels the generation."""
-
-    n_ctx: int
+    """Anything that runs a GenerateRequest: this device (LocalGenerator, LocalGeneratorPool) or
+    a ring (the coordinator's Ring, the head daemon). It yields token ids as they are sampled,
+    then one GenerationDone; closing the iterator early cancels the generation. The context a
+    request may use travels in the request (GenerateRequest.n_ctx)."""
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]: ...
 
