@@ -26,6 +26,7 @@ from prima.cli.arg_types import (
     window_sizes,
 )
 from prima.cli.progress import stage
+from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -304,7 +305,11 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
     from prima.forward.loader import load_model
 
     ensure_compiled(path, on_stage=stage)
-    loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
+    threads = args.threads
+    if threads is None and args.backend == "cpu":
+        setting = tuned_setting(path, on_stage=stage)
+        threads = setting.threads if setting else None
+    loaded = load_model(path, backend=args.backend, threads=threads, mode=_mode(args))
     generator = local_generator(loaded, args.ctx, parallel=getattr(args, "parallel", 1))
     return Session(loaded, generator, generator.n_ctx, [generator.close])
 

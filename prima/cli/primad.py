@@ -27,6 +27,7 @@ import prima.kernels.thread_env  # noqa: F401
 from prima.cli.arg_types import parse_budget, positive_int
 from prima.cli.progress import stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.forward.loader import load_model
@@ -194,11 +195,15 @@ def serve(args: argparse.Namespace) -> int:
     path = store.path if store else resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
     ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
+    threads = args.threads
+    if threads is None and args.backend == "cpu" and store is None:
+        setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"))
+        threads = setting.threads if setting else None
     # Map the file and check the model; a node validates its layers only when a plan names them.
     loaded = load_model(
         path,
         backend=args.backend,
-        threads=args.threads,
+        threads=threads,
         layers=range(0),
         mode="exact" if args.exact else "q8",
     )
@@ -209,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
         budget_bytes=budget,
         max_batch_tokens=args.max_batch,
         ring_timeout_s=args.ring_timeout,
-        threads=args.threads,
+        threads=threads,
         identity=identity or "plaintext",
         bounds=daemon_limits(args),
         store=store,
