@@ -91,7 +91,8 @@ def test_tune_measures_each_candidate_once_then_reads_the_record(
     record = tmp_path / "threads.json"
     monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
     chosen, measured, fresh = tt.tune(smollm2_path, "f" * 64, cores=2)
-    assert fresh and record.exists()
+    assert fresh
+    assert record.exists()
     assert [x.setting for x in measured] == tt.candidates(2)
     assert all(x.ms_per_step > 0 for x in measured)
     assert chosen == tt.choose(measured)
