@@ -27,17 +27,25 @@ def test_choose_takes_the_fastest() -> None:
 
 def test_more_threads_only_when_faster_than_one() -> None:
     # Two threads slower than one (the AMD VM of issue 14 with sleeping workers): one thread.
-    assert tt.choose([m(1, PASSIVE, 16.0), m(2, SPIN, 17.0), m(2, PASSIVE, 30.0)]) == ThreadSetting(1, PASSIVE)
+    assert tt.choose([m(1, PASSIVE, 16.0), m(2, SPIN, 17.0), m(2, PASSIVE, 30.0)]) == ThreadSetting(
+        1, PASSIVE
+    )
 
 
 def test_ties_go_to_fewer_threads_then_to_sleeping_workers() -> None:
     assert tt.choose([m(1, PASSIVE, 10.1), m(2, SPIN, 10.0)]) == ThreadSetting(1, PASSIVE)
-    assert tt.choose([m(1, PASSIVE, 20.0), m(2, SPIN, 10.0), m(2, PASSIVE, 10.2)]) == ThreadSetting(2, PASSIVE)
+    assert tt.choose([m(1, PASSIVE, 20.0), m(2, SPIN, 10.0), m(2, PASSIVE, 10.2)]) == ThreadSetting(
+        2, PASSIVE
+    )
 
 
 def test_candidates_cover_one_thread_and_each_wait_policy() -> None:
     assert tt.candidates(1) == [ThreadSetting(1, PASSIVE)]
-    assert set(tt.candidates(4)) == {ThreadSetting(1, PASSIVE), ThreadSetting(4, SPIN), ThreadSetting(4, PASSIVE)}
+    assert set(tt.candidates(4)) == {
+        ThreadSetting(1, PASSIVE),
+        ThreadSetting(4, SPIN),
+        ThreadSetting(4, PASSIVE),
+    }
 
 
 def test_settings_name_their_environment() -> None:
@@ -64,7 +72,12 @@ def _apply_in_child(env: dict[str, str], setting: ThreadSetting) -> dict[str, st
     )
     clean = {k: v for k, v in os.environ.items() if k not in tt.WAIT_KEYS and k != "PRIMA_THREAD_ENV"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     return json.loads(out.stdout)
 
