@@ -306,9 +306,9 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
 
     ensure_compiled(path, on_stage=stage)
     threads = args.threads
-    if threads is None and args.backend == "cpu":
-        setting = tuned_setting(path, on_stage=stage)
-        threads = setting.threads if setting else None
+    if args.backend == "cpu":
+        setting = tuned_setting(path, on_stage=stage, threads=threads)
+        threads = setting.threads if setting else threads
     loaded = load_model(path, backend=args.backend, threads=threads, mode=_mode(args))
     generator = local_generator(loaded, args.ctx, parallel=getattr(args, "parallel", 1))
     return Session(loaded, generator, generator.n_ctx, [generator.close])

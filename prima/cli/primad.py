@@ -196,9 +196,9 @@ def serve(args: argparse.Namespace) -> int:
     # Before the ready line: a coordinator's calls then never wait on a compile.
     ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
     threads = args.threads
-    if threads is None and args.backend == "cpu" and store is None:
-        setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"))
-        threads = setting.threads if setting else None
+    if args.backend == "cpu" and store is None:
+        setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"), threads=threads)
+        threads = setting.threads if setting else threads
     # Map the file and check the model; a node validates its layers only when a plan names them.
     loaded = load_model(
         path,

@@ -215,12 +215,16 @@ def apply(setting: ThreadSetting) -> bool:
 
 
 def tuned_setting(
-    model_path: str | os.PathLike[str], on_stage: Callable[[str], None] | None = None
+    model_path: str | os.PathLike[str],
+    on_stage: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> ThreadSetting | None:
-    """The measured setting for this model, applied to this process (see `apply`); None when
-    PRIMA_THREAD_TUNING=off or the model cannot be read (then numba's defaults stay)."""
+    """The measured setting for this model, applied to this process (see `apply`): the fastest,
+    or with `threads` given the fastest wait policy for that many. None when there is nothing
+    to choose (one thread), PRIMA_THREAD_TUNING=off, or the model cannot be read; numba's and
+    prima's defaults then stay."""
     global _applied
-    if os.environ.get(TUNING_ENV) == "off":
+    if os.environ.get(TUNING_ENV) == "off" or threads == 1:
         return None
     from prima.model.gguf_file import GGUFFile
 
@@ -232,12 +236,15 @@ def tuned_setting(
     cores = usable_cores()
     if on_stage and load_record(record_path(fingerprint, cores)) is None:
         on_stage(f"timing decode with 1 and {cores} threads, once for this model and CPU (~10 s)")
-    setting, measured, fresh = tune(model_path, fingerprint, cores=cores)
+    chosen, measured, fresh = tune(model_path, fingerprint, cores=cores)
     if fresh and on_stage:
-        on_stage("chose " + setting.describe() + ": " + format_measurements(measured))
-    if apply(setting):
-        _applied = setting
-    return setting
+        on_stage("chose " + chosen.describe() + ": " + format_measurements(measured))
+    if threads is not None:
+        same = [m for m in measured if m.setting.threads == threads]
+        chosen = choose(same) if same else ThreadSetting(threads, PASSIVE)
+    if apply(chosen):
+        _applied = chosen
+    return chosen
 
 
 def applied() -> ThreadSetting | None:
