@@ -161,6 +161,22 @@ def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> lis
     return [a.address for a in adverts]
 
 
+REBROWSE_S = 1.0  # how long a re-plan listens for daemons that came back or joined
+
+
+def rediscover(args: argparse.Namespace, fingerprint: str | None) -> list[str]:
+    """The addresses advertised now by daemons of this model, for a re-plan after a failure:
+    a short browse whose trouble (no mDNS sockets, odd adverts) only means no extra nodes."""
+    from prima.errors import NodeError
+
+    try:
+        adverts = discovery.browse(min(args.discover_timeout, REBROWSE_S), interfaces=args.mdns_interface)
+    except NodeError as exc:
+        log.info("re-plan: no mDNS browse (%s)", exc)
+        return []
+    return [a.address for a in adverts if fingerprint is None or a.model_fingerprint == fingerprint]
+
+
 @dataclass
 class Session:
     """What a text-generating command needs: the model (tokenizer, metadata) and a Generator
@@ -281,6 +297,8 @@ def open_session(args: argparse.Namespace) -> Session:
             halda_options(args, loaded, pick_head=pick_head),
             args.rounds or 1,
             WireDType.parse(args.wire_dtype),
+            # A discovered ring browses again when it re-plans: daemons that came back join it.
+            (lambda: rediscover(args, loaded.gguf.fingerprint())) if pick_head else None,
         )
         return Session(loaded, FailoverRing(ring, spec), n_ctx, closers, ring)
     except BaseException:
