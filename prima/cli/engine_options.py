@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from prima.cli.arg_types import (
 )
 from prima.cli.progress import stage
 from prima.engine.warmup import ensure_compiled
-from prima.errors import InputError, PlanError
+from prima.errors import InputError, NodeError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
 
@@ -161,22 +162,6 @@ def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> lis
     return [a.address for a in adverts]
 
 
-REBROWSE_S = 1.0  # how long a re-plan listens for daemons that came back or joined
-
-
-def rediscover(args: argparse.Namespace, fingerprint: str | None) -> list[str]:
-    """The addresses advertised now by daemons of this model, for a re-plan after a failure:
-    a short browse whose trouble (no mDNS sockets, odd adverts) only means no extra nodes."""
-    from prima.errors import NodeError
-
-    try:
-        adverts = discovery.browse(min(args.discover_timeout, REBROWSE_S), interfaces=args.mdns_interface)
-    except NodeError as exc:
-        log.info("re-plan: no mDNS browse (%s)", exc)
-        return []
-    return [a.address for a in adverts if fingerprint is None or a.model_fingerprint == fingerprint]
-
-
 @dataclass
 class Session:
     """What a text-generating command needs: the model (tokenizer, metadata) and a Generator
@@ -298,13 +283,29 @@ def open_session(args: argparse.Namespace) -> Session:
             args.rounds or 1,
             WireDType.parse(args.wire_dtype),
             # A discovered ring browses again when it re-plans: daemons that came back join it.
-            (lambda: rediscover(args, loaded.gguf.fingerprint())) if pick_head else None,
+            _watch_adverts(args, loaded, closers) if pick_head else None,
         )
         return Session(loaded, FailoverRing(ring, spec), n_ctx, closers, ring)
     except BaseException:
         for c in reversed(closers):
             c()
         raise
+
+
+def _watch_adverts(
+    args: argparse.Namespace, loaded: ModelFiles, closers: list[Callable[[], None]]
+) -> Callable[[], list[str]] | None:
+    """For a discovered ring: the addresses of this model's daemons advertised at any moment (a
+    browse kept open until the session closes), so a re-plan also uses daemons that came back."""
+    from prima.coordinator.failover import advertised
+
+    try:
+        watch = discovery.AdvertWatch(interfaces=args.mdns_interface)
+    except NodeError as exc:
+        log.warning("%s", exc)
+        return None
+    closers.append(watch.close)
+    return partial(advertised, watch, loaded.gguf.fingerprint())
 
 
 def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:

@@ -12,7 +12,8 @@ and the caller's stream has no duplicate and no gap. The head's role moves like 
 first node of the new plan embeds and samples.
 
 The nodes planned over are those of RingSpec.addresses plus, for a ring found over mDNS, the ones
-a short browse finds now: a daemon that came back (or joined) is used from the next re-plan. When
+advertised now (a browse kept open for the ring's life): a daemon that came back at any address,
+or joined, is used from the next re-plan. When
 no plan fits the nodes left, every survivor still holding the broken plan is handed that plan
 again at a newer epoch, which ends the sessions left behind by a dead head, so none stays open.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, PlanError, PrimaError
+from prima.net import discovery
 from prima.net.client import GenerateStream, NodeClient
 from prima.net.codec import NodeStatus, WireDType
 from prima.net.liveness import Liveness, probe_nodes, wait_for
@@ -101,7 +103,7 @@ class _Replay:
 class RingSpec:
     """How to plan the ring again: every daemon it may use (including ones that left, which
     rejoin when they answer), Halda's options or the rounds of a plan made by hand, and for a
-    discovered ring `discover`, a bounded browse for the addresses answering now."""
+    discovered ring `discover`, the addresses advertised now (`advertised`)."""
 
     addresses: tuple[str, ...]
     halda: HaldaOptions | None = None
@@ -273,6 +275,11 @@ class FailoverRing:
 
     def close(self) -> None:
         self.ring.close()
+
+
+def advertised(watch: discovery.AdvertWatch, fingerprint: str) -> list[str]:
+    """The addresses `watch` has seen advertised by daemons of the model with `fingerprint`."""
+    return [a.address for a in watch.adverts() if a.model_fingerprint == fingerprint]
 
 
 def reachable_nodes(addresses: Sequence[str], timeout_s: float) -> tuple[list[NodeClient], list[NodeStatus]]:
