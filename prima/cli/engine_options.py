@@ -282,7 +282,7 @@ def open_session(args: argparse.Namespace) -> Session:
             halda_options(args, loaded, pick_head=pick_head),
             args.rounds or 1,
             WireDType.parse(args.wire_dtype),
-            # A discovered ring browses again when it re-plans: daemons that came back join it.
+            # A discovered ring keeps browsing: a re-plan also uses daemons that came back.
             _watch_adverts(args, loaded, closers) if pick_head else None,
         )
         return Session(loaded, FailoverRing(ring, spec), n_ctx, closers, ring)

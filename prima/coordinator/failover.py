@@ -13,9 +13,9 @@ first node of the new plan embeds and samples.
 
 The nodes planned over are those of RingSpec.addresses plus, for a ring found over mDNS, the ones
 advertised now (a browse kept open for the ring's life): a daemon that came back at any address,
-or joined, is used from the next re-plan. When
-no plan fits the nodes left, every survivor still holding the broken plan is handed that plan
-again at a newer epoch, which ends the sessions left behind by a dead head, so none stays open.
+or joined, is used from the next re-plan. When no plan fits the nodes left, every survivor still
+holding the broken plan is handed that plan again at a newer epoch, which ends the sessions left
+behind by a dead head, so none stays open.
 """
 
 from __future__ import annotations
@@ -220,10 +220,12 @@ class FailoverRing:
             raise PlanError(f"none of the daemons ({', '.join(addresses)}) answers; restart primad on them")
         old = self.ring.plan
         holding = {c.address for c, i in zip(clients, infos, strict=True) if i.plan_epoch == old.epoch}
+        if {c.address for c in self.ring.clients} <= holding:
+            for c in clients:
+                c.close()
+            raise PlanError("every node of the ring still answers with its plan, so no node left")
         members: list[NodeClient] = []
         try:
-            if {c.address for c in self.ring.clients} <= holding:
-                raise PlanError("every node of the ring still answers with its plan, so no node left")
             check_same_model([c.address for c in clients], infos)
             epoch = max(max(i.plan_epoch for i in infos), old.epoch) + 1
             plan, devices = self._plan(clients, infos, epoch)
