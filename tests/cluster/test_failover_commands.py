@@ -1,6 +1,8 @@
 """The commands keep going when a node dies mid-reply: `prima chat` on named daemons keeps the
-conversation (each reply equals the same chat on one device), and `prima serve` hands the HTTP
-client one uninterrupted stream whose text equals a failure-free completion."""
+conversation (each reply equals the same chat on one device), `prima run --logits-out` on the
+nodes left loses its head and still prints llama.cpp's greedy text and writes llama.cpp's prompt
+logits, and `prima serve` hands the HTTP client one uninterrupted stream whose text equals a
+failure-free completion."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 
@@ -32,10 +36,11 @@ KILL_AFTER_PIECES = 5
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 120.0
+F32_TOLERANCE = 1e-3  # tests/model/test_transformer.py's bound for SmolLM2's float32 logits
 
 
 class KillingTerminal(io.StringIO):
-    """The chat's stdout: after `after` pieces of text have been shown, `kill` runs once."""
+    """A command's stdout: after `after` pieces of text have been shown, `kill` runs once."""
 
     def __init__(self, after: int, kill: Callable[[], None]) -> None:
         super().__init__()
@@ -64,11 +69,14 @@ def three_nodes(smollm2_path: Path, ring_logs: Path) -> Iterator[LocalRing]:
     yield from start_ring(3, smollm2_path, ring_logs / "chat")
 
 
-def test_chat_keeps_the_conversation_across_a_killed_node(
+def test_chat_then_run_carry_on_across_killed_nodes(
     three_nodes: LocalRing,
     smollm2_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    oracle: Callable[[str], dict[str, Any]],
+    oracle_dir: Path,
+    tmp_path: Path,
 ) -> None:
     alone = _chat(monkeypatch, io.StringIO(), smollm2_path, "--local")
     nodes = ",".join(three_nodes.addresses)
@@ -79,6 +87,27 @@ def test_chat_keeps_the_conversation_across_a_killed_node(
     assert any("recovered after" in r.getMessage() for r in caplog.records)
     assert on_ring == alone
     assert len(alone.strip().split("\n")) == 2  # two replies, the second after the failover
+
+    # prima run on the two nodes left loses its head mid-generation; the last node carries on.
+    case = next(p for p in oracle("smollm2-135m")["prompts"] if p["name"] == "capital")
+    logits_file = tmp_path / "logits.npy"
+    terminal = KillingTerminal(KILL_AFTER_PIECES, lambda: three_nodes.kill(0))
+    monkeypatch.setattr(sys, "stdout", terminal)
+    argv = [
+        "run",
+        "-m",
+        str(smollm2_path),
+        "--nodes",
+        ",".join(three_nodes.addresses[:2]),
+        "--windows",
+        "15,15",
+    ]
+    argv += ["-p", case["text"], "-n", "24", "--temp", "0", "--ctx", "512", "--logits-out", str(logits_file)]
+    assert main(argv) == 0
+    assert terminal.kill is None
+    assert terminal.getvalue() == case["f32"]["greedy_text"] + "\n"
+    want = np.load(oracle_dir / case["f32"]["logits_file"])
+    assert np.abs(np.load(logits_file) - want).max() <= F32_TOLERANCE
 
 
 def _serve(model: Path) -> tuple[subprocess.Popen[str], queue.Queue[str | None]]:
