@@ -120,7 +120,7 @@ def test_long_prefill_on_busy_nodes_is_not_a_failure(three_nodes: LocalRing, smo
     """Big micro-batches of a long prompt keep each node computing for long stretches, during
     which no token comes: this side probes the head every 0.2 s, and the head its followers
     whenever a second passes, and every probe must be answered in time."""
-    text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 24)
+    text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 16)
     ids = prompt_ids(load_model(smollm2_path, layers=range(0)).tokenizer, text)
     loaded = load_model(smollm2_path, mode="exact")
     engine = LocalEngine(loaded.model, n_ctx=N_CTX, ubatch=BIG_UBATCH)
