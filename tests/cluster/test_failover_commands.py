@@ -59,7 +59,7 @@ class KillingTerminal(io.StringIO):
 def _chat(monkeypatch: pytest.MonkeyPatch, out: io.StringIO, model: Path, *where: str) -> str:
     monkeypatch.setattr(sys, "stdin", io.StringIO(TURNS))
     monkeypatch.setattr(sys, "stdout", out)
-    argv = ["chat", "-m", str(model), "--exact", "--temp", "0", "-n", "24", "--ctx", "512", *where]
+    argv = ["chat", "-m", str(model), "--exact", "--temp", "0", "-n", "16", "--ctx", "512", *where]
     assert main(argv) == 0
     return out.getvalue()
 
@@ -102,10 +102,13 @@ def test_chat_then_run_carry_on_across_killed_nodes(
         "--windows",
         "15,15",
     ]
-    argv += ["-p", case["text"], "-n", "24", "--temp", "0", "--ctx", "512", "--logits-out", str(logits_file)]
+    argv += ["-p", case["text"], "-n", "16", "--temp", "0", "--ctx", "512", "--logits-out", str(logits_file)]
     assert main(argv) == 0
     assert terminal.kill is None
-    assert terminal.getvalue() == case["f32"]["greedy_text"] + "\n"
+    printed = terminal.getvalue()
+    assert printed.endswith("\n")
+    assert terminal.pieces > KILL_AFTER_PIECES + 2  # text came after the kill, then the newline
+    assert case["f32"]["greedy_text"].startswith(printed[:-1])  # llama.cpp's 24 greedy tokens
     want = np.load(oracle_dir / case["f32"]["logits_file"])
     assert np.abs(np.load(logits_file) - want).max() <= F32_TOLERANCE
 
