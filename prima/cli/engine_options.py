@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from prima.cli.arg_types import (
 from prima.cli.progress import stage
 from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
-from prima.errors import InputError, PlanError
+from prima.errors import InputError, NodeError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
 
@@ -282,12 +283,30 @@ def open_session(args: argparse.Namespace) -> Session:
             halda_options(args, loaded, pick_head=pick_head),
             args.rounds or 1,
             WireDType.parse(args.wire_dtype),
+            # A discovered ring keeps browsing: a re-plan also uses daemons that came back.
+            _watch_adverts(args, loaded, closers) if pick_head else None,
         )
         return Session(loaded, FailoverRing(ring, spec), n_ctx, closers, ring)
     except BaseException:
         for c in reversed(closers):
             c()
         raise
+
+
+def _watch_adverts(
+    args: argparse.Namespace, loaded: ModelFiles, closers: list[Callable[[], None]]
+) -> Callable[[], list[str]] | None:
+    """For a discovered ring: the addresses of this model's daemons advertised at any moment (a
+    browse kept open until the session closes), so a re-plan also uses daemons that came back."""
+    from prima.coordinator.failover import advertised
+
+    try:
+        watch = discovery.AdvertWatch(interfaces=args.mdns_interface)
+    except NodeError as exc:
+        log.warning("%s", exc)
+        return None
+    closers.append(watch.close)
+    return partial(advertised, watch, loaded.gguf.fingerprint())
 
 
 def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:

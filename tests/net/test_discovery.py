@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -197,6 +198,29 @@ def test_browse_forgets_a_closed_advertiser(service_type: str) -> None:
         second = discovery.browse(1.5, interfaces=LOOPBACK, service_type=service_type)
     assert [a.node_id for a in first] == ["leaves", "stays"]
     assert [a.node_id for a in second] == ["stays"]
+
+
+def _seen(watch: discovery.AdvertWatch, want: set[str], timeout_s: float = 10.0) -> set[str]:
+    """The node ids `watch` holds once they are `want` (or when `timeout_s` has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while (ids := {a.node_id for a in watch.adverts()}) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ids
+
+
+def test_watch_sees_daemons_come_and_go_while_it_is_open(service_type: str) -> None:
+    watch = discovery.AdvertWatch(interfaces=LOOPBACK, service_type=service_type)
+    try:
+        assert watch.adverts() == []
+        with advertising([_advert("early", 17620)], service_type):
+            assert _seen(watch, {"early"}) == {"early"}
+            # One that starts while the watch is open announces itself and is seen too.
+            with advertising([_advert("late", 17621)], service_type):
+                assert _seen(watch, {"early", "late"}) == {"early", "late"}
+            assert _seen(watch, {"early"}) == {"early"}  # its goodbye removes it
+    finally:
+        watch.close()
+    watch.close()  # twice is fine
 
 
 def test_browse_sees_both_daemons_sharing_an_id(service_type: str) -> None:
