@@ -40,14 +40,27 @@ _TIE_RELATIVE = 1e-9
 
 @dataclass(frozen=True)
 class Assignment:
-    """The solution of one integer program: the chosen devices (indices into the input, head
-    first), their window sizes and accelerator layers, and the predicted ms per token."""
+    """The best plan for one k: the chosen devices (indices into the input, head first), their
+    window sizes and accelerator layers, the predicted ms per token, and how many layers the
+    members must fetch because they do not hold them."""
 
     rounds: int
     members: tuple[int, ...]
     window_sizes: tuple[int, ...]
     accel_layers: tuple[int, ...]
     ms_per_token: float
+    fetched_layers: int = 0
+
+    def beats(self, other: Assignment | None) -> bool:
+        """Faster; or as fast (within _TIE_RELATIVE) and fetching less; or equal in both and
+        with fewer rounds."""
+        if other is None:
+            return True
+        if self.ms_per_token < other.ms_per_token * (1 - _TIE_RELATIVE):
+            return True
+        if self.ms_per_token > other.ms_per_token * (1 + _TIE_RELATIVE):
+            return False
+        return (self.fetched_layers, self.rounds) < (other.fetched_layers, other.rounds)
 
 
 @dataclass(frozen=True)
@@ -138,9 +151,9 @@ def best_assignment(
     costs: Sequence[DeviceCost], n_layers: int, *, max_rounds: int | None = None
 ) -> Assignment | None:
     """The fastest assignment over every k dividing `n_layers` (up to `max_rounds`), or None;
-    equal plans prefer fewer rounds."""
+    of equally fast plans, the one fetching fewest layers, then the one with fewer rounds."""
     ks = [k for k in divisors(n_layers) if max_rounds is None or k <= max_rounds]
-    coef = Coefficients.of(costs)
+    coef = Coefficients.of(costs, n_layers)
     # A bound from the coefficients alone orders the k: the likely best is searched first, and
     # its time then cuts the others short or rules them out before any search.
     bounds = sorted((_cheap_bound(costs, n_layers, k), k) for k in ks)
@@ -148,13 +161,14 @@ def best_assignment(
     for bound, k in bounds:
         cutoff = math.inf
         if best is not None:
-            # Only a better plan, or an equal one with fewer rounds, replaces the incumbent.
-            tie = (1 + _TIE_RELATIVE) if k < best.rounds else (1 - _TIE_RELATIVE)
-            cutoff = best.ms_per_token * tie
+            # Only a plan that beats the incumbent can replace it: one as fast may, if the
+            # incumbent fetches layers or has more rounds.
+            tie = best.fetched_layers > 0 or k < best.rounds
+            cutoff = best.ms_per_token * ((1 + _TIE_RELATIVE) if tie else (1 - _TIE_RELATIVE))
             if bound >= cutoff:
                 continue
         found = solve_rounds(costs, n_layers, k, cutoff_ms=cutoff, coef=coef)
-        if found is not None and found.ms_per_token < cutoff:
+        if found is not None and found.beats(best):
             best = found
     return best
 
@@ -190,7 +204,7 @@ def solve_rounds(
     """The fastest assignment for a fixed k = `rounds`. Returns None when nothing fits or
     nothing beats `cutoff_ms`."""
     k = rounds
-    found = search(coef or Coefficients.of(costs), k, n_layers // k, cutoff_ms)
+    found = search(coef or Coefficients.of(costs, n_layers), k, n_layers // k, cutoff_ms)
     if found is None:
         return None
     members = tuple(m for m, w in enumerate(found.window_sizes) if w > 0)
@@ -199,7 +213,7 @@ def solve_rounds(
     # Score the answer with the cost model itself, so the plan's prediction is the model's.
     ms = ring_time_ms([costs[m] for m in members], k, windows, accel)
     assert math.isfinite(ms), (k, windows, accel)
-    return Assignment(k, members, windows, accel, ms)
+    return Assignment(k, members, windows, accel, ms, found.fetched_layers)
 
 
 def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m: int) -> str:

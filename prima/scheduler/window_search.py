@@ -15,6 +15,7 @@ numba runs the loops, which in Python would take seconds at 32 devices.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ import prima.kernels  # noqa: F401  (points numba's cache at prima's before anyt
 from prima.scheduler.cost_model import DeviceCost
 
 INF = math.inf
+# Times this close (relative) are equal: sums of the same terms in another order differ by ulps,
+# and then the plan that fetches less wins.
+TIE = 1e-12
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Found:
     window_sizes: tuple[int, ...]
     accel_layers: tuple[int, ...]
     ms_per_token: float
+    fetched_layers: int  # layers the devices must fetch for it, all together
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,12 @@ class Coefficients:
     accel_budget_bytes: np.ndarray
     accel_shares_ram: np.ndarray
     fixed_ms: float
+    missing_before: np.ndarray  # [m, i]: layers below i that device m does not hold
+    fetch_room: np.ndarray  # layers device m may fetch (a large number without a disk budget)
+    any_partial: bool
 
     @classmethod
-    def of(cls, costs: Sequence[DeviceCost]) -> Coefficients:
+    def of(cls, costs: Sequence[DeviceCost], n_layers: int) -> Coefficients:
         def f64(name: str) -> np.ndarray:
             return np.array([getattr(c, name) for c in costs], dtype=np.float64)
 
@@ -74,6 +82,11 @@ class Coefficients:
             i64("accel_budget_bytes"),
             np.array([c.accel_shares_ram for c in costs], dtype=np.bool_),
             float(costs[0].fixed_ms),
+            np.array([_missing_before(c, n_layers) for c in costs], dtype=np.int64),
+            np.array(
+                [c.fetch_room_layers if c.fetch_room_layers >= 0 else n_layers for c in costs], dtype=np.int64
+            ),
+            any(c.held_layers is not None for c in costs),
         )
 
     def arrays(self) -> tuple[np.ndarray, ...]:
@@ -91,6 +104,12 @@ class Coefficients:
         )
 
 
+def _missing_before(cost: DeviceCost, n_layers: int) -> list[int]:
+    held = cost.held_layers
+    missing = [0 if held is None or i in held else 1 for i in range(n_layers)]
+    return [0, *itertools.accumulate(missing)]
+
+
 def option_tables(
     coef: Coefficients, rounds: int, per_round: int, *, sends: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -101,19 +120,27 @@ def option_tables(
 
 def search(coef: Coefficients, rounds: int, per_round: int, cutoff_ms: float = INF) -> Found | None:
     """The fastest assignment of `per_round` layers per round for k = `rounds`, or None when
-    nothing fits or nothing is faster than `cutoff_ms`."""
+    nothing fits or nothing is faster than `cutoff_ms`. Of plans equally fast (within rounding)
+    that the search meets, the one fetching fewest layers wins."""
     path, disk = _tables(*coef.arrays(), rounds, per_round, True)
-    best, windows, accel = _search_ring(path, disk, coef.fixed_ms, cutoff_ms)
+    fetch = (coef.missing_before, coef.fetch_room, rounds, coef.any_partial)
+    best, fetched, windows, accel = _search_ring(path, disk, *fetch, coef.fixed_ms, cutoff_ms)
     head = tuple(x[:1] for x in coef.arrays())
     alone_path, alone_disk = _tables(*head, rounds, per_round, False)
     alone, n_alone = _alone(alone_path[0, per_round], alone_disk[0, per_round], coef.fixed_ms)
-    if alone <= best and alone < cutoff_ms:  # on a tie the lone head wins: no hop to make
+    alone_fetched = _fetched(coef.missing_before, 0, 0, per_round, per_round, rounds)
+    if alone_fetched > coef.fetch_room[0]:
+        alone = INF
+    # On a tie the lone head wins (no hop to make) unless it would fetch more.
+    if alone < cutoff_ms and (
+        alone < best * (1 - TIE) or (alone <= best * (1 + TIE) and alone_fetched <= fetched)
+    ):
         windows = np.zeros(len(coef.cpu_ms), dtype=np.int64)
         accel = np.zeros(len(coef.cpu_ms), dtype=np.int64)
-        windows[0], accel[0], best = per_round, n_alone, alone
+        windows[0], accel[0], best, fetched = per_round, n_alone, alone, alone_fetched
     if not best < cutoff_ms:
         return None
-    return Found(tuple(int(w) for w in windows), tuple(int(n) for n in accel), float(best))
+    return Found(tuple(int(w) for w in windows), tuple(int(n) for n in accel), float(best), int(fetched))
 
 
 @njit(cache=True)
@@ -156,70 +183,115 @@ def _alone(path, disk, fixed_ms):
 
 
 @njit(cache=True)
-def _cheapest_trip(path, disk, tau):
+def _fetched(missing_before, m, offset, window, per_round, rounds):
+    """Layers device m lacks in its windows at `offset` of every round."""
+    n = 0
+    for r in range(rounds):
+        at = r * per_round + offset
+        n += missing_before[m, at + window] - missing_before[m, at]
+    return n
+
+
+@njit(cache=True)
+def _better(t, x, best_t, best_x):
+    """(time, fetched) beats the best so far: clearly faster, or as fast and fetching less."""
+    if not t < np.inf:
+        return False
+    return t < best_t * (1 - TIE) or (t <= best_t * (1 + TIE) and x < best_x)
+
+
+@njit(cache=True)
+def _cheapest_trip(path, disk, missing_before, fetch_room, rounds, any_partial, tau):
     """F(tau) without kappa: the least sum of path over assignments whose streaming options all
-    have own time <= tau; returns (trip, largest own time used, windows, accelerator layers)."""
+    have own time <= tau and whose fetches fit each disk budget (ties: the fewest layers
+    fetched). Returns (trip, layers fetched, largest own time used, windows, accelerator layers).
+
+    Windows lie in plan order, the head's last in each round, so the program runs over the
+    other devices first with state "layers of the round given out so far" (the next window's
+    offset), then closes with the head."""
     m_count, size = path.shape[0], path.shape[1]
     per_round = size - 1
     # Each device's cheapest allowed option per window size.
     best = np.full((m_count, size), np.inf)
     best_n = np.zeros((m_count, size), dtype=np.int64)
     for m in range(m_count):
-        best[m, 0] = 0.0 if m > 0 else np.inf  # the head always computes
         for w in range(1, size):
             for n in range(w + 1):
                 p = path[m, w, n]
                 if p < best[m, w] and (disk[m, w, n] == 0.0 or disk[m, w, n] + p <= tau):
                     best[m, w], best_n[m, w] = p, n
-    # dp[l]: the cheapest trip giving l layers to devices 0..m; choice[m, l] the window of m.
-    dp = best[0].copy()
+    dp = np.full(size, np.inf)
+    dp_x = np.zeros(size, dtype=np.int64)
+    dp[0] = 0.0
     choice = np.zeros((m_count, size), dtype=np.int64)
-    for w in range(size):
-        choice[0, w] = w
     for m in range(1, m_count):
         new = dp.copy()  # w = 0: m stays out
-        for total in range(1, size):
+        new_x = dp_x.copy()
+        for total in range(1, per_round):  # the head takes at least one layer
             for w in range(1, total + 1):
-                t = dp[total - w] + best[m, w]
-                if t < new[total]:
-                    new[total], choice[m, total] = t, w
-        dp = new
+                at = total - w
+                t = dp[at] + best[m, w]
+                if not t < np.inf:
+                    continue
+                f = _fetched(missing_before, m, at, w, per_round, rounds) if any_partial else 0
+                if f > fetch_room[m]:
+                    continue
+                if _better(t, dp_x[at] + f, new[total], new_x[total]):
+                    new[total], new_x[total], choice[m, total] = t, dp_x[at] + f, w
+        dp, dp_x = new, new_x
+    trip, fetched, head_w = np.inf, 0, 0
+    for w in range(1, size):
+        at = per_round - w
+        t = dp[at] + best[0, w]
+        if not t < np.inf:
+            continue
+        f = _fetched(missing_before, 0, at, w, per_round, rounds) if any_partial else 0
+        if f <= fetch_room[0] and _better(t, dp_x[at] + f, trip, fetched):
+            trip, fetched, head_w = t, dp_x[at] + f, w
     windows = np.zeros(m_count, dtype=np.int64)
     accel = np.zeros(m_count, dtype=np.int64)
     own = -1.0
-    if not dp[per_round] < np.inf:
-        return np.inf, own, windows, accel
-    left = per_round
-    for m in range(m_count - 1, -1, -1):
-        w = choice[m, left]
-        windows[m] = w
+    if not trip < np.inf:
+        return np.inf, 0, own, windows, accel
+    windows[0] = head_w
+    left = per_round - head_w
+    for m in range(m_count - 1, 0, -1):
+        windows[m] = choice[m, left]
+        left -= windows[m]
+    for m in range(m_count):
+        w = windows[m]
         if w > 0:
             n = best_n[m, w]
             accel[m] = n
             if disk[m, w, n] > 0.0:
                 own = max(own, disk[m, w, n] + path[m, w, n])
-        left -= w
-    return dp[per_round], own, windows, accel
+    return trip, fetched, own, windows, accel
 
 
 @njit(cache=True)
-def _search_ring(path, disk, fixed_ms, cutoff):
+def _search_ring(path, disk, missing_before, fetch_room, rounds, any_partial, fixed_ms, cutoff):
     """min over tau of max(tau, kappa + F(tau)) below `cutoff`, bisecting on the options' own
     times: each step either proves every larger tau worse (F(tau) fits under tau) or every
-    smaller one (F(tau) is above tau, and F only grows as tau falls)."""
+    smaller one (F(tau) is above tau, and F only grows as tau falls). Returns (T, layers
+    fetched, windows, accelerator layers); T is inf when nothing beats `cutoff`."""
     m_count = path.shape[0]
     windows = np.zeros(m_count, dtype=np.int64)
     accel = np.zeros(m_count, dtype=np.int64)
-    best = cutoff
+    chosen, chosen_x = np.inf, 0
+    bound = cutoff  # the least T seen: thresholds at or above it cannot help
     # The incumbent bounds first: the trip with no limit on own times is a lower bound on T.
-    trip, own, w0, n0 = _cheapest_trip(path, disk, np.inf)
+    trip, x, own, w_t, n_t = _cheapest_trip(
+        path, disk, missing_before, fetch_room, rounds, any_partial, np.inf
+    )
     trip += fixed_ms
-    if not trip < best:
-        return best, windows, accel
-    if max(trip, own) < best:
-        best, windows, accel = max(trip, own), w0, n0
+    if not trip < bound:
+        return chosen, chosen_x, windows, accel
+    g = max(trip, own)
+    if g < cutoff:
+        chosen, chosen_x, windows, accel = g, x, w_t, n_t
+        bound = min(bound, g)
     if own <= trip:
-        return best, windows, accel
+        return chosen, chosen_x, windows, accel
     # Thresholds worth trying: "no streaming at all" (-1) and every streaming option's own time.
     taus = np.empty(path.size + 1)
     taus[0] = -1.0
@@ -233,14 +305,18 @@ def _search_ring(path, disk, fixed_ms, cutoff):
     taus = taus[:i]
     lo = -np.inf
     while True:
-        taus = taus[(taus > lo) & (taus < best)]
+        taus = taus[(taus > lo) & (taus < bound)]
         if taus.size == 0:
-            return best, windows, accel
+            return chosen, chosen_x, windows, accel
         tau = np.partition(taus, taus.size // 2)[taus.size // 2]
-        trip, own, w_t, n_t = _cheapest_trip(path, disk, tau)
+        trip, x, own, w_t, n_t = _cheapest_trip(
+            path, disk, missing_before, fetch_room, rounds, any_partial, tau
+        )
         trip += fixed_ms
-        if max(trip, own) < best:
-            best, windows, accel = max(trip, own), w_t, n_t
+        g = max(trip, own)
+        if g < cutoff and _better(g, x, chosen, chosen_x):
+            chosen, chosen_x, windows, accel = g, x, w_t, n_t
+        bound = min(bound, g)
         if trip > tau:
             lo = tau  # every smaller tau has a trip at least this long
-        # else best <= max(trip, own) <= tau now: every larger tau is worse
+        # else bound <= max(trip, own) <= tau now: every larger tau is worse
