@@ -39,6 +39,7 @@ log = logging.getLogger("prima.scheduler")
 KernelBench = Callable[[str], float]
 MiB = 1 << 20
 DEFAULT_PROBE_DIR = paths.cache_root()
+SCRATCH_BYTES = 64 * MiB  # at most this much is written for the disk probe
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,12 @@ def measure_disk_read(
     in another thread. Stops after `max_seconds`. A short cold read alone overstated this: the
     unthrottled streaming ring of docs/performance.md ran 32% slower than planned from it.
     Without a path, or when the file is sparse (a node that fetched only its layers holds holes,
-    which read as zeros without touching the disk), a scratch file is written in `scratch_dir`
-    (not /tmp, which is often RAM-backed)."""
+    which read as zeros without touching the disk), a scratch file of at most SCRATCH_BYTES is
+    written in `scratch_dir` (not /tmp, which is often RAM-backed)."""
     if path is not None and _fully_allocated(Path(path)):
         return _timed_stream(Path(path), n_bytes, piece_bytes, max_seconds, load)
+    # Writing the scratch file costs as much as reading it, and more on a busy disk.
+    n_bytes = min(n_bytes, SCRATCH_BYTES)
     scratch_dir.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="disk-probe-", dir=scratch_dir)
     try:
