@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from prima.coordinator.local_ring import LocalRing
-from prima.coordinator.planner import HaldaOptions
+from prima.coordinator.planner import ClusterView, HaldaOptions
 from prima.coordinator.ring import Ring
 from prima.errors import PrimaError
 from prima.model.gguf_file import GGUFFile
@@ -55,8 +55,15 @@ def test_a_follower_keeps_to_its_disk_budget(smollm2_path: Path, tmp_path: Path,
             assert SparseFile.open(follower_file).held_bytes() == found.held_bytes
 
             # Halda plans the same two daemons within the budget, and the follower takes it on.
-            ring = Ring.connect(addresses, halda=HaldaOptions(model))
+            views: list[ClusterView] = []
+            ring = Ring.connect(addresses, halda=HaldaOptions(model), on_plan=views.append)
             try:
+                # The estimate came before the load: the follower fetches every layer it is given.
+                (view,) = views
+                assert view.plan == ring.plan
+                for node, transfer in zip(ring.plan.nodes, view.transfers.nodes, strict=True):
+                    fetched = len(transfer.layers)
+                    assert fetched == (node.n_layers if node.node_id == "follower" else 0)
                 held = SparseFile.open(follower_file).held_bytes()
                 assert held <= BUDGET
                 room = (BUDGET - found.held_bytes) // model.layer_bytes
