@@ -19,6 +19,7 @@ is exact under the cost model; the tests check it against brute force.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -26,7 +27,13 @@ from dataclasses import dataclass
 
 from prima.errors import PlanError
 from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
-from prima.scheduler.cost_model import DeviceCost, pinned_layers, ring_costs, ring_time_ms
+from prima.scheduler.cost_model import (
+    DeviceCost,
+    fetch_room_layers,
+    pinned_layers,
+    ring_costs,
+    ring_time_ms,
+)
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.window_search import Coefficients, search
 
@@ -248,6 +255,19 @@ def _no_fit_message(
         return (
             f"the head {devices[0].node_id} has no CPU throughput for this model's formats; "
             "re-run `prima profile` on it"
+        )
+    budgeted = [d for d, c in zip(devices, costs, strict=True) if c.fetch_room_layers >= 0]
+    unbounded = [dataclasses.replace(c, fetch_room_layers=-1) for c in costs]
+    if budgeted and best_assignment(unbounded, model.n_layers) is not None:
+        rooms = ", ".join(
+            f"{d.node_id} {fetch_room_layers(d, model, is_head=i == 0)} layer(s)"
+            for i, d in enumerate(devices)
+            if d in budgeted
+        )
+        return (
+            f"no assignment of {model.n_layers} layers fits the disk budgets: the devices would have to "
+            f"fetch layers they lack and have room for only {rooms} more; raise a --disk-budget, free "
+            "room on one, or start a primad holding the whole model file"
         )
     need = model.n_layers * costs[0].layer_ram_bytes + costs[0].fixed_bytes
     have = sum(

@@ -200,3 +200,19 @@ def test_halda_keeps_a_device_within_its_disk_budget(make_device, make_model):
     assert {n.node_id: n.n_layers for n in roomy.nodes}["fast"] > 2
     assert {n.node_id: n.n_layers for n in plan.nodes} == {"head": 10, "fast": 2}
     assert plan.predicted_ms_per_token > roomy.predicted_ms_per_token
+
+
+def test_halda_says_when_disk_budgets_are_what_does_not_fit(make_device, make_model):
+    """The head also needs room for the embedding and output head (128 MiB here) it lacks."""
+    model = make_model(n_layers=8, layer_mib=100)
+    empty = {
+        "held_layers": (),
+        "holds_head_tensors": False,
+        "held_bytes": 0,
+        "disk_budget_bytes": 3 * model.layer_bytes,
+    }
+    devices = [dataclasses.replace(make_device(name), **empty) for name in ("a", "b")]
+    with pytest.raises(
+        PlanError, match=r"fits the disk budgets.*a 1 layer\(s\), b 3 layer\(s\).*--disk-budget"
+    ):
+        halda.solve(devices, model)
