@@ -9,6 +9,11 @@ themselves, and it falls as tau rises, so a bisection over those values (median 
 log2 of their number of dynamic programs. A device that does not stream has own time = its part
 of the trip <= the trip, so only streaming options give thresholds.
 
+Devices that hold only some layers: which layers a window covers depends on its offset in the
+round, the program's state, so the layers a device would fetch are known at each step; a step
+past its disk budget is not taken, and the program carries the layers fetched as a tie-break
+beside the trip (docs/halda.md, "What devices hold").
+
 The per-option times mirror `cost_model.device_time` exactly (the tests compare every entry);
 numba runs the loops, which in Python would take seconds at 32 devices.
 """
