@@ -7,7 +7,10 @@ found exactly; the best k wins. The objective (docs/halda.md has the derivation)
                        max_m d_m y_m + k (a_m w_m + b_m n_m + c_m) )        each device's own time
     subject to  sum_m w_m = W, each device's layers fitting its memory (resident, or streaming:
                 pinning what fits and rereading y_m layers per token), n_m <= w_m accelerator
-                layers fitting its accelerator memory, the head always in the ring.
+                layers fitting its accelerator memory, the layers it lacks fitting its disk
+                budget, the head always in the ring.
+    of equally fast plans: the fewest layers fetched (devices that hold only some), then the
+    fewest rounds.
 
 The trip is a sum over devices and each own time depends on one device alone, so for a bound
 tau on the own times the cheapest trip is a knapsack over devices, solved by dynamic program;
