@@ -241,6 +241,12 @@ def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m
             f"cannot hold a layer in {k} round(s): a layer with its KV cache needs "
             f"{c.layer_ram_bytes / MiB:.0f} MiB, it has {c.ram_budget_bytes / MiB:.0f} MiB free{disk}"
         )
+    if c.fetch_room_layers == 0 and c.held_layers is not None and len(c.held_layers) < n_layers:
+        held = ", ".join(map(str, sorted(c.held_layers))) or "none"
+        return (
+            f"its --disk-budget leaves no room to fetch a layer, and the layers it holds ({held}) "
+            "are not where a window of the best plan lies; raise its --disk-budget or free room on it"
+        )
     per_layer = c.cpu_ms_per_layer + min(c.accel_delta_ms_per_layer, 0.0)
     members = [costs[i] for i in best.members]
     hops = k * sum(x.hop_ms for x in members) if len(members) > 1 else 0.0

@@ -216,3 +216,15 @@ def test_halda_says_when_disk_budgets_are_what_does_not_fit(make_device, make_mo
         PlanError, match=r"fits the disk budgets.*a 1 layer\(s\), b 3 layer\(s\).*--disk-budget"
     ):
         halda.solve(devices, model)
+
+
+def test_halda_says_when_a_disk_budget_keeps_a_device_out(make_device, make_model):
+    """Without the file and with no room to fetch a layer, a fast device cannot help."""
+    model = make_model(n_layers=12, layer_mib=100)
+    full = dataclasses.replace(
+        make_device("full", gflops=80.0), held_layers=(), held_bytes=0, disk_budget_bytes=1
+    )
+    plan = halda.solve([make_device("head", ram_gib=4.0), full], model)
+    assert [n.node_id for n in plan.nodes] == ["head"]
+    (dropped,) = plan.dropped
+    assert dropped.reason.startswith("its --disk-budget leaves no room to fetch a layer")
