@@ -36,7 +36,7 @@ from prima.net import discovery
 # The engines, the ring and the model code (numba, grpc) load when a session opens, not when
 # the flags are declared: `--help` stays fast.
 if TYPE_CHECKING:
-    from prima.coordinator.planner import HaldaOptions
+    from prima.coordinator.planner import ClusterView, HaldaOptions
     from prima.coordinator.ring import Ring
     from prima.engine.generate import GenerateRequest, GenerationResult, Generator, TextDecoder
     from prima.engine.sampling import SamplerConfig
@@ -357,7 +357,14 @@ def connect_ring(
         wire_dtype=WireDType.parse(args.wire_dtype),
         halda=halda,
         skip_untrusted=skip_untrusted,
+        on_plan=_report_transfers,
     )
+
+
+def _report_transfers(view: ClusterView) -> None:
+    """Before a plan that makes nodes fetch layers is loaded: how much, and how long."""
+    if view.transfers.n_bytes:
+        stage(view.transfers.describe())
 
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
-from prima.cli.arg_types import parse_budget, positive_int
+from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.thread_tuning import tuned_setting
@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a primad holding the whole model: with no (or a partial) file at --model, fetch from "
         "it the header now and, when a plan arrives, only the bytes of this node's windows, into a "
         "sparse file at --model (a path, or a model name's place in the cache)",
+    )
+    p.add_argument(
+        "--disk-budget",
+        default="0",
+        metavar="SIZE",
+        help="most of the model file this node may hold, such as 20G, when it fetches its layers "
+        "(--fetch-from); Halda plans within it and a plan past it is refused (default 0: no cap)",
     )
     p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
     p.add_argument(
@@ -190,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
+    disk_budget = parse_disk_budget(args.disk_budget)
     identity = load_node_identity(args)
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
@@ -219,6 +227,7 @@ def serve(args: argparse.Namespace) -> int:
         bounds=daemon_limits(args),
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
+        disk_budget_bytes=disk_budget,
     )
     server, port = start_server(runtime, args.host, args.port, identity=identity)
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)

@@ -5,7 +5,7 @@ It tokenizes and detokenizes; the layers never run here."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError, UntrustedNodeError
@@ -14,7 +14,7 @@ from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
-from .planner import HaldaOptions, plan_ring
+from .planner import ClusterView, HaldaOptions, plan_ring
 
 log = logging.getLogger("prima.coordinator")
 
@@ -43,12 +43,14 @@ class Ring:
         timeout_s: float = 10.0,
         halda: HaldaOptions | None = None,
         skip_untrusted: bool = False,
+        on_plan: Callable[[ClusterView], None] | None = None,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
         `window_sizes`), else `window_sizes` (an even split if None) over `rounds`. Nodes that
         Halda leaves out are not part of the ring. With `skip_untrusted` (addresses found over
-        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too."""
+        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too.
+        `on_plan` sees Halda's plan before it is loaded (loading it may fetch layers first)."""
         if not addresses:
             raise PlanError("no nodes given; pass --nodes host:port,... or --local-ring N")
         clients, infos = connect_nodes(addresses, timeout_s=timeout_s, skip_untrusted=skip_untrusted)
@@ -57,6 +59,8 @@ class Ring:
             epoch = max(info.plan_epoch for info in infos) + 1
             if halda is not None and not window_sizes:
                 view = plan_ring(clients, halda, epoch=epoch)
+                if on_plan is not None:
+                    on_plan(view)
                 by_address = {c.address: c for c in clients}
                 members = [by_address[n.address] for n in view.plan.nodes]
                 for c in clients:

@@ -63,6 +63,7 @@ class NodeRuntime:
         bounds: DaemonLimits | None = None,
         store: SparseFile | None = None,
         fetch_from: tuple[str, ...] = (),
+        disk_budget_bytes: int = 0,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -79,7 +80,8 @@ class NodeRuntime:
         self.fingerprint = loaded.gguf.fingerprint()
         # The model file, whole or holding only some windows' bytes (fetched at LoadPlan).
         self.store = store or SparseFile.open(loaded.path, self.fingerprint)
-        self.fetcher = WindowFetcher(self.store, identity, fetch_from)
+        self.disk_budget_bytes = disk_budget_bytes  # 0: no cap on what the model file may hold
+        self.fetcher = WindowFetcher(self.store, identity, fetch_from, disk_budget_bytes=disk_budget_bytes)
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
@@ -143,6 +145,8 @@ class NodeRuntime:
                 refresh=refresh,
                 cache_dir=self.profile_cache_dir,
                 identity=self.identity,
+                store=self.store,
+                disk_budget_bytes=self.disk_budget_bytes,
             )
 
     # -- who may call --------------------------------------------------------------------------
