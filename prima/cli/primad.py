@@ -203,6 +203,7 @@ def serve(args: argparse.Namespace) -> int:
         mode="exact" if args.exact else "q8",
     )
     stop = threading.Event()
+    bounds = daemon_limits(args)
     runtime = NodeRuntime(
         loaded,
         args.name or "pending",
@@ -211,11 +212,11 @@ def serve(args: argparse.Namespace) -> int:
         ring_timeout_s=args.ring_timeout,
         threads=args.threads,
         identity=identity or "plaintext",
-        bounds=daemon_limits(args),
+        bounds=bounds,
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
     )
-    server, port = start_server(runtime, args.host, args.port, identity=identity)
+    server, port = start_server(runtime, args.host, args.port, identity=identity, limits=bounds)
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"

@@ -10,6 +10,7 @@ import grpc
 from prima.errors import NodeError
 from prima.net.client import MAX_MESSAGE_BYTES
 from prima.net.credentials import Identity, server_credentials
+from prima.net.limits import DaemonLimits
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.servicer import NodeHandler, NodeServicer
 
@@ -25,6 +26,7 @@ def start_server(
     port: int = 0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     identity: Identity | None = None,
+    limits: DaemonLimits | None = None,
 ) -> tuple[grpc.Server, int]:
     """Serve `handler`; return the running server and the port it bound. With `identity`, over
     mutual TLS: a caller without a certificate from the cluster's CA fails the handshake and
@@ -39,7 +41,7 @@ def start_server(
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ],
     )
-    pb_grpc.add_NodeServicer_to_server(NodeServicer(handler), server)
+    pb_grpc.add_NodeServicer_to_server(NodeServicer(handler, limits), server)
     try:
         target = f"{host}:{port}"
         if identity is None:
