@@ -37,6 +37,7 @@ from prima.net.client import NodeClient
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.fetch import bootstrap
 from prima.net.limits import DaemonLimits, check_address
+from prima.net.revocation import REVOKED_FILE, RevocationList
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
@@ -132,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"${credentials.CLUSTER_DIR_ENV}, else ~/.config/prima/cluster); see docs/security.md",
     )
     p.add_argument(
+        "--revocation-list",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"certificates this daemon refuses, written by `prima cluster revoke` (default: {REVOKED_FILE} "
+        "in the cluster directory); re-read when it changes",
+    )
+    p.add_argument(
         "--insecure",
         action="store_true",
         help="serve plaintext gRPC to anyone who can reach the port, when this device has no cluster "
@@ -165,6 +174,12 @@ def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
                 "network you trust"
             )
         return None
+    if identity.role != credentials.ROLE_NODE:
+        raise InputError(
+            f"this device's identity ({identity.name}) is a {identity.role}'s, which may call daemons "
+            "but not serve as one; on the CA device run `prima cluster issue NAME` (a node identity) "
+            "and join with it"
+        )
     if args.name is not None and args.name != identity.name:
         raise InputError(
             f"--name {args.name} differs from the node id in this device's certificate ({identity.name}); "
@@ -216,7 +231,13 @@ def serve(args: argparse.Namespace) -> int:
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
     )
-    server, port = start_server(runtime, args.host, args.port, identity=identity, limits=bounds)
+    revoked = None
+    if identity is not None:
+        where = args.cluster_dir or credentials.cluster_dir()
+        revoked = RevocationList(args.revocation_list or where / REVOKED_FILE, identity.roots_pem)
+    server, port = start_server(
+        runtime, args.host, args.port, identity=identity, limits=bounds, revoked=revoked
+    )
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"
