@@ -146,19 +146,19 @@ def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 
 
 def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> list[str]:
-    """The addresses of the daemons that answered over mDNS, in node id order ([] if none did).
-    PlanError if fewer than --expect answered or they cannot form one ring (a shared node id,
-    another protocol version or model file)."""
+    """The addresses of the daemons that answered over mDNS ([] if none did), as hints: the
+    ring keeps those that prove membership at the handshake. Adverts for another protocol or
+    model file are left out with a warning; PlanError if fewer than --expect node ids answered."""
     adverts = discovery.browse(args.discover_timeout, interfaces=args.mdns_interface, expect=args.expect)
-    if args.expect and len(adverts) < args.expect:
+    seen = {a.node_id for a in adverts}
+    if args.expect and len(seen) < args.expect:
         found = ", ".join(f"{a.node_id} at {a.address}" for a in adverts)
         raise PlanError(
-            f"{len(adverts)} daemon(s) answered within {args.discover_timeout:g} s ({found}), expected "
+            f"{len(seen)} daemon(s) answered within {args.discover_timeout:g} s ({found}), expected "
             f"{args.expect}; start the others or pass --nodes host:port,... (multicast is often "
             "blocked by Wi-Fi client isolation and in containers)"
         )
-    discovery.require_consistent(adverts, model_fingerprint=fingerprint)
-    return [a.address for a in adverts]
+    return discovery.hint_addresses(adverts, model_fingerprint=fingerprint)
 
 
 @dataclass

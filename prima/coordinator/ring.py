@@ -120,24 +120,26 @@ def connect_nodes(
     """A client per address, named by the node's id, after checking that the nodes run one
     protocol and one model file and have distinct ids (NodeError / PlanError saying which).
     Each client then accepts only the certificate of the id its node claimed. With
-    `skip_untrusted`, nodes that fail the TLS handshake are dropped (with a warning) instead of
-    failing the whole ring; PlanError if none is left."""
+    `skip_untrusted` (addresses that are only hints, as mDNS adverts are), nodes that fail the
+    TLS handshake or do not answer are dropped (with a warning) instead of failing the whole
+    ring; PlanError if none is left."""
     clients = [NodeClient(a, timeout_s=timeout_s) for a in addresses]
     try:
         infos = []
         for c in list(clients):
             try:
                 infos.append(c.info())
-            except UntrustedNodeError as exc:
+            except NodeError as exc:
                 if not skip_untrusted:
                     raise
-                log.warning("leaving out %s: %s", c.address, exc)
+                why = "not a member" if isinstance(exc, UntrustedNodeError) else "no answer"
+                log.warning("leaving out %s (%s): %s", c.address, why, exc)
                 clients.remove(c)
                 c.close()
         if not clients:
             raise PlanError(
-                f"none of the {len(addresses)} daemon(s) found proved it belongs to this cluster; "
-                "issue them identities (prima cluster issue, docs/security.md)"
+                f"none of the {len(addresses)} daemon(s) found answered and proved it belongs to this "
+                "cluster; check they run, and issue them identities (prima cluster issue, docs/security.md)"
             )
         for c, info in zip(clients, infos, strict=True):
             c.expect(info.node_id)

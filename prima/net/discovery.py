@@ -247,6 +247,33 @@ def _describe_model(a: NodeAdvert) -> str:
     return f"{a.model_name} {a.short_fingerprint}" if a.model_name else a.short_fingerprint
 
 
+def hint_addresses(
+    adverts: Sequence[NodeAdvert],
+    *,
+    protocol_version: int = PROTOCOL_VERSION,
+    model_fingerprint: str | None = None,
+) -> list[str]:
+    """The addresses worth a handshake, one each: adverts are hints, since anyone on the LAN can
+    send one, and a node's identity comes from its certificate. Adverts for another protocol or
+    (given `model_fingerprint`) another model are left out, and every problem is logged once, so
+    a clashing or garbage advert cannot stop the genuine nodes from being found."""
+    for problem in check_adverts(
+        adverts, protocol_version=protocol_version, model_fingerprint=model_fingerprint
+    ):
+        _warn_once(
+            f"problem:{problem.message}",
+            "mDNS (adverts are hints, checked at the handshake): %s",
+            problem.message,
+        )
+    usable = [
+        a
+        for a in adverts
+        if a.protocol_version == protocol_version
+        and (model_fingerprint is None or a.model_fingerprint == model_fingerprint)
+    ]
+    return sorted({a.address for a in usable})
+
+
 def require_consistent(
     adverts: Sequence[NodeAdvert],
     *,
@@ -434,7 +461,9 @@ def browse(
         ) from exc
     browser = ServiceBrowser(zc, service_type, handlers=[on_change])
     try:
-        while expect is None or len(found) < expect:
+        # Count node ids, not adverts: an advert that clashes with a node's id must not end the
+        # search before the genuine nodes are in.
+        while expect is None or len({a.node_id for a in found.values()}) < expect:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
