@@ -122,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=DaemonLimits.max_sessions,
         help=f"sessions held at once (default {DaemonLimits.max_sessions}); their KV caches together "
-        "may take at most a quarter of this device's RAM",
+        "may take at most --max-kv-mib",
+    )
+    p.add_argument(
+        "--max-kv-mib",
+        type=positive_int,
+        default=None,
+        help="MiB the sessions' KV caches may take together (default: a quarter of this device's RAM)",
     )
     p.add_argument(
         "--cluster-dir",
@@ -151,10 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
-    """The daemon's bounds: --max-sessions, and KV caches within a quarter of the device's RAM."""
+    """The daemon's bounds: --max-sessions, and KV caches within --max-kv-mib (default a quarter
+    of the device's RAM)."""
     import psutil
 
-    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=psutil.virtual_memory().total // 4)
+    kv_bytes = args.max_kv_mib << 20 if args.max_kv_mib else psutil.virtual_memory().total // 4
+    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=kv_bytes)
 
 
 def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
