@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -18,8 +20,9 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 
-from prima.errors import InputError
-from prima.net.credentials import ClusterCA, Identity, cert_name
+from prima.errors import InputError, UntrustedNodeError
+from prima.net import credentials
+from prima.net.credentials import ClusterCA, Identity, cert_name, node_target_name
 
 log = logging.getLogger("prima.net")
 
@@ -138,3 +141,48 @@ class RevocationList:
 def describe(cert: x509.Certificate) -> str:
     """A certificate for log lines and error messages: its name and serial."""
     return f"{cert_name(cert)[:64]!r} (serial {cert.serial_number:x})"
+
+
+def this_devices_list() -> RevocationList | None:
+    """The revocation list a coordinator on this device holds to its nodes: revoked.crl in its
+    cluster directory, checked against the CAs it trusts; None when it has none."""
+    identity = credentials.client_identity()
+    path = credentials.cluster_dir() / REVOKED_FILE
+    if identity is None or not path.is_file():
+        return None
+    return RevocationList(path, identity.roots_pem)
+
+
+def served_certificate(address: str, roots_pem: bytes, node_id: str, timeout_s: float) -> x509.Certificate:
+    """The certificate the daemon at `address` serves, verified against `roots_pem` and as node
+    `node_id`'s. gRPC does not show a client its peer's certificate, so this is a handshake of
+    its own (TLS 1.3 sends the server's certificate before asking for the client's); any failure
+    is an UntrustedNodeError, so a node that will not show its certificate is not used."""
+    host, _, port = address.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cadata=roots_pem.decode("ascii"))
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock,
+            ctx.wrap_socket(sock, server_hostname=node_target_name(node_id)) as tls,
+        ):
+            der = tls.getpeercert(binary_form=True)
+    except (OSError, ValueError) as exc:
+        raise UntrustedNodeError(
+            f"node {node_id} at {address} did not show a certificate this cluster issued ({exc}); "
+            "it is left out while this device holds a revocation list"
+        ) from None
+    if der is None:
+        raise UntrustedNodeError(f"node {node_id} at {address} showed no certificate")
+    return x509.load_der_x509_certificate(der)
+
+
+def check_node(revoked: RevocationList, address: str, node_id: str, timeout_s: float) -> None:
+    """UntrustedNodeError if the daemon at `address` serves a revoked certificate."""
+    cert = served_certificate(address, revoked.roots_pem, node_id, timeout_s)
+    if revoked.revoked(cert):
+        raise UntrustedNodeError(
+            f"node {node_id} at {address} holds the revoked certificate {describe(cert)}; it was removed "
+            "from the cluster (prima cluster revoke): issue it a new identity to use it again"
+        )
