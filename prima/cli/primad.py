@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         "may take at most --max-kv-mib",
     )
     p.add_argument(
+        "--max-generates",
+        type=positive_int,
+        default=DaemonLimits.max_generates_per_caller,
+        help="Generate calls one caller (coordinator) may run at once on this daemon as head (default "
+        f"{DaemonLimits.max_generates_per_caller}); raise it for `prima serve --parallel` above that",
+    )
+    p.add_argument(
         "--max-kv-mib",
         type=positive_int,
         default=None,
@@ -162,7 +169,9 @@ def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
     import psutil
 
     kv_bytes = args.max_kv_mib << 20 if args.max_kv_mib else psutil.virtual_memory().total // 4
-    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=kv_bytes)
+    return DaemonLimits(
+        max_sessions=args.max_sessions, max_kv_bytes=kv_bytes, max_generates_per_caller=args.max_generates
+    )
 
 
 def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:

@@ -40,9 +40,10 @@ class DaemonLimits:
     # Tokens of activations from peers waiting for the compute thread, all sessions together. A
     # session may queue at most its context's worth: a whole prompt, pipelined, always fits.
     max_queued_tokens: int = 1 << 16
-    # Generate calls one caller (certificate name) may have running at once: the head runs them
-    # one token at a time each, so more only queue, and each holds a server thread.
-    max_generates_per_caller: int = 4
+    # Generate calls one caller (certificate name) may have running at once: each holds a server
+    # thread and a session, so one caller cannot take them all (`prima serve --parallel` above
+    # this needs primad --max-generates).
+    max_generates_per_caller: int = 8
     # A Relay stream lives as long as its session; one silent this long, or open this long, is
     # ended (DEADLINE_EXCEEDED), so idle streams cannot hold the daemon's threads.
     relay_idle_s: float = 300.0

@@ -74,3 +74,11 @@ def test_primad_refuses_a_coordinators_identity(tmp_path: Path) -> None:
     credentials.write_private(tmp_path / credentials.IDENTITY_FILE, laptop.to_pem())
     with pytest.raises(InputError, match="coordinator's, which may call daemons but not serve"):
         primad.load_node_identity(_args(tmp_path, "--host", "0.0.0.0"))
+
+
+def test_primad_bounds_come_from_its_flags(tmp_path: Path) -> None:
+    limits = primad.daemon_limits(
+        _args(tmp_path, "--max-sessions", "3", "--max-kv-mib", "64", "--max-generates", "2")
+    )
+    assert (limits.max_sessions, limits.max_kv_bytes, limits.max_generates_per_caller) == (3, 64 << 20, 2)
+    assert primad.daemon_limits(_args(tmp_path)).max_kv_bytes > 0  # a quarter of this machine's RAM
