@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from prima.errors import InputError, UntrustedNodeError
 from prima.net import credentials
-from prima.net.credentials import ClusterCA, Identity, cert_name, node_target_name
+from prima.net.credentials import ClusterCA, Identity, cert_name
+from prima.net.peer_certificate import served_certificate
 
 log = logging.getLogger("prima.net")
 
@@ -153,34 +152,9 @@ def this_devices_list() -> RevocationList | None:
     return RevocationList(path, identity.roots_pem)
 
 
-def served_certificate(address: str, roots_pem: bytes, node_id: str, timeout_s: float) -> x509.Certificate:
-    """The certificate the daemon at `address` serves, verified against `roots_pem` and as node
-    `node_id`'s. gRPC does not show a client its peer's certificate, so this is a handshake of
-    its own (TLS 1.3 sends the server's certificate before asking for the client's); any failure
-    is an UntrustedNodeError, so a node that will not show its certificate is not used."""
-    host, _, port = address.rpartition(":")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(cadata=roots_pem.decode("ascii"))
-    ctx.set_alpn_protocols(["h2"])
-    try:
-        with (
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock,
-            ctx.wrap_socket(sock, server_hostname=node_target_name(node_id)) as tls,
-        ):
-            der = tls.getpeercert(binary_form=True)
-    except (OSError, ValueError) as exc:
-        raise UntrustedNodeError(
-            f"node {node_id} at {address} did not show a certificate this cluster issued ({exc}); "
-            "it is left out while this device holds a revocation list"
-        ) from None
-    if der is None:
-        raise UntrustedNodeError(f"node {node_id} at {address} showed no certificate")
-    return x509.load_der_x509_certificate(der)
-
-
 def check_node(revoked: RevocationList, address: str, node_id: str, timeout_s: float) -> None:
     """UntrustedNodeError if the daemon at `address` serves a revoked certificate."""
-    cert = served_certificate(address, revoked.roots_pem, node_id, timeout_s)
+    cert = served_certificate(address, revoked.roots_pem, timeout_s, node_id)
     if revoked.revoked(cert):
         raise UntrustedNodeError(
             f"node {node_id} at {address} holds the revoked certificate {describe(cert)}; it was removed "

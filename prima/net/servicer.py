@@ -120,9 +120,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         return pb.PingReply(received_bytes=len(request.payload))
 
     def Relay(self, request_iterator: Iterator[pb.Activation], context: grpc.ServicerContext) -> pb.Empty:
-        h = self.handler
-
-        bounds = self.limits
+        h, bounds = self.handler, self.limits
 
         def relay() -> None:
             for msg in bounded_stream(request_iterator, bounds.relay_idle_s, bounds.relay_open_s):

@@ -18,6 +18,7 @@ from prima.errors import UntrustedNodeError
 from prima.net import credentials, revocation
 from prima.net.client import open_channel
 from prima.net.credentials import ClusterCA
+from prima.net.peer_certificate import served_certificate
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 
@@ -89,7 +90,7 @@ def test_a_coordinator_never_connects_a_revoked_node(
 ) -> None:
     ca, where = cluster
     roots = ca.cert_pem
-    serial = revocation.served_certificate(ring.addresses[1], roots, "node1", 10).serial_number
+    serial = served_certificate(ring.addresses[1], roots, 10, "node1").serial_number
     revocation.revoke(ca, where, [serial])
     with pytest.raises(UntrustedNodeError, match="node1 .* revoked certificate"):
         connect_nodes(ring.addresses)
