@@ -193,14 +193,16 @@ def bounded_stream(
     closes_at = clock() + open_s
     try:
         while True:
-            wait = min(idle_s, closes_at - clock())
+            left_s = closes_at - clock()
+            if left_s <= 0:
+                raise StreamTimeoutError(
+                    f"this stream has been open {open_s:g} s, the most a node allows; open a new one"
+                )
             try:
-                item = inbox.get(timeout=max(wait, 0.0))
+                item = inbox.get(timeout=min(idle_s, left_s))
             except queue.Empty:
                 if clock() >= closes_at:
-                    raise StreamTimeoutError(
-                        f"this stream has been open {open_s:g} s, the most a node allows; open a new one"
-                    ) from None
+                    continue  # reported at the top of the loop
                 raise StreamTimeoutError(
                     f"no message on this stream for {idle_s:g} s; a node ends idle streams (open one per "
                     "session and close it when the session ends)"
