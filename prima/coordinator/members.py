@@ -1,16 +1,15 @@
 """Finding this cluster's daemons over mDNS, where anyone on the LAN can advertise.
 
-Adverts are hints: each advertised address is checked with a TLS handshake of its own
-(prima.net.peer_certificate), and only a daemon serving a node certificate of this cluster
-counts, under the node id its certificate names. So `--expect N` waits for N members, not N
-adverts: when adverts that prove nothing (a clashing node id, an address where nobody listens, a
-stranger's daemon) made the browse stop early, it listens for the rest of its time.
+Adverts are hints: each advertised address is checked, once, with a TLS handshake of its own
+(prima.net.peer_certificate) as it comes in, and only a daemon serving a node certificate of
+this cluster counts, under the node id its certificate names. So `--expect N` waits for N
+members, not N adverts: adverts that prove nothing (a clashing node id, an address where nobody
+listens, a stranger's daemon) neither end the search nor get into its result.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,26 +45,32 @@ def discover_members(
 ) -> Found:
     """Browse for up to `timeout_s` (less once `expect` members answered) and keep the addresses
     of daemons that prove membership; adverts for another model or protocol are left out."""
-    deadline = time.monotonic() + timeout_s
     identity = credentials.client_identity()
-    adverts = discovery.browse(timeout_s, interfaces=interfaces, expect=expect)
     if identity is None:  # plaintext: the connection itself is the only check
+        adverts = discovery.browse(timeout_s, interfaces=interfaces, expect=expect)
         addresses = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
         return Found(tuple(adverts), tuple(addresses), frozenset(a.node_id for a in adverts))
-    members = _members(discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint), identity)
-    remaining = deadline - time.monotonic()
-    if expect and len(set(members.values())) < expect and remaining > 0:
-        log.info("adverts that proved nothing ended the search early; listening %.1f s more", remaining)
-        more = discovery.browse(remaining, interfaces=interfaces)
-        adverts = list({(a.node_id, a.address): a for a in [*adverts, *more]}.values())
+    members: dict[str, str | None] = {}  # address -> node id, None for one that proved nothing
+
+    def check_new(adverts: list[NodeAdvert]) -> None:
         hints = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
-        members |= _members([a for a in hints if a not in members], identity)
-    return Found(tuple(adverts), tuple(sorted(members)), frozenset(members.values()))
+        members.update(_members([a for a in hints if a not in members], identity))
+
+    def enough(adverts: list[NodeAdvert]) -> bool:
+        if not expect:
+            return False
+        check_new(adverts)
+        return len({n for n in members.values() if n is not None}) >= expect
+
+    adverts = discovery.browse(timeout_s, interfaces=interfaces, enough=enough)
+    check_new(adverts)
+    kept = {a: n for a, n in members.items() if n is not None}
+    return Found(tuple(adverts), tuple(sorted(kept)), frozenset(kept.values()))
 
 
-def _members(addresses: Sequence[str], identity: credentials.Identity) -> dict[str, str]:
-    """{address: node id} of the addresses whose daemon serves a node certificate this device
-    trusts; the others are logged and left out."""
+def _members(addresses: Sequence[str], identity: credentials.Identity) -> dict[str, str | None]:
+    """{address: node id} of `addresses`: the name in the node certificate (of this device's
+    cluster) its daemon serves, or None (logged) if it serves none."""
 
     def check(address: str) -> str | None:
         try:
@@ -79,4 +84,4 @@ def _members(addresses: Sequence[str], identity: credentials.Identity) -> dict[s
         return {}
     with ThreadPoolExecutor(min(len(addresses), MAX_CHECKS_AT_ONCE)) as pool:
         names = list(pool.map(check, addresses))
-    return {a: n for a, n in zip(addresses, names, strict=True) if n is not None}
+    return dict(zip(addresses, names, strict=True))

@@ -19,7 +19,7 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -440,10 +440,16 @@ def browse(
     interfaces: Sequence[str] | str | None = None,
     expect: int | None = None,
     service_type: str | None = None,
+    enough: Callable[[list[NodeAdvert]], bool] | None = None,
 ) -> list[NodeAdvert]:
     """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
-    `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning.
+    adverts of `expect` node ids are in, or `enough(adverts)` says so (e.g. once they proved
+    membership). Malformed or unresolvable services are skipped with a warning.
     `service_type` (default SERVICE_TYPE) lets tests browse a private type."""
+    if enough is None:
+        enough = (
+            (lambda _: False) if expect is None else (lambda found: len({a.node_id for a in found}) >= expect)
+        )
     service_type = resolve_service_type(service_type)
     deadline = time.monotonic() + timeout_s
     events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
@@ -461,9 +467,9 @@ def browse(
         ) from exc
     browser = ServiceBrowser(zc, service_type, handlers=[on_change])
     try:
-        # Count node ids, not adverts: an advert that clashes with a node's id must not end the
-        # search before the genuine nodes are in.
-        while expect is None or len({a.node_id for a in found.values()}) < expect:
+        # By default count node ids, not adverts: an advert that clashes with a node's id must
+        # not end the search before the genuine nodes are in.
+        while not enough(list(found.values())):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,19 +68,21 @@ def ring(mdns_env: None, smollm2_path: Path, ring_logs: Path) -> Iterator[LocalR
     yield from start_ring(2, smollm2_path, ring_logs, mdns=True)
 
 
-def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys) -> None:  # noqa: ANN001
+def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys, caplog) -> None:  # noqa: ANN001
     honest = NodeClient(ring.addresses[0])
     info, profile = honest.info(), honest.profile()
     honest.close()
     better = dataclasses.replace(profile.device, ram_available_bytes=profile.device.ram_available_bytes * 100)
     rogues = []
     servers = []
+    ports: list[int] = []
     for name, identity in [
         ("rogue-tls", ClusterCA.create("other").issue("rogue-tls")),
         ("rogue-plain", None),
     ]:
         handler = RogueHandler(dataclasses.replace(info, node_id=name), NodeProfile(better, 0, 0.0))
         server, port = start_server(handler, "127.0.0.1", 0, identity=identity)  # type: ignore[arg-type]
+        ports.append(port)
         advert = discovery.NodeAdvert(name, "127.0.0.1", port, info.model_fingerprint, info.model_name)
         servers.append((server, discovery.Advertiser(advert, interfaces="127.0.0.1")))
         rogues.append(handler)
@@ -87,7 +90,9 @@ def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, ca
         for _, advertiser in servers:
             advertiser.__enter__()
         argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
-        assert main([*argv, "--json", "--exact", "--expect", "4"]) == 0
+        # No --expect: the search listens its whole time, so it sees (and checks) the rogues too.
+        with caplog.at_level(logging.WARNING, logger="prima.coordinator"):
+            assert main([*argv, "--json", "--exact", "--discover-timeout", "6"]) == 0
     finally:
         for server, advertiser in servers:
             advertiser.__exit__(None, None, None)
@@ -95,6 +100,8 @@ def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, ca
     out = json.loads(capsys.readouterr().out)
     assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
     assert [r.calls for r in rogues] == [[], []]  # not even Info: the handshake stopped them
+    left_out = " ".join(r.getMessage() for r in caplog.records if "leaving out" in r.getMessage())
+    assert all(f"127.0.0.1:{port}" in left_out for port in ports)
     loaded = load_model(smollm2_path, mode="exact")
     ids = prompt_ids(loaded.tokenizer, PROMPT)
     engine = LocalEngine(loaded.model, n_ctx=N_CTX)
@@ -128,7 +135,7 @@ def test_clashing_and_garbage_adverts_do_not_break_discovery(
         for advertiser in advertisers:
             advertiser.start()
         argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
-        assert main([*argv, "--json", "--exact", "--expect", "2"]) == 0
+        assert main([*argv, "--json", "--exact", "--expect", "2", "--discover-timeout", "10"]) == 0
     finally:
         for advertiser in advertisers:
             advertiser.close()
