@@ -148,19 +148,29 @@ def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 
 
 def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> list[str]:
-    """The addresses of the daemons that answered over mDNS, in node id order ([] if none did).
-    PlanError if fewer than --expect answered or they cannot form one ring (a shared node id,
-    another protocol version or model file)."""
-    adverts = discovery.browse(args.discover_timeout, interfaces=args.mdns_interface, expect=args.expect)
-    if args.expect and len(adverts) < args.expect:
-        found = ", ".join(f"{a.node_id} at {a.address}" for a in adverts)
-        raise PlanError(
-            f"{len(adverts)} daemon(s) answered within {args.discover_timeout:g} s ({found}), expected "
-            f"{args.expect}; start the others or pass --nodes host:port,... (multicast is often "
-            "blocked by Wi-Fi client isolation and in containers)"
+    """The addresses of the cluster's daemons that answered over mDNS ([] if none did): adverts
+    are hints, kept only when the daemon proves membership at a handshake (prima.coordinator.
+    members). PlanError if fewer than --expect node ids answered."""
+    from prima.coordinator.members import discover_members
+
+    found = discover_members(
+        args.discover_timeout,
+        interfaces=args.mdns_interface,
+        expect=args.expect,
+        model_fingerprint=fingerprint,
+    )
+    if args.expect and len(found.node_ids) < args.expect:
+        shown = ", ".join(f"{a.node_id} at {a.address}" for a in found.adverts)
+        clashes = [p.message for p in discovery.check_adverts(found.adverts) if p.kind == "duplicate_id"]
+        advice = "; ".join(clashes) or (
+            "start the others or pass --nodes host:port,... (multicast is often blocked by Wi-Fi "
+            "client isolation and in containers)"
         )
-    discovery.require_consistent(adverts, model_fingerprint=fingerprint)
-    return [a.address for a in adverts]
+        raise PlanError(
+            f"{len(found.node_ids)} member(s) answered within {args.discover_timeout:g} s (adverts: "
+            f"{shown or 'none'}), expected {args.expect}; {advice}"
+        )
+    return list(found.addresses)
 
 
 @dataclass

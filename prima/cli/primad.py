@@ -38,6 +38,7 @@ from prima.net.client import NodeClient
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.fetch import bootstrap
 from prima.net.limits import DaemonLimits, check_address
+from prima.net.revocation import REVOKED_FILE, RevocationList
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
@@ -129,7 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=DaemonLimits.max_sessions,
         help=f"sessions held at once (default {DaemonLimits.max_sessions}); their KV caches together "
-        "may take at most a quarter of this device's RAM",
+        "may take at most --max-kv-mib",
+    )
+    p.add_argument(
+        "--max-generates",
+        type=positive_int,
+        default=DaemonLimits.max_generates_per_caller,
+        help="Generate calls one caller (coordinator) may run at once on this daemon as head (default "
+        f"{DaemonLimits.max_generates_per_caller}); raise it for `prima serve --parallel` above that",
+    )
+    p.add_argument(
+        "--max-kv-mib",
+        type=positive_int,
+        default=None,
+        help="MiB the sessions' KV caches may take together (default: a quarter of this device's RAM)",
     )
     p.add_argument(
         "--cluster-dir",
@@ -138,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"directory holding this device's {credentials.IDENTITY_FILE} (default: "
         f"${credentials.CLUSTER_DIR_ENV}, else ~/.config/prima/cluster); see docs/security.md",
+    )
+    p.add_argument(
+        "--revocation-list",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"certificates this daemon refuses, written by `prima cluster revoke` (default: {REVOKED_FILE} "
+        "in the cluster directory); re-read when it changes",
     )
     p.add_argument(
         "--insecure",
@@ -150,10 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
-    """The daemon's bounds: --max-sessions, and KV caches within a quarter of the device's RAM."""
+    """The daemon's bounds: --max-sessions, and KV caches within --max-kv-mib (default a quarter
+    of the device's RAM)."""
     import psutil
 
-    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=psutil.virtual_memory().total // 4)
+    kv_bytes = args.max_kv_mib << 20 if args.max_kv_mib else psutil.virtual_memory().total // 4
+    return DaemonLimits(
+        max_sessions=args.max_sessions, max_kv_bytes=kv_bytes, max_generates_per_caller=args.max_generates
+    )
 
 
 def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
@@ -173,6 +199,12 @@ def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
                 "network you trust"
             )
         return None
+    if identity.role != credentials.ROLE_NODE:
+        raise InputError(
+            f"this device's identity ({identity.name}) is a {identity.role}'s, which may call daemons "
+            "but not serve as one; on the CA device run `prima cluster issue NAME` (a node identity) "
+            "and join with it"
+        )
     if args.name is not None and args.name != identity.name:
         raise InputError(
             f"--name {args.name} differs from the node id in this device's certificate ({identity.name}); "
@@ -216,6 +248,7 @@ def serve(args: argparse.Namespace) -> int:
         mode="exact" if args.exact else "q8",
     )
     stop = threading.Event()
+    bounds = daemon_limits(args)
     runtime = NodeRuntime(
         loaded,
         args.name or "pending",
@@ -224,12 +257,18 @@ def serve(args: argparse.Namespace) -> int:
         ring_timeout_s=args.ring_timeout,
         threads=threads,
         identity=identity or "plaintext",
-        bounds=daemon_limits(args),
+        bounds=bounds,
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
         disk_budget_bytes=disk_budget,
     )
-    server, port = start_server(runtime, args.host, args.port, identity=identity)
+    revoked = None
+    if identity is not None:
+        where = args.cluster_dir or credentials.cluster_dir()
+        revoked = RevocationList(args.revocation_list or where / REVOKED_FILE, identity.roots_pem)
+    server, port = start_server(
+        runtime, args.host, args.port, identity=identity, limits=bounds, revoked=revoked
+    )
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError, UntrustedNodeError
+from prima.net import revocation
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
@@ -124,33 +125,60 @@ def connect_nodes(
     """A client per address, named by the node's id, after checking that the nodes run one
     protocol and one model file and have distinct ids (NodeError / PlanError saying which).
     Each client then accepts only the certificate of the id its node claimed. With
-    `skip_untrusted`, nodes that fail the TLS handshake are dropped (with a warning) instead of
-    failing the whole ring; PlanError if none is left."""
+    `skip_untrusted` (addresses that are only hints, as mDNS adverts are), nodes that fail the
+    TLS handshake or do not answer are dropped (with a warning) instead of failing the whole
+    ring; PlanError if none is left."""
     clients = [NodeClient(a, timeout_s=timeout_s) for a in addresses]
     try:
         infos = []
         for c in list(clients):
             try:
                 infos.append(c.info())
-            except UntrustedNodeError as exc:
+            except NodeError as exc:
                 if not skip_untrusted:
                     raise
-                log.warning("leaving out %s: %s", c.address, exc)
+                why = "not a member" if isinstance(exc, UntrustedNodeError) else "no answer"
+                log.warning("leaving out %s (%s): %s", c.address, why, exc)
                 clients.remove(c)
                 c.close()
         if not clients:
             raise PlanError(
-                f"none of the {len(addresses)} daemon(s) found proved it belongs to this cluster; "
-                "issue them identities (prima cluster issue, docs/security.md)"
+                f"none of the {len(addresses)} daemon(s) found answered and proved it belongs to this "
+                "cluster; check they run, and issue them identities (prima cluster issue, docs/security.md)"
             )
         for c, info in zip(clients, infos, strict=True):
             c.expect(info.node_id)
+        _drop_revoked(clients, infos, skip=skip_untrusted, timeout_s=timeout_s)
         check_same_model([c.address for c in clients], infos)
     except BaseException:
         for c in clients:
             c.close()
         raise
     return clients, infos
+
+
+def _drop_revoked(
+    clients: list[NodeClient], infos: list[NodeStatus], *, skip: bool, timeout_s: float
+) -> None:
+    """Hold the nodes to this device's revocation list (if it has one): a revoked node is an
+    UntrustedNodeError, or with `skip` left out with a warning; PlanError if none is left."""
+    revoked = revocation.this_devices_list()
+    if revoked is None:
+        return
+    kept = []
+    for c, info in zip(clients, infos, strict=True):
+        try:
+            revocation.check_node(revoked, c.address, info.node_id, timeout_s)
+            kept.append((c, info))
+        except UntrustedNodeError as exc:
+            if not skip:
+                raise
+            log.warning("leaving out %s: %s", c.address, exc)
+            c.close()
+    clients[:] = [c for c, _ in kept]
+    infos[:] = [info for _, info in kept]
+    if not clients:
+        raise PlanError("every daemon found holds a revoked certificate; issue them new identities")
 
 
 def check_same_model(addresses: Sequence[str], infos: Sequence[NodeStatus]) -> None:

@@ -31,6 +31,7 @@ from prima.net.status import (
     UnknownSessionError,
 )
 from prima.plan import Plan
+from prima.weights.kv_cache import kv_bytes
 from prima.weights.window import LayerWindows, Residency
 
 from .fetching import WindowFetcher
@@ -265,6 +266,10 @@ class NodeRuntime:
             )
         if not 0 < n_ctx <= self.model.config.context_length:
             raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
+        # Refused before the cache exists: allocating it first and freeing it on refusal leaves
+        # the pages resident (the allocator keeps them), so spam would grow the daemon.
+        with self._lock:
+            self._check_room(kv_bytes(self.model.config, n_ctx, len(set(layout.layers()))))
         # The backend keeps the KV state (the acl backend: on the NPU).
         session = NodeSession(
             session_id, plan_epoch, n_ctx, self.model.backend.new_kv(n_ctx, layout.layers())

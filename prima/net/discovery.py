@@ -20,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -248,6 +248,33 @@ def _describe_model(a: NodeAdvert) -> str:
     return f"{a.model_name} {a.short_fingerprint}" if a.model_name else a.short_fingerprint
 
 
+def hint_addresses(
+    adverts: Sequence[NodeAdvert],
+    *,
+    protocol_version: int = PROTOCOL_VERSION,
+    model_fingerprint: str | None = None,
+) -> list[str]:
+    """The addresses worth a handshake, one each: adverts are hints, since anyone on the LAN can
+    send one, and a node's identity comes from its certificate. Adverts for another protocol or
+    (given `model_fingerprint`) another model are left out, and every problem is logged once, so
+    a clashing or garbage advert cannot stop the genuine nodes from being found."""
+    for problem in check_adverts(
+        adverts, protocol_version=protocol_version, model_fingerprint=model_fingerprint
+    ):
+        _warn_once(
+            f"problem:{problem.message}",
+            "mDNS (adverts are hints, checked at the handshake): %s",
+            problem.message,
+        )
+    usable = [
+        a
+        for a in adverts
+        if a.protocol_version == protocol_version
+        and (model_fingerprint is None or a.model_fingerprint == model_fingerprint)
+    ]
+    return sorted({a.address for a in usable})
+
+
 def require_consistent(
     adverts: Sequence[NodeAdvert],
     *,
@@ -414,10 +441,16 @@ def browse(
     interfaces: Sequence[str] | str | None = None,
     expect: int | None = None,
     service_type: str | None = None,
+    enough: Callable[[list[NodeAdvert]], bool] | None = None,
 ) -> list[NodeAdvert]:
     """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
-    `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning.
+    adverts of `expect` node ids are in, or `enough(adverts)` says so (e.g. once they proved
+    membership). Malformed or unresolvable services are skipped with a warning.
     `service_type` (default SERVICE_TYPE) lets tests browse a private type."""
+    if enough is None:
+        enough = (
+            (lambda _: False) if expect is None else (lambda found: len({a.node_id for a in found}) >= expect)
+        )
     service_type = resolve_service_type(service_type)
     deadline = time.monotonic() + timeout_s
     events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
@@ -435,7 +468,9 @@ def browse(
         ) from exc
     browser = ServiceBrowser(zc, service_type, handlers=[on_change])
     try:
-        while expect is None or len(found) < expect:
+        # By default count node ids, not adverts: an advert that clashes with a node's id must
+        # not end the search before the genuine nodes are in.
+        while not enough(list(found.values())):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
