@@ -25,7 +25,7 @@ from prima.cli.arg_types import (
     positive_int,
     window_sizes,
 )
-from prima.cli.progress import stage
+from prima.cli.progress import FetchBar, stage
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -326,14 +326,19 @@ def connect_ring(
     halda = halda_options(args, loaded, pick_head=pick_head)
     if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
-    return Ring.connect(
-        addresses,
-        window_sizes=args.windows,
-        rounds=args.rounds or 1,
-        wire_dtype=WireDType.parse(args.wire_dtype),
-        halda=halda,
-        skip_untrusted=skip_untrusted,
-    )
+    bar = FetchBar()
+    try:
+        return Ring.connect(
+            addresses,
+            window_sizes=args.windows,
+            rounds=args.rounds or 1,
+            wire_dtype=WireDType.parse(args.wire_dtype),
+            halda=halda,
+            skip_untrusted=skip_untrusted,
+            on_fetch=bar,
+        )
+    finally:
+        bar.close()
 
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:

@@ -26,6 +26,7 @@ from prima.plan import Plan
 
 log = logging.getLogger("prima.net")
 T = TypeVar("T")
+MAX_FETCH_SOURCES = 16  # peers a LoadPlan may name besides the plan's nodes
 
 
 class NodeHandler(Protocol):
@@ -38,7 +39,12 @@ class NodeHandler(Protocol):
     def info(self) -> NodeStatus: ...
 
     def load_plan(
-        self, plan: Plan, node_id: str, wire_dtype: WireDType, owner: str | None = None
+        self,
+        plan: Plan,
+        node_id: str,
+        wire_dtype: WireDType,
+        owner: str | None = None,
+        fetch_sources: tuple[str, ...] = (),
     ) -> NodeStatus: ...
 
     def authorize(self, rpc: str, caller: str | None) -> None: ...
@@ -86,7 +92,17 @@ class NodeServicer(pb_grpc.NodeServicer):
                 dtype = WireDType(request.wire_dtype) if request.wire_dtype else WireDType.F32
             except ValueError:
                 raise ProtocolError(f"wire dtype {request.wire_dtype} is not one prima knows") from None
-            return self.handler.load_plan(plan, request.node_id, dtype, owner=peer_name(context))
+            if len(request.fetch_sources) > MAX_FETCH_SOURCES:
+                raise ProtocolError(
+                    f"{len(request.fetch_sources)} fetch sources; name at most {MAX_FETCH_SOURCES}"
+                )
+            return self.handler.load_plan(
+                plan,
+                request.node_id,
+                dtype,
+                owner=peer_name(context),
+                fetch_sources=tuple(request.fetch_sources),
+            )
 
         return pb.LoadPlanReply(info=codec.node_status_to_proto(self._guard(context, load, "LoadPlan")))
 
