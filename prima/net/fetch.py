@@ -109,6 +109,8 @@ def requested_pieces(request: pb.FetchRequest, manifest: Manifest) -> list[ByteR
     if len(request.ranges) > MAX_RANGES:
         raise PayloadTooLargeError(f"{len(request.ranges)} ranges in one fetch; ask for at most {MAX_RANGES}")
     ranges = _ranges_from_proto(request.ranges, manifest.file_size, "requested range")
+    if not ranges:
+        raise ProtocolError("a fetch that asks for no bytes; name at least one range")
     lacking = subtract(ranges, manifest.held)
     if lacking:
         raise ProtocolError(
