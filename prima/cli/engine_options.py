@@ -336,6 +336,7 @@ def connect_ring(
             halda=halda,
             skip_untrusted=skip_untrusted,
             on_fetch=bar,
+            serve_file=loaded.path,
         )
     finally:
         bar.close()

@@ -11,7 +11,7 @@ from prima.errors import NodeError
 from prima.net.client import MAX_MESSAGE_BYTES
 from prima.net.credentials import Identity, server_credentials
 from prima.net.proto import prima_pb2_grpc as pb_grpc
-from prima.net.servicer import NodeHandler, NodeServicer
+from prima.net.servicer import FileHolder, FileServicer, NodeHandler, NodeServicer
 
 log = logging.getLogger("prima.net")
 
@@ -29,6 +29,20 @@ def start_server(
     """Serve `handler`; return the running server and the port it bound. With `identity`, over
     mutual TLS: a caller without a certificate from the cluster's CA fails the handshake and
     never reaches a handler. Without, plaintext (primad allows that on loopback only)."""
+    return _serve(NodeServicer(handler), host, port, max_message_bytes, identity)
+
+
+def start_file_server(
+    holder: FileHolder, host: str, port: int = 0, identity: Identity | None = None
+) -> tuple[grpc.Server, int]:
+    """Serve only the bytes of `holder`'s model file (Manifest, FetchRanges), as a coordinator
+    does for the nodes of its ring that lack them; mutual TLS as in `start_server`."""
+    return _serve(FileServicer(holder), host, port, MAX_MESSAGE_BYTES, identity)
+
+
+def _serve(
+    servicer: FileServicer, host: str, port: int, max_message_bytes: int, identity: Identity | None
+) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="primad-rpc"),
         options=[
@@ -39,7 +53,7 @@ def start_server(
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ],
     )
-    pb_grpc.add_NodeServicer_to_server(NodeServicer(handler), server)
+    pb_grpc.add_NodeServicer_to_server(servicer, server)
     try:
         target = f"{host}:{port}"
         if identity is None:

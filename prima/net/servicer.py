@@ -66,8 +66,21 @@ class NodeHandler(Protocol):
     def manifest(self) -> fetch.Manifest: ...
 
 
-class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, handler: NodeHandler) -> None:
+class FileHolder(Protocol):
+    """What serving a model file's bytes needs: the file and a manifest of what it holds."""
+
+    store: SparseFile
+
+    def manifest(self) -> fetch.Manifest: ...
+
+    def authorize(self, rpc: str, caller: str | None) -> None: ...
+
+
+class FileServicer(pb_grpc.NodeServicer):
+    """The two RPCs that move a model file's bytes (every other answers UNIMPLEMENTED): what a
+    coordinator serves its ring, and part of every daemon."""
+
+    def __init__(self, handler: FileHolder) -> None:
         self.handler = handler
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T], rpc: str = "") -> T:
@@ -81,6 +94,27 @@ class NodeServicer(pb_grpc.NodeServicer):
             log.info("answering %s: %s", status_for(exc).name, exc)
             context.abort(status_for(exc), str(exc))
             raise AssertionError("context.abort always raises") from exc
+
+    def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:
+        return fetch.manifest_to_proto(self._guard(context, self.handler.manifest))
+
+    def FetchRanges(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FilePiece]:
+        """Bytes of this node's model file, for a node that holds only part of it. Any cluster
+        member may ask (the channel proved membership); the bytes are the model every member
+        may run anyway. Each piece is read as it is sent, so gRPC's flow control paces the reads."""
+        h = self.handler
+        chosen = self._guard(context, lambda: fetch.requested_pieces(request, h.manifest()))
+        for r in chosen:
+            if not context.is_active():
+                return
+            yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
+
+
+class NodeServicer(FileServicer):
+    handler: NodeHandler
+
+    def __init__(self, handler: NodeHandler) -> None:
+        super().__init__(handler)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
         return codec.node_status_to_proto(self._guard(context, self.handler.info))
@@ -159,17 +193,3 @@ class NodeServicer(pb_grpc.NodeServicer):
                 yield codec.token_event_to_proto(event)
         finally:
             events.close()
-
-    def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:
-        return fetch.manifest_to_proto(self._guard(context, self.handler.manifest))
-
-    def FetchRanges(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FilePiece]:
-        """Bytes of this node's model file, for a node that holds only part of it. Any cluster
-        member may ask (the channel proved membership); the bytes are the model every member
-        may run anyway. Each piece is read as it is sent, so gRPC's flow control paces the reads."""
-        h = self.handler
-        chosen = self._guard(context, lambda: fetch.requested_pieces(request, h.manifest()))
-        for r in chosen:
-            if not context.is_active():
-                return
-            yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
