@@ -64,3 +64,34 @@ def test_a_gone_source_is_named_and_the_coordinator_serves_the_file(
             ring.close()
     with GGUFFile(model) as gguf:
         assert SparseFile.open(part).held_bytes() == total_bytes(needed_ranges(gguf, windows, head=True))
+
+
+def test_a_node_finds_a_daemon_holding_the_file_over_mdns(
+    mdns_env: None, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """`primad --fetch-from mdns`: the holder advertises full=1; the joining node fetches its
+    header from it with no address given."""
+    part = tmp_path / "node1" / "model.gguf"
+    logs = tmp_path / "logs"
+    with GGUFFile(smollm2_path) as gguf:
+        fingerprint = gguf.fingerprint()
+    with (
+        LocalRing.start(1, smollm2_path, threads=1, log_dir=logs / "holder", mdns=True),
+        LocalRing.start(
+            1,
+            smollm2_path,
+            models=[part],
+            names=["node1"],
+            threads=1,
+            log_dir=logs / "follower",
+            extra_args=("--fetch-from", "mdns"),
+        ) as follower,
+    ):
+        client = NodeClient(follower.addresses[0])
+        try:
+            status = client.info()
+        finally:
+            client.close()
+    assert status.model_fingerprint == fingerprint
+    assert not status.holds_full_file
+    assert 0 < SparseFile.open(part).held_bytes() < smollm2_path.stat().st_size // 10
