@@ -26,7 +26,7 @@ from prima.cli.arg_types import (
     positive_int,
     window_sizes,
 )
-from prima.cli.progress import stage
+from prima.cli.progress import FetchBar, stage
 from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PlanError
@@ -360,15 +360,21 @@ def connect_ring(
     halda = halda_options(args, loaded, pick_head=pick_head)
     if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
-    return Ring.connect(
-        addresses,
-        window_sizes=args.windows,
-        rounds=args.rounds or 1,
-        wire_dtype=WireDType.parse(args.wire_dtype),
-        halda=halda,
-        skip_untrusted=skip_untrusted,
-        on_plan=_report_transfers,
-    )
+    bar = FetchBar()
+    try:
+        return Ring.connect(
+            addresses,
+            window_sizes=args.windows,
+            rounds=args.rounds or 1,
+            wire_dtype=WireDType.parse(args.wire_dtype),
+            halda=halda,
+            skip_untrusted=skip_untrusted,
+            on_plan=_report_transfers,
+            on_fetch=bar,
+            serve_file=loaded.path,
+        )
+    finally:
+        bar.close()
 
 
 def _report_transfers(view: ClusterView) -> None:

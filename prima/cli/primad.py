@@ -35,7 +35,7 @@ from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolv
 from prima.model.sparse import SparseFile
 from prima.net import credentials
 from prima.net.client import NodeClient
-from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
+from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert, browse, pick_fetch_source
 from prima.net.fetch import bootstrap
 from prima.net.limits import DaemonLimits, check_address
 from prima.net.revocation import REVOKED_FILE, RevocationList
@@ -44,6 +44,7 @@ from prima.net.server import start_server
 log = logging.getLogger("prima.cli")
 
 READY_PREFIX = "PRIMAD_READY "
+FETCH_FROM_MDNS = "mdns"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--fetch-from",
         default=None,
         metavar="HOST:PORT",
-        help="a primad holding the whole model: with no (or a partial) file at --model, fetch from "
-        "it the header now and, when a plan arrives, only the bytes of this node's windows, into a "
-        "sparse file at --model (a path, or a model name's place in the cache)",
+        help="a primad holding the whole model, or `mdns` for one advertising that it does: with no "
+        "(or a partial) file at --model, fetch from it the header now and, when a plan arrives, only "
+        "the bytes of this node's windows, into a sparse file at --model (a path, or a model name's "
+        "place in the cache)",
     )
     p.add_argument(
         "--disk-budget",
@@ -231,6 +233,8 @@ def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
     disk_budget = parse_disk_budget(args.disk_budget)
     identity = load_node_identity(args)
+    if args.fetch_from == FETCH_FROM_MDNS:
+        args.fetch_from = find_fetch_source(args)
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
@@ -284,6 +288,7 @@ def serve(args: argparse.Namespace) -> int:
                 port=port,
                 model_fingerprint=runtime.fingerprint,
                 model_name=loaded.name,
+                holds_full_file=runtime.store.complete,
             )
             try:
                 stack.enter_context(Advertiser(advert, interfaces=args.mdns_interface))
@@ -295,6 +300,15 @@ def serve(args: argparse.Namespace) -> int:
     server.stop(grace=2.0).wait(5.0)
     runtime.shutdown()
     return 0
+
+
+def find_fetch_source(args: argparse.Namespace) -> str:
+    """--fetch-from mdns: the address of a daemon advertising the whole model file. The advert is
+    a hint: the bytes are checked against their hashes and the fingerprint, over mutual TLS."""
+    stage("looking for a primad holding the whole model over mDNS", prog="primad")
+    source = pick_fetch_source(browse(interfaces=args.mdns_interface))
+    log.info("fetching from %s at %s (%s)", source.node_id, source.address, source.model_name)
+    return source.address
 
 
 def fetch_model(args: argparse.Namespace, identity: credentials.Identity | None) -> SparseFile:

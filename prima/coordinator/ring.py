@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError, UntrustedNodeError
@@ -15,7 +16,9 @@ from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
+from .file_source import FileSource
 from .planner import ClusterView, HaldaOptions, plan_ring
+from .readiness import RingFetch, wait_ready
 
 log = logging.getLogger("prima.coordinator")
 
@@ -24,10 +27,23 @@ class Ring:
     """Connected daemons under one plan; a Generator (prima.engine.generate) whose tokens are
     sampled on the head."""
 
-    def __init__(self, clients: list[NodeClient], plan: Plan, devices: Sequence[DeviceProfile] = ()) -> None:
+    def __init__(
+        self,
+        clients: list[NodeClient],
+        plan: Plan,
+        devices: Sequence[DeviceProfile] = (),
+        *,
+        fetch_sources: Sequence[str] = (),
+        on_fetch: Callable[[RingFetch], None] | None = None,
+    ) -> None:
         self.clients = clients
         self.plan = plan
         self.devices = tuple(devices)  # the profiles Halda planned with (empty for a manual plan)
+        # Where nodes lacking bytes may fetch them besides each other (the coordinator's file
+        # server), and who hears how far they are.
+        self.fetch_sources = tuple(fetch_sources)
+        self.on_fetch = on_fetch
+        self.file_source: FileSource | None = None  # this process serving the file, if it does
 
     @property
     def head(self) -> NodeClient:
@@ -45,17 +61,27 @@ class Ring:
         halda: HaldaOptions | None = None,
         skip_untrusted: bool = False,
         on_plan: Callable[[ClusterView], None] | None = None,
+        fetch_sources: Sequence[str] = (),
+        on_fetch: Callable[[RingFetch], None] | None = None,
+        serve_file: Path | None = None,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
         `window_sizes`), else `window_sizes` (an even split if None) over `rounds`. Nodes that
         Halda leaves out are not part of the ring. With `skip_untrusted` (addresses found over
         mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too.
-        `on_plan` sees Halda's plan before it is loaded (loading it may fetch layers first)."""
+        `on_plan` sees Halda's plan before it is loaded. Nodes holding only part of the model
+        fetch their windows (also from `fetch_sources`, and from this process serving
+        `serve_file`, the model file it holds) before the ring is returned; `on_fetch` hears
+        how far they are."""
         if not addresses:
             raise PlanError("no nodes given; pass --nodes host:port,... or --local-ring N")
         clients, infos = connect_nodes(addresses, timeout_s=timeout_s, skip_untrusted=skip_untrusted)
         addresses = [c.address for c in clients]
+        lacking = [c.address for c, info in zip(clients, infos, strict=True) if not info.holds_full_file]
+        source = FileSource.start(serve_file, lacking[0]) if serve_file and lacking else None
+        if source is not None:
+            fetch_sources = (*fetch_sources, source.address)
         try:
             epoch = max(info.plan_epoch for info in infos) + 1
             if halda is not None and not window_sizes:
@@ -68,15 +94,21 @@ class Ring:
                     if c not in members:
                         c.close()
                 clients = members
-                ring = cls(clients, view.plan, view.devices)
+                ring = cls(clients, view.plan, view.devices, fetch_sources=fetch_sources, on_fetch=on_fetch)
+                ring.file_source = source
                 ring.load_plan(view.plan, wire_dtype)
                 return ring
-            ring = cls(clients, _placeholder_plan(infos, addresses))
+            ring = cls(
+                clients, _placeholder_plan(infos, addresses), fetch_sources=fetch_sources, on_fetch=on_fetch
+            )
+            ring.file_source = source
             ring.load(window_sizes=window_sizes, rounds=rounds, wire_dtype=wire_dtype, infos=infos)
             return ring
         except BaseException:
             for c in clients:
                 c.close()
+            if source is not None:
+                source.close()
             raise
 
     def load(
@@ -98,11 +130,13 @@ class Ring:
         return plan
 
     def load_plan(self, plan: Plan, wire_dtype: WireDType = WireDType.F32) -> None:
-        """Send `plan` (whose nodes are this ring's clients, in order) to every node."""
+        """Send `plan` (whose nodes are this ring's clients, in order) to every node, then wait
+        until nodes that fetch their windows' bytes hold them (see prima.coordinator.readiness)."""
         assert [n.address for n in plan.nodes] == [c.address for c in self.clients]
         # Followers first, head last: once the head has the plan every node can take its traffic.
         for i in [*range(1, len(self.clients)), 0]:
-            self.clients[i].load_plan(plan, plan.nodes[i].node_id, wire_dtype)
+            self.clients[i].load_plan(plan, plan.nodes[i].node_id, wire_dtype, self.fetch_sources)
+        wait_ready(self.clients, plan, on_progress=self.on_fetch)
         self.plan = plan
         log.info("%s", plan.describe())
 
@@ -117,6 +151,9 @@ class Ring:
     def close(self) -> None:
         for c in self.clients:
             c.close()
+        if self.file_source is not None:
+            self.file_source.close()
+            self.file_source = None
 
 
 def connect_nodes(

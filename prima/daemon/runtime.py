@@ -20,7 +20,7 @@ from prima.forward.loader import LoadedModel
 from prima.model.sparse import SparseFile
 from prima.net import limits
 from prima.net.client import NodeClient, Transport
-from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, NodeStatus, WireDType
+from prima.net.codec import PROTOCOL_VERSION, Activation, FetchProgress, NodeProfile, NodeStatus, WireDType
 from prima.net.fetch import Manifest, manifest_of
 from prima.net.limits import DaemonLimits, shown
 from prima.net.status import (
@@ -34,7 +34,7 @@ from prima.plan import Plan
 from prima.weights.kv_cache import kv_bytes
 from prima.weights.window import LayerWindows, Residency
 
-from .fetching import WindowFetcher
+from .fetching import PlanFetch, WindowFetcher
 from .head import Head
 from .profile import node_profile, window_budget
 from .state import Layout, NodeSession
@@ -83,6 +83,7 @@ class NodeRuntime:
         self.store = store or SparseFile.open(loaded.path, self.fingerprint)
         self.disk_budget_bytes = disk_budget_bytes  # 0: no cap on what the model file may hold
         self.fetcher = WindowFetcher(self.store, identity, fetch_from, disk_budget_bytes=disk_budget_bytes)
+        self._fetch: PlanFetch | None = None  # the latest plan's background fetch, if it needed one
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
@@ -98,6 +99,12 @@ class NodeRuntime:
     def need_layout(self) -> Layout:
         layout = self._layout
         if layout is None:
+            fetch = self._fetch
+            if fetch is not None:
+                raise NotReadyError(
+                    f"node {self.node_id} is not ready: {describe_fetch(fetch.progress())}; "
+                    "wait until its Info says ready"
+                )
             raise NotReadyError(f"node {self.node_id} has no plan yet; send LoadPlan first")
         return layout
 
@@ -108,6 +115,10 @@ class NodeRuntime:
     def info(self) -> NodeStatus:
         layout = self._layout
         cfg = self.model.config
+        fetch = self._fetch.progress() if self._fetch else None
+        status = "ready" if layout else "idle: waiting for a plan"
+        if layout is None and fetch is not None:
+            status = describe_fetch(fetch)
         return NodeStatus(
             node_id=self.node_id,
             protocol_version=PROTOCOL_VERSION,
@@ -115,12 +126,14 @@ class NodeRuntime:
             model_fingerprint=self.fingerprint,
             n_layers=cfg.n_layers,
             d_model=cfg.d_model,
-            healthy=True,
-            status="ready" if layout else "idle: waiting for a plan",
-            plan_epoch=layout.plan.epoch if layout else 0,
+            healthy=not (fetch and fetch.error),
+            status=status,
+            plan_epoch=layout.plan.epoch if layout else fetch.plan_epoch if fetch else 0,
             windows=layout.plan.nodes[layout.me].windows if layout else (),
             residency=layout.windows.residency() if layout else None,
             sessions=len(self._sessions),
+            fetch=fetch,
+            holds_full_file=self.store.complete,
         )
 
     def manifest(self) -> Manifest:
@@ -175,12 +188,19 @@ class NodeRuntime:
 
     # -- the plan ------------------------------------------------------------------------------
     def load_plan(
-        self, plan: Plan, node_id: str, wire_dtype: WireDType, owner: str | None = None
+        self,
+        plan: Plan,
+        node_id: str,
+        wire_dtype: WireDType,
+        owner: str | None = None,
+        fetch_sources: tuple[str, ...] = (),
     ) -> NodeStatus:
         """Take on this node's windows of `plan`; drops every session of the previous plan.
-        `owner` (the caller's certificate name) alone may change the plan while it has sessions."""
+        `owner` (the caller's certificate name) alone may change the plan while it has sessions.
+        A node holding only part of its model loads the plan once it has fetched (in the
+        background, also from `fetch_sources`) the bytes of its windows; Info shows how far."""
         cfg = self.model.config
-        current_epoch = self._layout.plan.epoch if self._layout else None
+        current_epoch = self._current_epoch()
         limits.check_epoch(plan.epoch, current_epoch)
         limits.check_node_id(node_id)
         for n in plan.nodes:
@@ -194,21 +214,83 @@ class NodeRuntime:
         ids = [n.node_id for n in plan.nodes]
         if node_id not in ids:
             raise PlanError(f"node id {shown(node_id)} is not in the plan (nodes: {ids})")
-        current = self._layout
-        if current and plan.epoch < current.plan.epoch:
+        for a in fetch_sources:
+            limits.check_address(a)
+        if current_epoch is not None and plan.epoch < current_epoch:
             raise StaleEpochError(
-                f"plan epoch {plan.epoch} is older than the loaded epoch {current.plan.epoch}; "
+                f"plan epoch {plan.epoch} is older than the loaded epoch {current_epoch}; "
                 "send a plan with a higher epoch"
             )
         me = ids.index(node_id)
-        windows = plan.nodes[me].windows
         accel = plan.nodes[me].accel_layers
         if accel and not self.model.backend.accelerator:
             raise PlanError(
                 f"the plan puts {accel} layers of node {node_id} on an accelerator, but it computes on "
                 f"the {self.model.backend.name} backend only; plan again from the nodes' profiles"
             )
-        self._fetch_windows(plan, me)
+        pending = self._fetch
+        if pending is not None and pending.plan == plan and pending.me == me and not pending.progress().error:
+            return self.info()  # the same plan again (a retried call): its fetch goes on
+        self._cancel_fetch()
+        if self.store.partial:
+            self._start_fetch(plan, me, wire_dtype, owner, fetch_sources)
+            return self.info()
+        self._install(plan, me, wire_dtype, owner)
+        return self.info()
+
+    def _current_epoch(self) -> int | None:
+        """The epoch of the loaded plan, or of the plan being fetched if newer."""
+        epochs = [x.plan.epoch for x in (self._layout, self._fetch) if x is not None]
+        return max(epochs) if epochs else None
+
+    def _start_fetch(
+        self, plan: Plan, me: int, wire_dtype: WireDType, owner: str | None, sources: tuple[str, ...]
+    ) -> None:
+        """Drop the previous plan (its sessions end, as with any new plan) and fetch this one's
+        windows in the background; the fetch loads the plan when it holds them."""
+        fetch = PlanFetch(
+            self.fetcher,
+            self.loaded.gguf,
+            plan,
+            me,
+            on_done=lambda written: self._install(plan, me, wire_dtype, owner, written, fetch),
+            extra_sources=sources,
+        )
+        with self._lock:
+            old, self._layout = self._layout, None
+            sessions, self._sessions = self._sessions, {}
+            self._owner = owner
+            self._fetch = fetch
+        self._end_sessions(
+            sessions, f"node {self.node_id} is fetching the windows of plan epoch {plan.epoch}"
+        )
+        if old:
+            old.windows.close()
+            for c in old.clients.values():
+                c.close()
+        fetch.start()
+
+    def _cancel_fetch(self) -> None:
+        fetch, self._fetch = self._fetch, None
+        if fetch is not None:
+            fetch.cancel()
+
+    def _install(
+        self,
+        plan: Plan,
+        me: int,
+        wire_dtype: WireDType,
+        owner: str | None,
+        fetched_bytes: int = 0,
+        fetch: PlanFetch | None = None,
+    ) -> None:
+        """Load node `me`'s windows of `plan`, whose bytes it holds; forget the views of layers
+        built over holes before a fetch (the profile may have timed them)."""
+        windows = plan.nodes[me].windows
+        if fetched_bytes:
+            mine = {i for w in windows for i in range(w.start, w.end)}
+            self.loaded.weights.forget_layers(mine)
+            self.model.release_layers(mine)
         for w in windows:
             self.loaded.weights.validate(range(w.start, w.end))
         # The backend readies each layer (the worker runs them one by one, so compute on one
@@ -232,28 +314,36 @@ class NodeRuntime:
         }
         layout = Layout(plan, me, hops, layer_windows, clients, wire_dtype, budget if auto else None)
         with self._lock:
-            old, self._layout = self._layout, layout
-            sessions, self._sessions = self._sessions, {}
-            self._owner = owner
-        for s in sessions.values():
-            s.close()
-            if s.results is not None:
-                s.results.put(NodeError(f"session ended: node {self.node_id} loaded plan epoch {plan.epoch}"))
+            if fetch is not None and (self._fetch is not fetch or fetch.cancelled):
+                stale = True  # a newer LoadPlan replaced this one while it was fetched
+            else:
+                stale = False
+                old, self._layout = self._layout, layout
+                sessions, self._sessions = self._sessions, {}
+                self._owner = owner
+        if stale:
+            layout.windows.close()
+            for c in clients.values():
+                c.close()
+            return
+        self._end_sessions(sessions, f"node {self.node_id} loaded plan epoch {plan.epoch}")
         self.model.release_windows(keep=set(layers))
         if old:
             old.windows.close()
             for c in old.clients.values():
                 c.close()
-        log.info("node %s: plan epoch %d, windows %s", node_id, plan.epoch, " ".join(map(str, windows)))
-        return self.info()
+        log.info(
+            "node %s: plan epoch %d, windows %s",
+            plan.nodes[me].node_id,
+            plan.epoch,
+            " ".join(map(str, windows)),
+        )
 
-    def _fetch_windows(self, plan: Plan, me: int) -> None:
-        """A partial model file: fetch the bytes of this node's windows it lacks; then forget the
-        views of its layers built before (the profile may have timed layers over holes)."""
-        if self.fetcher.ensure(self.loaded.gguf, plan, me).written_bytes:
-            mine = {i for w in plan.nodes[me].windows for i in range(w.start, w.end)}
-            self.loaded.weights.forget_layers(mine)
-            self.model.release_layers(mine)
+    def _end_sessions(self, sessions: dict[str, NodeSession], why: str) -> None:
+        for s in sessions.values():
+            s.close()
+            if s.results is not None:
+                s.results.put(NodeError(f"session ended: {why}"))
 
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
@@ -379,7 +469,9 @@ class NodeRuntime:
         return self.head.generate(request)
 
     def shutdown(self) -> None:
-        """Finish the batch in hand, then close sessions and channels (bounded wait)."""
+        """Call off a fetch, finish the batch in hand, then close sessions and channels (bounded
+        wait)."""
+        self._cancel_fetch()
         self.worker.stop()
         layout = self._layout
         for session_id in list(self._sessions):
@@ -388,3 +480,16 @@ class NodeRuntime:
             for c in layout.clients.values():
                 c.close()
         self.store.close()
+
+
+def describe_fetch(p: FetchProgress) -> str:
+    """A fetch's state for people: Info's status and the error sessions get meanwhile."""
+    if p.error:
+        return f"fetch for plan epoch {p.plan_epoch} failed: {p.error}"
+    gib = 1 << 30
+    text = f"fetching its windows for plan epoch {p.plan_epoch}: {p.held_bytes / gib:.2f} of {p.needed_bytes / gib:.2f} GiB"
+    if p.source:
+        text += f" from {p.source}"
+    if p.rate_bytes_per_s:
+        text += f", {p.rate_bytes_per_s / (1 << 20):.1f} MiB/s, about {p.eta_s:.0f} s left"
+    return text

@@ -11,7 +11,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import grpc
@@ -133,8 +133,21 @@ class NodeClient:
     def info(self, timeout_s: float | None = None) -> NodeStatus:
         return codec.node_status_from_proto(self._call("Info", self.stub.Info, pb.InfoRequest(), timeout_s))
 
-    def load_plan(self, plan: Plan, node_id: str, wire_dtype: WireDType = WireDType.F32) -> NodeStatus:
-        req = pb.LoadPlanRequest(plan=codec.plan_to_proto(plan), node_id=node_id, wire_dtype=int(wire_dtype))
+    def load_plan(
+        self,
+        plan: Plan,
+        node_id: str,
+        wire_dtype: WireDType = WireDType.F32,
+        fetch_sources: Sequence[str] = (),
+    ) -> NodeStatus:
+        """Send `plan`; a node that must first fetch its windows answers at once with a status
+        that says so (see prima.coordinator.readiness)."""
+        req = pb.LoadPlanRequest(
+            plan=codec.plan_to_proto(plan),
+            node_id=node_id,
+            wire_dtype=int(wire_dtype),
+            fetch_sources=list(fetch_sources),
+        )
         # Loading validates the node's layers and may start reading them: allow longer.
         reply = self._call("LoadPlan", self.stub.LoadPlan, req, self.timeout_s * 6)
         return codec.node_status_from_proto(reply.info)

@@ -28,6 +28,7 @@ from prima.weights.window import Residency
 PROTOCOL_VERSION = 3
 Q8_BLOCK = 32
 MAX_TENSOR_BYTES = 256 << 20  # hard ceiling whatever the caller allows
+MAX_SHOWN_CHARS = 500  # of a peer's free text kept for messages to people
 
 
 class WireDType(enum.IntEnum):
@@ -212,6 +213,25 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
 
 # -- node status ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class FetchProgress:
+    """How far a node is in bringing in the bytes of plan `plan_epoch`'s windows (see
+    FetchProgress in prima.proto); `error` says why it stopped short, `done` that the plan loaded."""
+
+    plan_epoch: int
+    held_bytes: int
+    needed_bytes: int
+    rate_bytes_per_s: float = 0.0
+    eta_s: float = 0.0
+    source: str = ""
+    error: str = ""
+    done: bool = False
+
+    @property
+    def fraction(self) -> float:
+        return self.held_bytes / self.needed_bytes if self.needed_bytes else 1.0
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     """What a daemon says about itself (the Info RPC)."""
 
@@ -227,6 +247,8 @@ class NodeStatus:
     windows: tuple[Window, ...] = ()
     residency: Residency | None = None
     sessions: int = 0
+    fetch: FetchProgress | None = None
+    holds_full_file: bool = False
 
 
 def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
@@ -242,7 +264,22 @@ def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
         plan_epoch=s.plan_epoch,
         windows=[pb.Window(start=w.start, end=w.end) for w in s.windows],
         sessions=s.sessions,
+        holds_full_file=s.holds_full_file,
     )
+    if s.fetch is not None:
+        f = s.fetch
+        msg.fetch.CopyFrom(
+            pb.FetchProgress(
+                plan_epoch=f.plan_epoch,
+                held_bytes=f.held_bytes,
+                needed_bytes=f.needed_bytes,
+                rate_bytes_per_s=f.rate_bytes_per_s,
+                eta_s=f.eta_s,
+                source=f.source,
+                error=f.error,
+                done=f.done,
+            )
+        )
     if s.residency is not None:
         r = s.residency
         msg.residency.CopyFrom(
@@ -295,6 +332,21 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
         windows=tuple(Window(w.start, w.end) for w in msg.windows),
         residency=residency,
         sessions=msg.sessions,
+        fetch=_fetch_progress_from_proto(msg.fetch) if msg.HasField("fetch") else None,
+        holds_full_file=msg.holds_full_file,
+    )
+
+
+def _fetch_progress_from_proto(f: pb.FetchProgress) -> FetchProgress:
+    return FetchProgress(
+        plan_epoch=f.plan_epoch,
+        held_bytes=f.held_bytes,
+        needed_bytes=f.needed_bytes,
+        rate_bytes_per_s=f.rate_bytes_per_s,
+        eta_s=f.eta_s,
+        source=f.source[:MAX_SHOWN_CHARS],
+        error=f.error[:MAX_SHOWN_CHARS],
+        done=f.done,
     )
 
 

@@ -59,6 +59,7 @@ _HOST_UNSAFE = re.compile(r"[^a-z0-9-]")
 
 # TXT keys. Unknown keys are ignored so newer daemons can add fields.
 K_ID, K_PROTO, K_FINGERPRINT, K_MODEL = "id", "proto", "fingerprint", "model"
+K_FULL = "full"  # "1": the daemon holds every byte of its model file (a source to fetch from)
 REQUIRED_KEYS = (K_ID, K_PROTO, K_FINGERPRINT)
 
 
@@ -78,6 +79,9 @@ class NodeAdvert:
     model_name: str = ""
     protocol_version: int = PROTOCOL_VERSION
     instance: str = ""  # the DNS-SD instance name; unique on the LAN even when node ids clash
+    # A hint for nodes without the file: what it sends is checked against hashes and the
+    # fingerprint anyway, over mutual TLS.
+    holds_full_file: bool = False
 
     @property
     def address(self) -> str:
@@ -97,6 +101,7 @@ def encode_txt(advert: NodeAdvert) -> dict[str, str]:
         K_PROTO: str(advert.protocol_version),
         K_FINGERPRINT: advert.model_fingerprint,
         K_MODEL: _clip_model_name(advert.model_name),
+        K_FULL: "1" if advert.holds_full_file else "0",
     }
     decode_txt({k.encode(): v.encode() for k, v in props.items()}, advert.host, advert.port)
     return props
@@ -144,7 +149,7 @@ def decode_txt(
         )
     if not 0 < port < 1 << 16:
         raise AdvertError(f"port {port} is out of range")
-    return NodeAdvert(node_id, host, port, fingerprint, model, proto, instance)
+    return NodeAdvert(node_id, host, port, fingerprint, model, proto, instance, text.get(K_FULL) == "1")
 
 
 def pick_host(addresses: Iterable[str]) -> str | None:
@@ -242,6 +247,26 @@ def check_adverts(
             )
         )
     return problems
+
+
+def pick_fetch_source(adverts: Sequence[NodeAdvert]) -> NodeAdvert:
+    """The daemon a node without the model file fetches from: one advertising the whole file;
+    InputError naming the choices when there is none or the holders serve different models."""
+    holders = [a for a in adverts if a.holds_full_file and a.protocol_version == PROTOCOL_VERSION]
+    if not holders:
+        seen = ", ".join(f"{a.node_id} ({_describe_model(a)})" for a in adverts) or "none"
+        raise InputError(
+            f"no primad on this network advertises the whole model file (daemons seen: {seen}); start "
+            "one with the file, or pass --fetch-from HOST:PORT"
+        )
+    models = {a.model_fingerprint for a in holders}
+    if len(models) > 1:
+        which = ", ".join(f"{a.node_id} at {a.address} ({_describe_model(a)})" for a in holders)
+        raise InputError(
+            f"daemons holding different model files advertise: {which}; pass --fetch-from HOST:PORT of "
+            "the one to fetch from"
+        )
+    return holders[0]
 
 
 def _describe_model(a: NodeAdvert) -> str:

@@ -13,6 +13,7 @@ so an interrupted transfer resumes without refetching what it has. Any cluster m
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from prima.errors import ModelFileError, NodeError, ProtocolError
+from prima.errors import ModelFileError, NodeError, PrimaError, ProtocolError
 from prima.model.byte_ranges import ByteRange, Ranges, bootstrap_ranges, covers, normalize, pieces, subtract
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import PieceHashError, SparseFile, sha256_hex
@@ -108,6 +109,8 @@ def requested_pieces(request: pb.FetchRequest, manifest: Manifest) -> list[ByteR
     if len(request.ranges) > MAX_RANGES:
         raise PayloadTooLargeError(f"{len(request.ranges)} ranges in one fetch; ask for at most {MAX_RANGES}")
     ranges = _ranges_from_proto(request.ranges, manifest.file_size, "requested range")
+    if not ranges:
+        raise ProtocolError("a fetch that asks for no bytes; name at least one range")
     lacking = subtract(ranges, manifest.held)
     if lacking:
         raise ProtocolError(
@@ -124,6 +127,10 @@ def piece_message(store: SparseFile, r: ByteRange) -> pb.FilePiece:
 
 
 # -- fetching ------------------------------------------------------------------------------------
+class FetchCancelled(PrimaError):
+    """A fetch was called off (its plan was replaced, or the daemon stops); what it wrote is kept."""
+
+
 @dataclass
 class FetchStats:
     """What one fetch did: bytes wanted and written, pieces refused for their hash, streams."""
@@ -152,9 +159,11 @@ def fetch_into(
     piece_bytes: int = DEFAULT_PIECE_BYTES,
     max_attempts: int = MAX_ATTEMPTS,
     on_progress: Callable[[FetchStats], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> FetchStats:
     """Bring every byte of `ranges` into `store` from `client`'s node, asking each time only for
-    what is still missing; NodeError if after `max_attempts` streams some is still missing."""
+    what is still missing; NodeError if after `max_attempts` streams some is still missing,
+    FetchCancelled (between pieces) once `cancel` is set."""
     stats = FetchStats(wanted_bytes=sum(r.n_bytes for r in subtract(ranges, store.held())))
     last: Exception | None = None
     for _ in range(max_attempts):
@@ -163,7 +172,7 @@ def fetch_into(
             return stats
         stats.streams += 1
         try:
-            _one_stream(client, store, missing, piece_bytes, stats, on_progress)
+            _one_stream(client, store, missing, piece_bytes, stats, on_progress, cancel)
         except NodeError as exc:
             last = exc
             log.warning("fetch from %s broke off (%s); resuming", client.address, exc)
@@ -186,6 +195,7 @@ def _one_stream(
     piece_bytes: int,
     stats: FetchStats,
     on_progress: Callable[[FetchStats], None] | None,
+    cancel: threading.Event | None,
 ) -> None:
     request = pb.FetchRequest(
         model_fingerprint=store.fingerprint,
@@ -196,6 +206,8 @@ def _one_stream(
     unflushed = 0
     try:
         for msg in call:
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled(f"fetch of {store.path.name} from {client.address} called off")
             r = ByteRange(msg.offset, msg.offset + len(msg.data))
             if not r.n_bytes or r.n_bytes > piece_bytes or not covers(missing, [r]):
                 raise NodeError(

@@ -14,7 +14,7 @@ from prima.net.credentials import Identity, server_credentials
 from prima.net.limits import DaemonLimits
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.revocation import RevocationList
-from prima.net.servicer import NodeHandler, NodeServicer
+from prima.net.servicer import FileHolder, FileServicer, NodeHandler, NodeServicer
 
 log = logging.getLogger("prima.net")
 
@@ -35,6 +35,29 @@ def start_server(
     mutual TLS: a caller without a certificate from the cluster's CA fails the handshake and
     never reaches a handler, and one whose certificate is in `revoked` gets UNAUTHENTICATED.
     Without, plaintext (primad allows that on loopback only)."""
+    return _serve(NodeServicer(handler, limits), host, port, max_message_bytes, identity, revoked)
+
+
+def start_file_server(
+    holder: FileHolder,
+    host: str,
+    port: int = 0,
+    identity: Identity | None = None,
+    revoked: RevocationList | None = None,
+) -> tuple[grpc.Server, int]:
+    """Serve only the bytes of `holder`'s model file (Manifest, FetchRanges), as a coordinator
+    does for the nodes of its ring that lack them; mutual TLS as in `start_server`."""
+    return _serve(FileServicer(holder), host, port, MAX_MESSAGE_BYTES, identity, revoked)
+
+
+def _serve(
+    servicer: FileServicer,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    identity: Identity | None,
+    revoked: RevocationList | None,
+) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="primad-rpc"),
         options=[
@@ -46,7 +69,7 @@ def start_server(
         ],
         interceptors=[Admission(revoked)] if identity is not None else None,
     )
-    pb_grpc.add_NodeServicer_to_server(NodeServicer(handler, limits), server)
+    pb_grpc.add_NodeServicer_to_server(servicer, server)
     try:
         target = f"{host}:{port}"
         if identity is None:

@@ -27,6 +27,7 @@ from prima.plan import Plan
 
 log = logging.getLogger("prima.net")
 T = TypeVar("T")
+MAX_FETCH_SOURCES = 16  # peers a LoadPlan may name besides the plan's nodes
 
 
 class NodeHandler(Protocol):
@@ -39,7 +40,12 @@ class NodeHandler(Protocol):
     def info(self) -> NodeStatus: ...
 
     def load_plan(
-        self, plan: Plan, node_id: str, wire_dtype: WireDType, owner: str | None = None
+        self,
+        plan: Plan,
+        node_id: str,
+        wire_dtype: WireDType,
+        owner: str | None = None,
+        fetch_sources: tuple[str, ...] = (),
     ) -> NodeStatus: ...
 
     def authorize(self, rpc: str, caller: str | None) -> None: ...
@@ -61,11 +67,22 @@ class NodeHandler(Protocol):
     def manifest(self) -> fetch.Manifest: ...
 
 
-class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, handler: NodeHandler, limits: DaemonLimits | None = None) -> None:
+class FileHolder(Protocol):
+    """What serving a model file's bytes needs: the file and a manifest of what it holds."""
+
+    store: SparseFile
+
+    def manifest(self) -> fetch.Manifest: ...
+
+    def authorize(self, rpc: str, caller: str | None) -> None: ...
+
+
+class FileServicer(pb_grpc.NodeServicer):
+    """The two RPCs that move a model file's bytes (every other answers UNIMPLEMENTED): what a
+    coordinator serves its ring, and part of every daemon."""
+
+    def __init__(self, handler: FileHolder) -> None:
         self.handler = handler
-        self.limits = limits or DaemonLimits()
-        self._generates = CallerSlots(self.limits.max_generates_per_caller, "Generate")
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T], rpc: str = "") -> T:
         """Run `fn` for a call (after checking that its caller may make it, when `rpc` names it)
@@ -79,6 +96,29 @@ class NodeServicer(pb_grpc.NodeServicer):
             context.abort(status_for(exc), str(exc))
             raise AssertionError("context.abort always raises") from exc
 
+    def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:
+        return fetch.manifest_to_proto(self._guard(context, self.handler.manifest))
+
+    def FetchRanges(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FilePiece]:
+        """Bytes of this node's model file, for a node that holds only part of it. Any cluster
+        member may ask (the channel proved membership); the bytes are the model every member
+        may run anyway. Each piece is read as it is sent, so gRPC's flow control paces the reads."""
+        h = self.handler
+        chosen = self._guard(context, lambda: fetch.requested_pieces(request, h.manifest()))
+        for r in chosen:
+            if not context.is_active():
+                return
+            yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
+
+
+class NodeServicer(FileServicer):
+    handler: NodeHandler
+
+    def __init__(self, handler: NodeHandler, limits: DaemonLimits | None = None) -> None:
+        super().__init__(handler)
+        self.limits = limits or DaemonLimits()
+        self._generates = CallerSlots(self.limits.max_generates_per_caller, "Generate")
+
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
         return codec.node_status_to_proto(self._guard(context, self.handler.info))
 
@@ -89,7 +129,17 @@ class NodeServicer(pb_grpc.NodeServicer):
                 dtype = WireDType(request.wire_dtype) if request.wire_dtype else WireDType.F32
             except ValueError:
                 raise ProtocolError(f"wire dtype {request.wire_dtype} is not one prima knows") from None
-            return self.handler.load_plan(plan, request.node_id, dtype, owner=peer_name(context))
+            if len(request.fetch_sources) > MAX_FETCH_SOURCES:
+                raise ProtocolError(
+                    f"{len(request.fetch_sources)} fetch sources; name at most {MAX_FETCH_SOURCES}"
+                )
+            return self.handler.load_plan(
+                plan,
+                request.node_id,
+                dtype,
+                owner=peer_name(context),
+                fetch_sources=tuple(request.fetch_sources),
+            )
 
         return pb.LoadPlanReply(info=codec.node_status_to_proto(self._guard(context, load, "LoadPlan")))
 
@@ -154,20 +204,6 @@ class NodeServicer(pb_grpc.NodeServicer):
         finally:
             events.close()
             self._generates.give_back(caller)
-
-    def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:
-        return fetch.manifest_to_proto(self._guard(context, self.handler.manifest))
-
-    def FetchRanges(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FilePiece]:
-        """Bytes of this node's model file, for a node that holds only part of it. Any cluster
-        member may ask (the channel proved membership); the bytes are the model every member
-        may run anyway. Each piece is read as it is sent, so gRPC's flow control paces the reads."""
-        h = self.handler
-        chosen = self._guard(context, lambda: fetch.requested_pieces(request, h.manifest()))
-        for r in chosen:
-            if not context.is_active():
-                return
-            yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
 
 
 def _caller_key(context: grpc.ServicerContext) -> str:

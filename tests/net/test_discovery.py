@@ -63,6 +63,25 @@ def test_txt_roundtrip_keeps_every_field() -> None:
     assert discovery.decode_txt(props, a.host, a.port) == a
 
 
+@pytest.mark.parametrize("full", [True, False])
+def test_txt_carries_whether_a_daemon_holds_the_whole_file(full: bool) -> None:
+    a = NodeAdvert("n0", "127.0.0.1", 7600, FP_A, "m", holds_full_file=full)
+    props = {k.encode(): v.encode() for k, v in discovery.encode_txt(a).items()}
+    assert discovery.decode_txt(props, a.host, a.port).holds_full_file is full
+    assert not discovery.decode_txt(_txt(), "127.0.0.1", 7600).holds_full_file  # an older daemon
+
+
+def test_a_node_without_the_file_picks_a_daemon_advertising_it() -> None:
+    partial = _advert("partial", 7601)
+    holder = NodeAdvert("holder", "127.0.0.1", 7602, FP_A, "m", holds_full_file=True)
+    assert discovery.pick_fetch_source([partial, holder]) == holder
+    with pytest.raises(InputError, match=r"no primad .* advertises the whole model file .*partial"):
+        discovery.pick_fetch_source([partial])
+    other = NodeAdvert("other", "127.0.0.1", 7603, FP_B, "m2", holds_full_file=True)
+    with pytest.raises(InputError, match="different model files.*--fetch-from HOST:PORT"):
+        discovery.pick_fetch_source([holder, other])
+
+
 def test_txt_encode_clips_a_long_model_name() -> None:
     a = NodeAdvert("n0", "127.0.0.1", 7600, FP_A, "é" * 100 + "\n")
     name = discovery.encode_txt(a)["model"]
@@ -203,11 +222,13 @@ def test_warn_once_then_debug(caplog: pytest.LogCaptureFixture) -> None:
 
 # -- zeroconf on loopback ------------------------------------------------------------------------
 def test_browse_finds_every_advertised_node(service_type: str) -> None:
-    adverts = [_advert(f"node{i}", 17600 + i) for i in range(3)]
+    adverts = [_advert(f"node{i}", 17600 + i) for i in range(2)]
+    adverts.append(NodeAdvert("node2", "127.0.0.1", 17602, FP_A, "smollm2-135m", holds_full_file=True))
     with advertising(adverts, service_type):
         found = discovery.browse(3.0, interfaces=LOOPBACK, expect=3, service_type=service_type)
-    assert [(a.node_id, a.address, a.protocol_version, a.model_fingerprint, a.model_name) for a in found] == [
-        (a.node_id, a.address, a.protocol_version, a.model_fingerprint, a.model_name) for a in adverts
+    fields = ("node_id", "address", "protocol_version", "model_fingerprint", "model_name", "holds_full_file")
+    assert [tuple(getattr(a, f) for f in fields) for a in found] == [
+        tuple(getattr(a, f) for f in fields) for a in adverts
     ]
     assert all(a.instance.endswith(service_type) for a in found)
 

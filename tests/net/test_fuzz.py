@@ -6,6 +6,7 @@ answered with RESOURCE_EXHAUSTED while a normal generation goes on. One in-proce
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +20,8 @@ from prima.daemon.runtime import NodeRuntime
 from prima.engine.sampling import SamplerConfig
 from prima.errors import ProtocolError
 from prima.forward.loader import load_model
-from prima.net import codec
+from prima.model.byte_ranges import ByteRange, normalize
+from prima.net import codec, fetch
 from prima.net.codec import Activation
 from prima.net.limits import DaemonLimits, check_address
 from prima.net.proto import prima_pb2 as pb
@@ -33,6 +35,9 @@ SEED = 12
 BOUNDS = DaemonLimits(max_sessions=4, max_kv_bytes=64 << 20, max_queued_tokens=16)
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 PROMPT = [1, 504, 3458, 282, 4649, 314]
+# The served model's fingerprint and size, set once the daemon is up (the fetch messages use them).
+FINGERPRINT = [""]
+FILE_SIZE = [1]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +116,14 @@ def _should_fail(rpc: str, msg: object) -> bool:
         return msg.n_ctx == 0  # type: ignore[attr-defined]
     if rpc == "LoadPlan":
         return msg.wire_dtype > 4 or msg.plan.epoch == 0  # type: ignore[attr-defined]
+    if rpc == "FetchRanges":
+        spans = msg.ranges  # type: ignore[attr-defined]
+        return (
+            msg.model_fingerprint != FINGERPRINT[0]  # type: ignore[attr-defined]
+            or not spans
+            or len(spans) > fetch.MAX_RANGES
+            or any(not s.start < s.end <= FILE_SIZE[0] for s in spans)
+        )
     return rpc == "Generate" and not msg.prompt_ids  # type: ignore[attr-defined]
 
 
@@ -132,13 +145,34 @@ def _message(rng: random.Random, rpc: str, port: int) -> object:
         return pb.ProfileRequest(peer_address=rng.choice(["unix:/tmp/x", "nope", "x:0", "a/b:1", ":5"]))
     if rpc == "Ping":
         return pb.PingRequest(payload=bytes(rng.randrange(0, 64)))
+    if rpc == "FetchRanges":
+        return _fetch_request(rng)
+    if rpc == "Manifest":
+        return pb.ManifestRequest()
     return pb.InfoRequest()
+
+
+def _fetch_request(rng: random.Random) -> pb.FetchRequest:
+    """Mostly small ranges of the file (so an answer stays small), some past its end, empty,
+    reversed, or far too many; the right fingerprint or garbage."""
+    size = FILE_SIZE[0]
+    spans = []
+    for _ in range(rng.choice([0, 1, 2, 3])):
+        start = rng.choice([0, rng.randrange(size), size - 1, size, 1 << 63])
+        spans.append(pb.ByteSpan(start=start, end=max(0, start + rng.choice([-1, 0, 1, 4096, 70_000]))))
+    if rng.random() < 0.02:
+        spans = [pb.ByteSpan(start=0, end=1)] * (fetch.MAX_RANGES + 1)
+    fingerprint = FINGERPRINT[0] if rng.random() < 0.7 else _text(rng)
+    return pb.FetchRequest(
+        model_fingerprint=fingerprint, ranges=[s for s in spans if s.end < 1 << 64], piece_bytes=_int(rng, 32)
+    )
 
 
 def _send(stub: pb_grpc.NodeStub, rpc: str, msg: object) -> grpc.StatusCode:
     calls: dict[str, Callable[[], object]] = {
         "Relay": lambda: stub.Relay(iter(msg if isinstance(msg, list) else [msg]), timeout=30),
         "Generate": lambda: list(stub.Generate(msg, timeout=30)),
+        "FetchRanges": lambda: _check_pieces(msg, list(stub.FetchRanges(msg, timeout=30))),  # type: ignore[arg-type]
     }
     try:
         calls.get(rpc, lambda: getattr(stub, rpc)(msg, timeout=30))()
@@ -147,19 +181,34 @@ def _send(stub: pb_grpc.NodeStub, rpc: str, msg: object) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+def _check_pieces(request: pb.FetchRequest, replies: list[pb.FilePiece]) -> None:
+    """An answered fetch: exactly the bytes asked for, each piece matching its sha256."""
+    asked = normalize(ByteRange(s.start, s.end) for s in request.ranges)
+    got = [ByteRange(r.offset, r.offset + len(r.data)) for r in replies]
+    assert normalize(got) == asked, (asked, got)
+    assert all(hashlib.sha256(r.data).hexdigest() == r.sha256 for r in replies)
+
+
 def test_fuzzed_messages_get_precise_statuses(node: tuple[pb_grpc.NodeStub, NodeRuntime, int]) -> None:
     stub, runtime, port = node
     before = _generate(stub)
     rng = random.Random(SEED)
     rpcs = ["LoadPlan", "OpenSession", "CloseSession", "Abort", "Relay", "Profile", "Ping", "Info"]
+    rpcs += ["FetchRanges", "Manifest"]
+    FINGERPRINT[0], FILE_SIZE[0] = runtime.fingerprint, runtime.store.file_size
     wrong = []
+    seen: set[tuple[str, grpc.StatusCode]] = set()
     for i in range(N_MESSAGES):
         rpc = "Generate" if i % 100 == 0 else rng.choice(rpcs)
         msg = _activation(rng) if rpc == "Relay" else _message(rng, rpc, port)
         code = _send(stub, rpc, msg)
+        seen.add((rpc, code))
         if code in BAD_CODES or (code == grpc.StatusCode.OK and _should_fail(rpc, msg)):
             wrong.append(f"{rpc}: {code.name} for {str(msg)[:200]!r}")
     assert not wrong, "\n".join(wrong[:20])
+    # Both sides of the fetch RPCs were reached: pieces served (and checked), requests refused.
+    assert {("FetchRanges", grpc.StatusCode.OK), ("FetchRanges", grpc.StatusCode.INVALID_ARGUMENT)} <= seen
+    assert ("Manifest", grpc.StatusCode.OK) in seen
     _load(stub, port, epoch=stub.Info(pb.InfoRequest(), timeout=10).plan_epoch + 1)
     assert _generate(stub) == before
 

@@ -112,7 +112,7 @@ class Residency(_message.Message):
     def __init__(self, owned_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., releases: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., pinned_layers: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions")
+    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions", "fetch", "holds_full_file")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class NodeInfo(_message.Message):
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FULL_FILE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     model_name: str
@@ -137,17 +139,41 @@ class NodeInfo(_message.Message):
     windows: _containers.RepeatedCompositeFieldContainer[Window]
     residency: Residency
     sessions: int
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ...) -> None: ...
+    fetch: FetchProgress
+    holds_full_file: bool
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ..., fetch: _Optional[_Union[FetchProgress, _Mapping]] = ..., holds_full_file: _Optional[bool] = ...) -> None: ...
+
+class FetchProgress(_message.Message):
+    __slots__ = ("plan_epoch", "held_bytes", "needed_bytes", "rate_bytes_per_s", "eta_s", "source", "error", "done")
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
+    held_bytes: int
+    needed_bytes: int
+    rate_bytes_per_s: float
+    eta_s: float
+    source: str
+    error: str
+    done: bool
+    def __init__(self, plan_epoch: _Optional[int] = ..., held_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., rate_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., source: _Optional[str] = ..., error: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class LoadPlanRequest(_message.Message):
-    __slots__ = ("plan", "node_id", "wire_dtype")
+    __slots__ = ("plan", "node_id", "wire_dtype", "fetch_sources")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SOURCES_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     node_id: str
     wire_dtype: DType
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., node_id: _Optional[str] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    fetch_sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., node_id: _Optional[str] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., fetch_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadPlanReply(_message.Message):
     __slots__ = ("info",)
