@@ -128,8 +128,14 @@ class WindowArtifacts:
         return self.job.om
 
 
+ACL_CACHE_ENV = "PRIMA_ACL_CACHE"
+
+
 def acl_cache_dir() -> Path:
-    return cache_root() / "acl"
+    """`$PRIMA_ACL_CACHE` (e.g. a larger disk, or a cache compiled on another machine), else
+    `<prima cache>/acl`."""
+    explicit = os.environ.get(ACL_CACHE_ENV)
+    return Path(explicit).expanduser() if explicit else cache_root() / "acl"
 
 
 def artifacts(

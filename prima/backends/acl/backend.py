@@ -122,9 +122,12 @@ class AclBackend:
         if not self.gears or self.gears[0] != 1:
             raise InputError(f"acl gears {gears} must include 1 (a decode step is one token)")
         self.soc = soc
+        # The 310B (OrangePi AIpro) has no memory of its own: its LPDDR4X is the host's RAM.
+        self.shares_ram = soc.startswith("Ascend310B")
         self.progress = progress
         self.fingerprint = weights.gguf.fingerprint()
-        self.cpu = CpuBackend(weights, threads=threads, mode=host_mode)  # embed, head, profiler matmul
+        # Embeddings, output head, the profiler's matmul, and the layers a plan leaves on the CPU.
+        self.host = CpuBackend(weights, threads=threads, mode=host_mode)
         self.runtime = open_runtime(device_id, acl)
         self._row_bytes = self.config.n_kv_heads * self.config.head_dim * 4
 
@@ -169,8 +172,9 @@ class AclBackend:
     def new_kv(self, n_ctx: int, layers: Iterable[int]) -> AclKV:
         if n_ctx > self.ctx:
             raise InputError(
-                f"context {n_ctx} is larger than the {self.ctx} slots the NPU windows are compiled for; "
-                f"use a context of at most {self.ctx} tokens (--ctx)"
+                f"a context of {n_ctx} tokens is larger than the {self.ctx} KV slots the NPU windows are "
+                f"compiled for: ask for at most {self.ctx} (prima --ctx), or compile and serve longer "
+                f"windows (prima npu compile --npu-ctx N, primad --npu-ctx N)"
             )
         return AclKV(self.runtime, n_ctx, self.ctx, self._row_bytes, layers)
 
@@ -217,15 +221,19 @@ class AclBackend:
 
     # -- host side -----------------------------------------------------------------------------
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
-        return self.cpu.embed(token_ids)
+        return self.host.embed(token_ids)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self.cpu.logits(hidden)
+        return self.host.logits(hidden)
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """The host CPU's matmul: the profiler's kernel table is the CPU's; the NPU is profiled
         by timing a window (prima.backends.acl.profile)."""
-        return self.cpu.matmul(w, x)
+        return self.host.matmul(w, x)
+
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of NPU memory now (acl.rt.get_mem_info)."""
+        return self.runtime.memory()
 
     def close(self) -> None:
         """Give the device back; windows and KV states must have been released."""
