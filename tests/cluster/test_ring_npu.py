@@ -3,7 +3,8 @@
 windows' ONNX with onnxruntime on the CPU (loaded through $PRIMA_TEST_ACL_STANDIN; no NPU result
 here). The plan's accel_layers put part of its windows on the "NPU" and the rest on its CPU; the
 greedy tokens equal llama.cpp's and the prompt logits are within the acl backend's tolerance.
-A session longer than the NPU windows' compiled context is refused with the flag to change."""
+A session longer than the NPU windows' compiled context is refused with the flag to change, and
+the acl daemon's profile carries its accelerator."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import numpy as np
 import pytest
 
 from prima.coordinator.local_ring import LocalRing
-from prima.coordinator.ring import Ring
+from prima.coordinator.ring import Ring, connect_nodes
 from prima.engine.generate import GenerateRequest, GenerationDone
 from prima.engine.sampling import SamplerConfig
 from prima.errors import PrimaError
 from prima.plan import plan_from_window_sizes
+from prima.scheduler.profile_cache import CACHE_ENV as PROFILE_CACHE_ENV
 from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
 
 pytest.importorskip("onnxruntime")
@@ -48,6 +50,7 @@ def mixed_ring(tmp_root: Path) -> Iterator[LocalRing]:
     with pytest.MonkeyPatch.context() as mp:
         for name, value in standin_env(tmp).items():
             mp.setenv(name, value)
+        mp.setenv(PROFILE_CACHE_ENV, str(tmp / "profiles"))
         ring = LocalRing.start(
             2,
             tiny_model_path(TAG),
@@ -139,3 +142,19 @@ def test_a_session_beyond_the_npu_context_is_refused(mixed_ring: LocalRing) -> N
         assert isinstance(events[-1], GenerationDone)
     finally:
         ring.close()
+
+
+def test_the_npu_node_reports_its_accelerator(mixed_ring: LocalRing) -> None:
+    """What Halda plans from: the acl daemon's profile carries the device's memory (FakeAcl's
+    1 GiB, less what its loaded windows hold) and a speed; the CPU daemon's has no accelerator."""
+    clients, _ = connect_nodes(mixed_ring.addresses)
+    try:
+        cpu, npu = (c.profile().device for c in clients)
+    finally:
+        for c in clients:
+            c.close()
+    assert cpu.accelerator is None
+    assert npu.accelerator is not None
+    assert npu.accelerator.kind == "acl"
+    assert 0 < npu.accelerator.memory_available_bytes <= 1 << 30
+    assert npu.accelerator.flops["F32"] > 0
