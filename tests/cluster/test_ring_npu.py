@@ -19,8 +19,10 @@ from prima.coordinator.ring import Ring, connect_nodes
 from prima.engine.generate import GenerateRequest, GenerationDone
 from prima.engine.sampling import SamplerConfig
 from prima.errors import PrimaError
-from prima.plan import plan_from_window_sizes
+from prima.model.files import open_model
+from prima.plan import Window, plan_from_window_sizes
 from prima.scheduler.profile_cache import CACHE_ENV as PROFILE_CACHE_ENV
+from prima.weights.window import window_spans
 from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
 
 pytest.importorskip("onnxruntime")
@@ -32,6 +34,9 @@ pytestmark = pytest.mark.slow
 
 TAG = "tiny-qwen3"  # 4 layers
 NPU_CTX = 128  # the oracle prompts and their 16 greedy tokens fit in 65
+# node1's budget for the layers its CPU reads: one layer of tiny-qwen3 (~200 KB) fits, two do
+# not, so a window with two CPU layers streams them (read, computed, dropped) one by one.
+NPU_NODE_BUDGET = "250000"
 STOP_IDS = (0, 2)
 
 
@@ -57,7 +62,7 @@ def mixed_ring(tmp_root: Path) -> Iterator[LocalRing]:
             threads=1,
             log_dir=tmp / "logs",
             extra_args=("--exact",),
-            node_args=[(), ("--backend", "acl", "--npu-ctx", str(NPU_CTX))],
+            node_args=[(), ("--backend", "acl", "--npu-ctx", str(NPU_CTX), "--mem-budget", NPU_NODE_BUDGET)],
         )
     try:
         yield ring
@@ -91,6 +96,7 @@ def _request(prompt_ids: list[int], max_tokens: int, n_ctx: int = NPU_CTX) -> Ge
     [
         ([2, 2], 1, 1),  # node1's window [0, 2): layer 0 on the NPU, layer 1 on its CPU
         ([1, 1], 2, 1),  # node1's windows [0, 1) and [2, 3), each wholly on the NPU
+        ([1, 3], 1, 1),  # node1's window [0, 3): layer 0 on the NPU, 1 and 2 streamed on its CPU
     ],
 )
 def test_mixed_ring_equals_llama_cpp(
@@ -119,6 +125,16 @@ def test_mixed_ring_equals_llama_cpp(
             f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
             assert done.prompt_logits is not None
             assert np.abs(np.asarray(done.prompt_logits) - f32).max() <= AclBackend.logit_tolerance
+        # node1's CPU reads only the layers the NPU does not run, streaming them when they pass
+        # its budget
+        host = [Window(w.start + accel_layers, w.end) for w in plan.nodes[1].windows]
+        files = open_model(tiny_model_path(TAG))
+        residency = ring.info()[1].residency
+        assert residency is not None
+        assert residency.owned_bytes == sum(
+            s.n_bytes for w in host for s in window_spans(files.gguf, files.weights, w)
+        )
+        assert (residency.releases > 0) == (sum(w.n_layers for w in host) > 1)
     finally:
         ring.close()
 
