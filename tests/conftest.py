@@ -23,6 +23,10 @@ os.environ.setdefault("PRIMA_MDNS_INTERFACES", "127.0.0.1")
 # local rings bring throwaway credentials, and tests that need a cluster make their own.
 os.environ.setdefault("PRIMA_CLUSTER_DIR", tempfile.mkdtemp(prefix="prima-test-cluster-"))
 
+# Tests pass --threads or use numba's default; the first run of each (tiny, temporary) model
+# would otherwise time decode steps for ~10 s (tests/engine/test_thread_tuning.py covers that).
+os.environ.setdefault("PRIMA_THREAD_TUNING", "off")
+
 # Set by .ci/run: the test models must be there (see models_required).
 REQUIRE_MODELS_ENV = "PRIMA_REQUIRE_MODELS"
 ORACLE_DIR = Path(__file__).resolve().parents[2] / "shared" / "oracle"

@@ -120,3 +120,13 @@ def parse_budget(text: str) -> int | None:
         raise InputError(
             f"--mem-budget: cannot read {text!r} as bytes; use auto, 0 (no limit) or a size such as 800M or 2G"
         ) from None
+
+
+def parse_disk_budget(text: str) -> int:
+    """--disk-budget: bytes of the model file a node may hold; 0 = no cap."""
+    try:
+        return parse_bytes(text)
+    except InputError:
+        raise InputError(
+            f"--disk-budget: cannot read {text!r} as bytes; use a size such as 20G or 500M, or 0 for no cap"
+        ) from None

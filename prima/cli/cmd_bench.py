@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from prima.cli.arg_types import positive_int
+from prima.engine.thread_tuning import tuned_setting
 from prima.errors import InputError
 from prima.kernels import thread_env
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -82,8 +83,13 @@ def run(args: argparse.Namespace) -> int:
     for name in args.model or [DEFAULT_MODEL]:
         path = resolve_model(name)
         engines = ["prima", "llama.cpp"] if have_llama else ["prima"]
+        # Both engines get the same thread count; prima's workers wait as measured best here for
+        # that count (prima tune), as `prima run` would run them.
+        _warm_kernel_cache(get_context("spawn"), path, threads, mode)
+        setting = tuned_setting(path, threads=threads)
+        wait = setting.wait if setting else "default"
         results = _bench_model(path, engines, threads, mode, args.prompt_tokens, args.gen_tokens, args.reps)
-        entry: dict = {"model": path.name, "results": [asdict(r) for r in results]}
+        entry: dict = {"model": path.name, "prima_wait": wait, "results": [asdict(r) for r in results]}
         if have_llama:
             p, ll = results
             entry["ratios"] = {
@@ -106,8 +112,6 @@ def _bench_model(
     path: Path, engines: list[str], threads: int, mode: str, n_prompt: int, n_gen: int, reps: int
 ) -> list[EngineResult]:
     ctx = get_context("spawn")
-    if "prima" in engines:
-        _warm_kernel_cache(ctx, path, threads, mode)
     workers = []
     for engine in engines:
         parent, child = ctx.Pipe()
@@ -297,7 +301,9 @@ def _machine() -> dict:
 
 
 def _print_model(entry: dict, threads: int, n_prompt: int) -> None:
-    print(f"{entry['model']}  ({threads} threads, prompt {n_prompt} tokens)")
+    print(
+        f"{entry['model']}  ({threads} threads, prima's workers {entry['prima_wait']}, prompt {n_prompt} tokens)"
+    )
     print(f"  {'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>9} {'peak RSS MiB':>12}")
     for r in entry["results"]:
         print(

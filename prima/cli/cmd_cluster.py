@@ -2,7 +2,10 @@
 
 prima cluster init                 on your main device: a new cluster CA, and this device's identity
 prima cluster issue phone          a file holding the identity of node `phone`, signed by the CA
+prima cluster issue laptop --role coordinator   a device that runs prompts but serves no layers
 prima cluster join phone.pem       on the phone: install that file (or copy it to identity.pem)
+prima cluster revoke phone         remove a device: its certificates go on revoked.crl (copy it
+                                   to every device's cluster directory)
 prima cluster show                 this device's identity and cluster
 """
 
@@ -12,8 +15,10 @@ import argparse
 import socket
 from pathlib import Path
 
+from cryptography import x509
+
 from prima.errors import InputError
-from prima.net import credentials
+from prima.net import credentials, revocation
 from prima.net.credentials import ClusterCA, Identity
 
 
@@ -37,7 +42,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     issue = cs.add_parser("issue", help="write the identity file of a device joining the cluster")
     issue.add_argument("name", help="the device's node id (primad serves under this name)")
     issue.add_argument("-o", "--out", type=Path, default=None, help="file to write (default: NAME.pem)")
+    issue.add_argument(
+        "--role",
+        choices=credentials.ROLES,
+        default=credentials.ROLE_NODE,
+        help="node (default): serves in rings and may coordinate; coordinator: only calls daemons",
+    )
     issue.set_defaults(func=cluster_issue)
+    revoke = cs.add_parser("revoke", help="remove a device: refuse every certificate issued to NAME")
+    revoke.add_argument("name", help="the device's node id, as issued")
+    revoke.add_argument(
+        "--serial",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="revoke this certificate serial (shown by `prima cluster show` on the device) instead",
+    )
+    revoke.set_defaults(func=cluster_revoke)
     join = cs.add_parser("join", help="install an identity file made by `prima cluster issue`")
     join.add_argument("file", type=Path)
     join.set_defaults(func=cluster_join)
@@ -58,7 +79,11 @@ def cluster_init(args: argparse.Namespace) -> int:
     name = args.name or socket.gethostname()[: credentials.MAX_NAME_CHARS]
     ca = ClusterCA.create(f"prima cluster of {name}")
     ca.save(where)
-    credentials.write_private(where / credentials.IDENTITY_FILE, ca.issue(name).to_pem())
+    (where / revocation.ISSUED_FILE).unlink(missing_ok=True)  # serials of the replaced CA
+    (where / revocation.REVOKED_FILE).unlink(missing_ok=True)
+    identity = ca.issue(name)
+    revocation.record_issued(where, identity)
+    credentials.write_private(where / credentials.IDENTITY_FILE, identity.to_pem())
     print(f"cluster created in {where} (keep {credentials.CA_KEY_FILE} private: it admits devices)")
     print(f"this device is {name}; add another with: prima cluster issue NAME")
     return 0
@@ -66,12 +91,35 @@ def cluster_init(args: argparse.Namespace) -> int:
 
 def cluster_issue(args: argparse.Namespace) -> int:
     ca = ClusterCA.load(_dir(args))
-    identity = ca.issue(args.name)
+    identity = ca.issue(args.name, role=args.role)
+    revocation.record_issued(_dir(args), identity)
     out = args.out or Path(f"{args.name}.pem")
     credentials.write_private(out, identity.to_pem())
     print(f"wrote {out}; on the device run `prima cluster join {out.name}` (or copy it to")
     print(
         f"~/.config/prima/cluster/{credentials.IDENTITY_FILE}), then start primad there; delete {out} after"
+    )
+    return 0
+
+
+def cluster_revoke(args: argparse.Namespace) -> int:
+    where = _dir(args)
+    ca = ClusterCA.load(where)
+    try:
+        serials = [int(h, 16) for h in args.serial]
+    except ValueError:
+        raise InputError(f"--serial takes hexadecimal serials, got {args.serial}") from None
+    serials = serials or revocation.issued_serials(where, args.name)
+    if not serials:
+        raise InputError(
+            f"no certificate issued to {args.name!r} is recorded in {where / revocation.ISSUED_FILE}; "
+            "check the name, or pass --serial HEX (shown by `prima cluster show` on that device)"
+        )
+    crl = revocation.revoke(ca, where, serials)
+    print(f"revoked {len(serials)} certificate(s) of {args.name}; {len(list(crl))} revoked in all")
+    print(
+        f"copy {where / revocation.REVOKED_FILE} into every device's cluster directory: daemons refuse "
+        "those certificates from then on, without a restart"
     )
     return 0
 
@@ -92,5 +140,9 @@ def cluster_show(args: argparse.Namespace) -> int:
         print(f"no identity in {where}: run `prima cluster init` (first device) or `prima cluster join`")
         return 1
     keeper = (where / credentials.CA_KEY_FILE).exists()
-    print(f"{identity.name} ({where}); {'holds' if keeper else 'does not hold'} the cluster CA key")
+    serial = x509.load_pem_x509_certificate(identity.cert_pem).serial_number
+    print(
+        f"{identity.name}, a {identity.role} (serial {serial:x}) ({where}); "
+        f"{'holds' if keeper else 'does not hold'} the cluster CA key"
+    )
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from prima.scheduler.cost_model import (
     streams,
 )
 from prima.scheduler.profile import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
+from prima.scheduler.transfer import estimate_transfers
 
 _GIB = float(1 << 30)
 
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         args.save.write_text(devices_to_json(devices, model) + "\n")
     rows = _node_rows(plan, devices, model)
+    transfers = estimate_transfers(devices, model, plan)
     if args.json:
         doc = {
             "model": model.name,
@@ -91,6 +94,14 @@ def run(args: argparse.Namespace) -> int:
             "predicted_ms_per_token": plan.predicted_ms_per_token,
             "nodes": rows,
             "dropped": [{"node_id": d.node_id, "reason": d.reason} for d in plan.dropped],
+            "transfer_bytes": transfers.n_bytes,
+            # null when a node's link was not measured
+            "transfer_seconds": transfers.seconds if math.isfinite(transfers.seconds) else None,
+            "transfers": [
+                {"node_id": t.node_id, "layers": list(t.layers), "bytes": t.n_bytes}
+                for t in transfers.nodes
+                if t.n_bytes
+            ],
         }
         print(json.dumps(doc, indent=2))
         return 0
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         )
     for d in plan.dropped:
         print(f"dropped {d.node_id}: {d.reason}")
+    print(transfers.describe())
     return 0
 
 

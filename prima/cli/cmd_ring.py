@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import signal
 import threading
@@ -23,11 +24,13 @@ from prima import paths
 from prima.cli.arg_types import node_addresses, parse_budget, positive_int
 from prima.cli.engine_options import add_discovery_args, discover_addresses
 from prima.coordinator.local_ring import LocalRing
-from prima.errors import InputError
+from prima.errors import InputError, NodeError
 from prima.model.registry import DEFAULT_MODEL
 from prima.net import credentials
 from prima.net.client import NodeClient
 from prima.net.credentials import ClusterCA
+
+log = logging.getLogger("prima.cli")
 
 STOP_TIMEOUT_S = 15.0  # a daemon sends its mDNS goodbye and stops its server within this
 
@@ -101,6 +104,10 @@ def ring_status(args: argparse.Namespace) -> int:
         client = NodeClient(address)
         try:
             rows.append((address, client.info()))
+        except NodeError as exc:
+            if args.nodes:
+                raise
+            log.warning("leaving out %s: %s", address, exc)  # a discovered address is only a hint
         finally:
             client.close()
     if args.json:

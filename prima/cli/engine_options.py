@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,15 +27,16 @@ from prima.cli.arg_types import (
     window_sizes,
 )
 from prima.cli.progress import stage
+from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
-from prima.errors import InputError, PlanError
+from prima.errors import InputError, NodeError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.net import discovery
 
 # The engines, the ring and the model code (numba, grpc) load when a session opens, not when
 # the flags are declared: `--help` stays fast.
 if TYPE_CHECKING:
-    from prima.coordinator.planner import HaldaOptions
+    from prima.coordinator.planner import ClusterView, HaldaOptions
     from prima.coordinator.ring import Ring
     from prima.engine.generate import GenerateRequest, GenerationResult, Generator, TextDecoder
     from prima.engine.sampling import SamplerConfig
@@ -146,19 +148,29 @@ def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 
 
 def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> list[str]:
-    """The addresses of the daemons that answered over mDNS, in node id order ([] if none did).
-    PlanError if fewer than --expect answered or they cannot form one ring (a shared node id,
-    another protocol version or model file)."""
-    adverts = discovery.browse(args.discover_timeout, interfaces=args.mdns_interface, expect=args.expect)
-    if args.expect and len(adverts) < args.expect:
-        found = ", ".join(f"{a.node_id} at {a.address}" for a in adverts)
-        raise PlanError(
-            f"{len(adverts)} daemon(s) answered within {args.discover_timeout:g} s ({found}), expected "
-            f"{args.expect}; start the others or pass --nodes host:port,... (multicast is often "
-            "blocked by Wi-Fi client isolation and in containers)"
+    """The addresses of the cluster's daemons that answered over mDNS ([] if none did): adverts
+    are hints, kept only when the daemon proves membership at a handshake (prima.coordinator.
+    members). PlanError if fewer than --expect node ids answered."""
+    from prima.coordinator.members import discover_members
+
+    found = discover_members(
+        args.discover_timeout,
+        interfaces=args.mdns_interface,
+        expect=args.expect,
+        model_fingerprint=fingerprint,
+    )
+    if args.expect and len(found.node_ids) < args.expect:
+        shown = ", ".join(f"{a.node_id} at {a.address}" for a in found.adverts)
+        clashes = [p.message for p in discovery.check_adverts(found.adverts) if p.kind == "duplicate_id"]
+        advice = "; ".join(clashes) or (
+            "start the others or pass --nodes host:port,... (multicast is often blocked by Wi-Fi "
+            "client isolation and in containers)"
         )
-    discovery.require_consistent(adverts, model_fingerprint=fingerprint)
-    return [a.address for a in adverts]
+        raise PlanError(
+            f"{len(found.node_ids)} member(s) answered within {args.discover_timeout:g} s (adverts: "
+            f"{shown or 'none'}), expected {args.expect}; {advice}"
+        )
+    return list(found.addresses)
 
 
 @dataclass
@@ -281,12 +293,30 @@ def open_session(args: argparse.Namespace) -> Session:
             halda_options(args, loaded, pick_head=pick_head),
             args.rounds or 1,
             WireDType.parse(args.wire_dtype),
+            # A discovered ring keeps browsing: a re-plan also uses daemons that came back.
+            _watch_adverts(args, loaded, closers) if pick_head else None,
         )
         return Session(loaded, FailoverRing(ring, spec), n_ctx, closers, ring)
     except BaseException:
         for c in reversed(closers):
             c()
         raise
+
+
+def _watch_adverts(
+    args: argparse.Namespace, loaded: ModelFiles, closers: list[Callable[[], None]]
+) -> Callable[[], list[str]] | None:
+    """For a discovered ring: the addresses of this model's daemons advertised at any moment (a
+    browse kept open until the session closes), so a re-plan also uses daemons that came back."""
+    from prima.coordinator.failover import advertised
+
+    try:
+        watch = discovery.AdvertWatch(interfaces=args.mdns_interface)
+    except NodeError as exc:
+        log.warning("%s", exc)
+        return None
+    closers.append(watch.close)
+    return partial(advertised, watch, loaded.gguf.fingerprint())
 
 
 def _check_windows(args: argparse.Namespace, names: list[str], n_layers: int) -> None:
@@ -304,7 +334,11 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
     from prima.forward.loader import load_model
 
     ensure_compiled(path, on_stage=stage)
-    loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
+    threads = args.threads
+    if args.backend == "cpu":
+        setting = tuned_setting(path, on_stage=stage, threads=threads)
+        threads = setting.threads if setting else threads
+    loaded = load_model(path, backend=args.backend, threads=threads, mode=_mode(args))
     generator = local_generator(loaded, args.ctx, parallel=getattr(args, "parallel", 1))
     return Session(loaded, generator, generator.n_ctx, [generator.close])
 
@@ -333,7 +367,14 @@ def connect_ring(
         wire_dtype=WireDType.parse(args.wire_dtype),
         halda=halda,
         skip_untrusted=skip_untrusted,
+        on_plan=_report_transfers,
     )
+
+
+def _report_transfers(view: ClusterView) -> None:
+    """Before a plan that makes nodes fetch layers is loaded: how much, and how long."""
+    if view.transfers.n_bytes:
+        stage(view.transfers.describe())
 
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:

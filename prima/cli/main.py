@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "nodes": ("prima.cli.cmd_nodes", "list the primad daemons found on the LAN over mDNS"),
     "ring": ("prima.cli.cmd_ring", "start a local ring of primad daemons, or inspect running ones"),
     "cluster": ("prima.cli.cmd_cluster", "create the cluster's credentials and add devices to it"),
+    "tune": ("prima.cli.cmd_tune", "choose compute threads by timing a decode step here"),
     "bench": ("prima.cli.cmd_bench", "measure prima (and llama.cpp, if installed) on a model"),
     "npu": ("prima.cli.cmd_npu", "compile a model's windows for an Ascend NPU (CANN ATC)"),
 }

@@ -24,9 +24,10 @@ from pathlib import Path
 
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
-from prima.cli.arg_types import parse_budget, positive_int
+from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
 from prima.forward.loader import load_model
@@ -37,6 +38,7 @@ from prima.net.client import NodeClient
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.fetch import bootstrap
 from prima.net.limits import DaemonLimits, check_address
+from prima.net.revocation import REVOKED_FILE, RevocationList
 from prima.net.server import start_server
 
 log = logging.getLogger("prima.cli")
@@ -64,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a primad holding the whole model: with no (or a partial) file at --model, fetch from "
         "it the header now and, when a plan arrives, only the bytes of this node's windows, into a "
         "sparse file at --model (a path, or a model name's place in the cache)",
+    )
+    p.add_argument(
+        "--disk-budget",
+        default="0",
+        metavar="SIZE",
+        help="most of the model file this node may hold, such as 20G, when it fetches its layers "
+        "(--fetch-from); Halda plans within it and a plan past it is refused (default 0: no cap)",
     )
     p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
     p.add_argument(
@@ -134,7 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=DaemonLimits.max_sessions,
         help=f"sessions held at once (default {DaemonLimits.max_sessions}); their KV caches together "
-        "may take at most a quarter of this device's RAM",
+        "may take at most --max-kv-mib",
+    )
+    p.add_argument(
+        "--max-generates",
+        type=positive_int,
+        default=DaemonLimits.max_generates_per_caller,
+        help="Generate calls one caller (coordinator) may run at once on this daemon as head (default "
+        f"{DaemonLimits.max_generates_per_caller}); raise it for `prima serve --parallel` above that",
+    )
+    p.add_argument(
+        "--max-kv-mib",
+        type=positive_int,
+        default=None,
+        help="MiB the sessions' KV caches may take together (default: a quarter of this device's RAM)",
     )
     p.add_argument(
         "--cluster-dir",
@@ -143,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"directory holding this device's {credentials.IDENTITY_FILE} (default: "
         f"${credentials.CLUSTER_DIR_ENV}, else ~/.config/prima/cluster); see docs/security.md",
+    )
+    p.add_argument(
+        "--revocation-list",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"certificates this daemon refuses, written by `prima cluster revoke` (default: {REVOKED_FILE} "
+        "in the cluster directory); re-read when it changes",
     )
     p.add_argument(
         "--insecure",
@@ -155,10 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
-    """The daemon's bounds: --max-sessions, and KV caches within a quarter of the device's RAM."""
+    """The daemon's bounds: --max-sessions, and KV caches within --max-kv-mib (default a quarter
+    of the device's RAM)."""
     import psutil
 
-    return DaemonLimits(max_sessions=args.max_sessions, max_kv_bytes=psutil.virtual_memory().total // 4)
+    kv_bytes = args.max_kv_mib << 20 if args.max_kv_mib else psutil.virtual_memory().total // 4
+    return DaemonLimits(
+        max_sessions=args.max_sessions, max_kv_bytes=kv_bytes, max_generates_per_caller=args.max_generates
+    )
 
 
 def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
@@ -178,6 +212,12 @@ def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
                 "network you trust"
             )
         return None
+    if identity.role != credentials.ROLE_NODE:
+        raise InputError(
+            f"this device's identity ({identity.name}) is a {identity.role}'s, which may call daemons "
+            "but not serve as one; on the CA device run `prima cluster issue NAME` (a node identity) "
+            "and join with it"
+        )
     if args.name is not None and args.name != identity.name:
         raise InputError(
             f"--name {args.name} differs from the node id in this device's certificate ({identity.name}); "
@@ -202,34 +242,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
+    disk_budget = parse_disk_budget(args.disk_budget)
     identity = load_node_identity(args)
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
     ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
+    threads = args.threads
+    if args.backend == "cpu" and store is None:
+        setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"), threads=threads)
+        threads = setting.threads if setting else threads
     # Map the file and check the model; a node validates its layers only when a plan names them.
     loaded = load_model(
         path,
         backend=args.backend,
-        threads=args.threads,
+        threads=threads,
         layers=range(0),
         mode="exact" if args.exact else "q8",
         npu_ctx=args.npu_ctx,
     )
     stop = threading.Event()
+    bounds = daemon_limits(args)
     runtime = NodeRuntime(
         loaded,
         args.name or "pending",
         budget_bytes=budget,
         max_batch_tokens=args.max_batch,
         ring_timeout_s=args.ring_timeout,
-        threads=args.threads,
+        threads=threads,
         identity=identity or "plaintext",
-        bounds=daemon_limits(args),
+        bounds=bounds,
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
+        disk_budget_bytes=disk_budget,
     )
-    server, port = start_server(runtime, args.host, args.port, identity=identity)
+    revoked = None
+    if identity is not None:
+        where = args.cluster_dir or credentials.cluster_dir()
+        revoked = RevocationList(args.revocation_list or where / REVOKED_FILE, identity.roots_pem)
+    server, port = start_server(
+        runtime, args.host, args.port, identity=identity, limits=bounds, revoked=revoked
+    )
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"

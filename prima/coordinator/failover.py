@@ -10,6 +10,12 @@ sampler started at that step. The new ring rebuilds every KV cache by a pipeline
 prompt and samples on: with greedy or seeded sampling the tokens are those of the unbroken run,
 and the caller's stream has no duplicate and no gap. The head's role moves like any other: the
 first node of the new plan embeds and samples.
+
+The nodes planned over are those of RingSpec.addresses plus, for a ring found over mDNS, the ones
+advertised now (a browse kept open for the ring's life): a daemon that came back at any address,
+or joined, is used from the next re-plan. When no plan fits the nodes left, every survivor still
+holding the broken plan is handed that plan again at a newer epoch, which ends the sessions left
+behind by a dead head, so none stays open.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from dataclasses import dataclass
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, PlanError, PrimaError
+from prima.net import discovery
 from prima.net.client import GenerateStream, NodeClient
 from prima.net.codec import NodeStatus, WireDType
 from prima.net.liveness import Liveness, probe_nodes, wait_for
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
+from prima.scheduler.profile import DeviceProfile
 
 from .planner import HaldaOptions, plan_ring
 from .ring import Ring, check_same_model
@@ -37,7 +45,7 @@ log = logging.getLogger("prima.coordinator")
 DEFAULT_MAX_RECOVERIES = 4
 # This side only watches the head; the head names a hung follower itself within seconds, so this
 # gives up later than the head's own ring timeout would.
-COORDINATOR_LIVENESS = Liveness(quiet_s=2.0, probe_timeout_s=2.0, misses=2, give_up_s=900.0)
+COORDINATOR_LIVENESS = Liveness(quiet_s=2.0, probe_timeout_s=1.5, misses=2, give_up_s=900.0)
 _END = object()
 
 
@@ -94,12 +102,19 @@ class _Replay:
 @dataclass(frozen=True)
 class RingSpec:
     """How to plan the ring again: every daemon it may use (including ones that left, which
-    rejoin when they answer), and Halda's options or the rounds of a plan made by hand."""
+    rejoin when they answer), Halda's options or the rounds of a plan made by hand, and for a
+    discovered ring `discover`, the addresses advertised now (`advertised`)."""
 
     addresses: tuple[str, ...]
     halda: HaldaOptions | None = None
     rounds: int = 1
     wire_dtype: WireDType = WireDType.F32
+    discover: Callable[[], Sequence[str]] | None = None
+
+    def candidates(self) -> list[str]:
+        """The addresses to probe for a re-plan: the known ones, then any newly advertised."""
+        found = list(self.discover()) if self.discover is not None else []
+        return list(dict.fromkeys([*self.addresses, *found]))
 
 
 def continuation(request: GenerateRequest, emitted: Sequence[int]) -> GenerateRequest:
@@ -197,44 +212,49 @@ class FailoverRing:
 
     def replan(self) -> None:
         """Plan over the daemons that answer now and load that plan on them at a newer epoch;
-        PlanError (saying what is missing) when they cannot hold the model."""
-        clients, infos = reachable_nodes(self.spec.addresses, self.liveness.probe_timeout_s)
+        PlanError (saying what is missing) when they cannot hold the model, after ending the
+        broken plan's sessions on the survivors."""
+        addresses = self.spec.candidates()
+        clients, infos = reachable_nodes(addresses, self.liveness.probe_timeout_s)
         if not clients:
-            raise PlanError(
-                f"none of the daemons ({', '.join(self.spec.addresses)}) answers; restart primad on them"
-            )
-        holding = {
-            c.address for c, i in zip(clients, infos, strict=True) if i.plan_epoch == self.ring.plan.epoch
-        }
+            raise PlanError(f"none of the daemons ({', '.join(addresses)}) answers; restart primad on them")
+        old = self.ring.plan
+        holding = {c.address for c, i in zip(clients, infos, strict=True) if i.plan_epoch == old.epoch}
         if {c.address for c in self.ring.clients} <= holding:
             for c in clients:
                 c.close()
             raise PlanError("every node of the ring still answers with its plan, so no node left")
+        members: list[NodeClient] = []
         try:
             check_same_model([c.address for c in clients], infos)
-            epoch = max(max(i.plan_epoch for i in infos), self.ring.plan.epoch) + 1
-            n_layers = infos[0].n_layers
-            if self.spec.halda is not None:
-                view = plan_ring(clients, self.spec.halda, epoch=epoch)
-                plan, devices = view.plan, view.devices
-            else:
-                sizes = even_window_sizes(len(clients), n_layers, self.spec.rounds)
-                nodes = [(i.node_id, c.address) for c, i in zip(clients, infos, strict=True)]
-                plan, devices = (
-                    plan_from_window_sizes(nodes, sizes, self.spec.rounds, n_layers, epoch=epoch),
-                    (),
-                )
+            epoch = max(max(i.plan_epoch for i in infos), old.epoch) + 1
+            plan, devices = self._plan(clients, infos, epoch)
             by_address = {c.address: c for c in clients}
             members = [by_address[n.address] for n in plan.nodes]
-            old = self.ring.clients
-            self.ring.clients, self.ring.devices = members, tuple(devices)
-            for c in old:
-                c.close()
-            self.ring.load_plan(plan, self.spec.wire_dtype)
+            Ring(members, plan, devices).load_plan(plan, self.spec.wire_dtype)
+        except PrimaError:
+            members = []
+            retire_sessions(clients, infos, old, self.spec.wire_dtype)
+            raise
         finally:
             for c in clients:
-                if c not in self.ring.clients:
+                if c not in members:
                     c.close()
+        for c in self.ring.clients:
+            c.close()
+        self.ring.clients, self.ring.devices, self.ring.plan = members, tuple(devices), plan
+
+    def _plan(
+        self, clients: list[NodeClient], infos: list[NodeStatus], epoch: int
+    ) -> tuple[Plan, tuple[DeviceProfile, ...]]:
+        """Halda's plan over `clients`, or an even split when the ring was planned by hand."""
+        if self.spec.halda is not None:
+            view = plan_ring(clients, self.spec.halda, epoch=epoch)
+            return view.plan, view.devices
+        n_layers = infos[0].n_layers
+        sizes = even_window_sizes(len(clients), n_layers, self.spec.rounds)
+        nodes = [(i.node_id, c.address) for c, i in zip(clients, infos, strict=True)]
+        return plan_from_window_sizes(nodes, sizes, self.spec.rounds, n_layers, epoch=epoch), ()
 
     def _finish(self, done: GenerationDone, request: GenerateRequest, resumed: bool) -> GenerationDone:
         """The closing event; after a failover the prompt's logits (if asked for) come from one
@@ -259,6 +279,11 @@ class FailoverRing:
         self.ring.close()
 
 
+def advertised(watch: discovery.AdvertWatch, fingerprint: str) -> list[str]:
+    """The addresses `watch` has seen advertised by daemons of the model with `fingerprint`."""
+    return [a.address for a in watch.adverts() if a.model_fingerprint == fingerprint]
+
+
 def reachable_nodes(addresses: Sequence[str], timeout_s: float) -> tuple[list[NodeClient], list[NodeStatus]]:
     """Clients (named by node id) for the daemons among `addresses` that answer Info within
     `timeout_s` (and, with TLS, prove cluster membership), in the order given, with their Info."""
@@ -275,6 +300,25 @@ def reachable_nodes(addresses: Sequence[str], timeout_s: float) -> tuple[list[No
         clients.append(client)
         infos.append(info)
     return clients, infos
+
+
+def retire_sessions(
+    clients: Sequence[NodeClient], infos: Sequence[NodeStatus], plan: Plan, wire_dtype: WireDType
+) -> None:
+    """End the sessions a broken ring left on the nodes in `clients` that still hold `plan`
+    (a dead head cannot close them): each loads the same plan at a newer epoch, which drops
+    every session of the old one and keeps its windows."""
+    by_address = {n.address: n.node_id for n in plan.nodes}
+    epoch = max([plan.epoch, *(i.plan_epoch for i in infos)]) + 1
+    again = dataclasses.replace(plan, epoch=epoch)
+    for client, info in zip(clients, infos, strict=True):
+        if info.plan_epoch != plan.epoch or info.sessions == 0 or client.address not in by_address:
+            continue
+        try:
+            client.load_plan(again, by_address[client.address], wire_dtype)
+            log.info("ended the broken ring's sessions on %s", client.name)
+        except PrimaError as exc:
+            log.warning("could not end the broken ring's sessions on %s: %s", client.name, exc)
 
 
 def watched_stream(head: NodeClient, request: GenerateRequest, liveness: Liveness) -> Iterator[TokenEvent]:

@@ -30,6 +30,7 @@ from prima.errors import NodeError
 from prima.net import credentials
 from prima.net.credentials import ClusterCA
 from prima.net.discovery import INTERFACES_ENV
+from prima.net.revocation import REVOKED_FILE
 
 log = logging.getLogger("prima.coordinator")
 
@@ -108,7 +109,10 @@ class LocalRing:
             for i in range(n):
                 cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
                 if dirs:
-                    cmd += ["--cluster-dir", str(dirs[i])]
+                    # Each daemon's directory is deleted once it has read its identity; the
+                    # revocation list stays this device's, so `prima cluster revoke` reaches them.
+                    crl = credentials.cluster_dir() / REVOKED_FILE
+                    cmd += ["--cluster-dir", str(dirs[i]), "--revocation-list", str(crl)]
                 cmd += ["--model", str(models[i] if models else model), "--name", names[i], *extra_args]
                 cmd += [*(node_args[i] if node_args else ()), "--threads", str(threads)]
                 if not mdns:

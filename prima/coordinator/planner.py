@@ -15,6 +15,7 @@ from prima.net.codec import NodeProfile
 from prima.plan import Plan
 from prima.scheduler import halda
 from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.transfer import TransferEstimate, estimate_transfers
 
 log = logging.getLogger("prima.coordinator")
 
@@ -31,10 +32,12 @@ class HaldaOptions:
 
 @dataclass(frozen=True)
 class ClusterView:
-    """The devices as Halda saw them (ring order, head first) and the plan it chose."""
+    """The devices as Halda saw them (ring order, head first), the plan it chose, and what the
+    nodes must fetch for it (nodes holding only part of the model)."""
 
     devices: tuple[DeviceProfile, ...]
     plan: Plan
+    transfers: TransferEstimate
 
 
 def budgeted_device(profile: NodeProfile, model: ModelProfile, *, is_head: bool) -> DeviceProfile:
@@ -87,4 +90,6 @@ def plan_ring(clients: Sequence[NodeClient], options: HaldaOptions, *, epoch: in
             device.net_latency_ms,
         )
     plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
-    return ClusterView(tuple(devices), plan)
+    transfers = estimate_transfers(devices, model, plan)
+    log.info("plan epoch %d: %s", epoch, transfers.describe())
+    return ClusterView(tuple(devices), plan, transfers)

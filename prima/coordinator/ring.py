@@ -5,16 +5,17 @@ It tokenizes and detokenizes; the layers never run here."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError, UntrustedNodeError
+from prima.net import revocation
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
-from .planner import HaldaOptions, plan_ring
+from .planner import ClusterView, HaldaOptions, plan_ring
 
 log = logging.getLogger("prima.coordinator")
 
@@ -43,12 +44,14 @@ class Ring:
         timeout_s: float = 10.0,
         halda: HaldaOptions | None = None,
         skip_untrusted: bool = False,
+        on_plan: Callable[[ClusterView], None] | None = None,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
         `window_sizes`), else `window_sizes` (an even split if None) over `rounds`. Nodes that
         Halda leaves out are not part of the ring. With `skip_untrusted` (addresses found over
-        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too."""
+        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too.
+        `on_plan` sees Halda's plan before it is loaded (loading it may fetch layers first)."""
         if not addresses:
             raise PlanError("no nodes given; pass --nodes host:port,... or --local-ring N")
         clients, infos = connect_nodes(addresses, timeout_s=timeout_s, skip_untrusted=skip_untrusted)
@@ -57,6 +60,8 @@ class Ring:
             epoch = max(info.plan_epoch for info in infos) + 1
             if halda is not None and not window_sizes:
                 view = plan_ring(clients, halda, epoch=epoch)
+                if on_plan is not None:
+                    on_plan(view)
                 by_address = {c.address: c for c in clients}
                 members = [by_address[n.address] for n in view.plan.nodes]
                 for c in clients:
@@ -120,33 +125,60 @@ def connect_nodes(
     """A client per address, named by the node's id, after checking that the nodes run one
     protocol and one model file and have distinct ids (NodeError / PlanError saying which).
     Each client then accepts only the certificate of the id its node claimed. With
-    `skip_untrusted`, nodes that fail the TLS handshake are dropped (with a warning) instead of
-    failing the whole ring; PlanError if none is left."""
+    `skip_untrusted` (addresses that are only hints, as mDNS adverts are), nodes that fail the
+    TLS handshake or do not answer are dropped (with a warning) instead of failing the whole
+    ring; PlanError if none is left."""
     clients = [NodeClient(a, timeout_s=timeout_s) for a in addresses]
     try:
         infos = []
         for c in list(clients):
             try:
                 infos.append(c.info())
-            except UntrustedNodeError as exc:
+            except NodeError as exc:
                 if not skip_untrusted:
                     raise
-                log.warning("leaving out %s: %s", c.address, exc)
+                why = "not a member" if isinstance(exc, UntrustedNodeError) else "no answer"
+                log.warning("leaving out %s (%s): %s", c.address, why, exc)
                 clients.remove(c)
                 c.close()
         if not clients:
             raise PlanError(
-                f"none of the {len(addresses)} daemon(s) found proved it belongs to this cluster; "
-                "issue them identities (prima cluster issue, docs/security.md)"
+                f"none of the {len(addresses)} daemon(s) found answered and proved it belongs to this "
+                "cluster; check they run, and issue them identities (prima cluster issue, docs/security.md)"
             )
         for c, info in zip(clients, infos, strict=True):
             c.expect(info.node_id)
+        _drop_revoked(clients, infos, skip=skip_untrusted, timeout_s=timeout_s)
         check_same_model([c.address for c in clients], infos)
     except BaseException:
         for c in clients:
             c.close()
         raise
     return clients, infos
+
+
+def _drop_revoked(
+    clients: list[NodeClient], infos: list[NodeStatus], *, skip: bool, timeout_s: float
+) -> None:
+    """Hold the nodes to this device's revocation list (if it has one): a revoked node is an
+    UntrustedNodeError, or with `skip` left out with a warning; PlanError if none is left."""
+    revoked = revocation.this_devices_list()
+    if revoked is None:
+        return
+    kept = []
+    for c, info in zip(clients, infos, strict=True):
+        try:
+            revocation.check_node(revoked, c.address, info.node_id, timeout_s)
+            kept.append((c, info))
+        except UntrustedNodeError as exc:
+            if not skip:
+                raise
+            log.warning("leaving out %s: %s", c.address, exc)
+            c.close()
+    clients[:] = [c for c, _ in kept]
+    infos[:] = [info for _, info in kept]
+    if not clients:
+        raise PlanError("every daemon found holds a revoked certificate; issue them new identities")
 
 
 def check_same_model(addresses: Sequence[str], infos: Sequence[NodeStatus]) -> None:

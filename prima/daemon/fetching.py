@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from prima.errors import NodeError
+from prima.errors import NodeError, PlanError
 from prima.model.byte_ranges import covers, needed_ranges, subtract
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
@@ -25,14 +25,24 @@ from prima.plan import Plan
 
 log = logging.getLogger("prima.daemon")
 
+GiB = float(1 << 30)
+
 
 class WindowFetcher:
     """Fetches into `store` the bytes a plan gives this node, from `sources` or the plan's nodes."""
 
-    def __init__(self, store: SparseFile, identity: Transport = None, sources: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        store: SparseFile,
+        identity: Transport = None,
+        sources: Sequence[str] = (),
+        *,
+        disk_budget_bytes: int = 0,
+    ) -> None:
         self.store = store
         self.identity = identity
         self.sources = tuple(sources)
+        self.disk_budget_bytes = disk_budget_bytes  # 0: no cap
 
     def ensure(self, gguf: GGUFFile, plan: Plan, me: int) -> FetchStats:
         """Hold every byte node `me` of `plan` needs (NodeError naming what is missing if no
@@ -45,6 +55,7 @@ class WindowFetcher:
         missing = subtract(needed, self.store.held())
         if not missing:
             return stats
+        self._check_disk_budget(plan, me, sum(r.n_bytes for r in missing))
         others = [n.address for i, n in enumerate(plan.nodes) if i != me]
         problems = []
         for address in dict.fromkeys([*self.sources, *others]):
@@ -72,4 +83,20 @@ class WindowFetcher:
             f"node {plan.nodes[me].node_id} holds only part of its model and no peer could send the "
             f"{lacking >> 20} MiB its windows lack; start a primad holding the whole file, or pass "
             "--fetch-from HOST:PORT of one" + (f" ({'; '.join(problems)[:500]})" if problems else "")
+        )
+
+    def _check_disk_budget(self, plan: Plan, me: int, missing_bytes: int) -> None:
+        """PlanError, before any byte is fetched, when the windows would take the model file
+        past primad --disk-budget."""
+        if self.disk_budget_bytes <= 0:
+            return
+        after = self.store.held_bytes() + missing_bytes
+        if after <= self.disk_budget_bytes:
+            return
+        node = plan.nodes[me]
+        raise PlanError(
+            f"node {node.node_id} would hold {after / GiB:.2f} GiB of the model after fetching the "
+            f"{missing_bytes / GiB:.2f} GiB its windows {' '.join(map(str, node.windows))} lack, over its "
+            f"--disk-budget of {self.disk_budget_bytes / GiB:.2f} GiB; plan with Halda (it respects the "
+            "budget), give this node fewer layers, or restart its primad with a larger --disk-budget"
         )

@@ -21,6 +21,9 @@ import numpy as np
 from prima.backends.base import AcceleratorBackend, KVState
 from prima.forward.loader import LoadedModel
 from prima.forward.placement import Piece
+from prima.model.byte_ranges import held_layers, holds_head_tensors
+from prima.model.gguf_file import GGUFFile
+from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops
@@ -135,9 +138,12 @@ def node_profile(
     refresh: bool = False,
     cache_dir: Path | None = None,
     identity: Transport = None,
+    store: SparseFile | None = None,
+    disk_budget_bytes: int = 0,
 ) -> NodeProfile:
     """This device measured for the scheduler (cached per model file; `refresh` measures
-    again), with the memory it may use now, plus the link to `peer_address` when one is given."""
+    again), with the memory it may use now (its accelerator's too), what it holds of the model
+    file (`store`) and its disk budget, plus the link to `peer_address` when one is given."""
     backend = loaded.model.backend
 
     def measure() -> DeviceProfile:
@@ -158,6 +164,8 @@ def node_profile(
         ram_available_bytes=limit.weights_budget(),
         accelerator=accel,
     )
+    if store is not None:
+        device = with_holdings(device, loaded.gguf, store, disk_budget_bytes)
     if peer_address:
         peer = NodeClient(peer_address, identity=identity)
         try:
@@ -166,6 +174,23 @@ def node_profile(
             peer.close()
         device = dataclasses.replace(device, net_latency_ms=latency_ms, net_bandwidth_bytes_per_s=bandwidth)
     return NodeProfile(device, budget_bytes or 0, found.measured_unix_s)
+
+
+def with_holdings(
+    device: DeviceProfile, gguf: GGUFFile, store: SparseFile, disk_budget_bytes: int
+) -> DeviceProfile:
+    """`device` with what it holds of the model file now (read fresh, like its memory: fetches
+    change it) and the disk budget it was started with."""
+    if not store.partial:
+        return dataclasses.replace(device, held_bytes=store.file_size, disk_budget_bytes=disk_budget_bytes)
+    held = store.held()
+    return dataclasses.replace(
+        device,
+        held_layers=held_layers(gguf, held),
+        holds_head_tensors=holds_head_tensors(gguf, held),
+        held_bytes=store.held_bytes(),
+        disk_budget_bytes=disk_budget_bytes,
+    )
 
 
 def memory_limit(loaded: LoadedModel) -> MemoryLimit:

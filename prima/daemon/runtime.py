@@ -32,6 +32,7 @@ from prima.net.status import (
     UnknownSessionError,
 )
 from prima.plan import Plan, Window
+from prima.weights.kv_cache import kv_bytes
 from prima.weights.window import LayerWindows, Residency
 
 from .fetching import WindowFetcher
@@ -64,6 +65,7 @@ class NodeRuntime:
         bounds: DaemonLimits | None = None,
         store: SparseFile | None = None,
         fetch_from: tuple[str, ...] = (),
+        disk_budget_bytes: int = 0,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -80,7 +82,8 @@ class NodeRuntime:
         self.fingerprint = loaded.gguf.fingerprint()
         # The model file, whole or holding only some windows' bytes (fetched at LoadPlan).
         self.store = store or SparseFile.open(loaded.path, self.fingerprint)
-        self.fetcher = WindowFetcher(self.store, identity, fetch_from)
+        self.disk_budget_bytes = disk_budget_bytes  # 0: no cap on what the model file may hold
+        self.fetcher = WindowFetcher(self.store, identity, fetch_from, disk_budget_bytes=disk_budget_bytes)
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
@@ -144,6 +147,8 @@ class NodeRuntime:
                 refresh=refresh,
                 cache_dir=self.profile_cache_dir,
                 identity=self.identity,
+                store=self.store,
+                disk_budget_bytes=self.disk_budget_bytes,
             )
 
     # -- who may call --------------------------------------------------------------------------
@@ -276,6 +281,11 @@ class NodeRuntime:
             )
         if not 0 < n_ctx <= self.model.config.context_length:
             raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
+        # Refused before the cache exists: allocating it first and freeing it on refusal leaves
+        # the pages resident (the allocator keeps them), so spam would grow the daemon. (Counted
+        # as float32 host KV: an accelerator's float16 cache takes at most that.)
+        with self._lock:
+            self._check_room(kv_bytes(self.model.config, n_ctx, len(set(layout.layers()))))
         # The backends keep the KV state (the acl backend: on the NPU, for its layers).
         host = layout.host_layers()
         accel = [i for i in layout.layers() if i not in set(host)]

@@ -19,9 +19,7 @@ caller has already checked that the cache rows [positions] are writable (KVCache
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from prima.kernels import drivers, fused_ops
 
@@ -69,57 +67,6 @@ def _project3(fa, fb, fc, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
         out[:, :ra] = _project(fa, a, a[:0], a[:0], x, int8, lut)
         out[:, ra : ra + rb] = _project(fb, b, b[:0], b[:0], x, int8, lut)
         out[:, ra + rb :] = _project(fc, c, c[:0], c[:0], x, int8, lut)
-    return out
-
-
-@intrinsic
-def _f32_bits(typingctx, v):  # noqa: ANN001, ANN202, ARG001
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202, ARG001
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-@njit(cache=True)
-def f16_bits(v: np.float32) -> np.uint16:
-    """The IEEE half nearest to v (ties to even, as numpy's astype(float16)), as its bits."""
-    u = _f32_bits(np.float32(v))
-    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
-    u &= np.uint32(0x7FFFFFFF)
-    if u > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
-        return np.uint16(sign | np.uint32(0x7E00))
-    if u >= np.uint32(0x477FF000):  # 65520 and above, and infinity, round to infinity
-        return np.uint16(sign | np.uint32(0x7C00))
-    if u < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero), in units of 2^-24
-        return np.uint16(sign | np.uint32(np.rint(_bits_f32(u) * np.float32(16777216.0))))
-    r = u - np.uint32(0x38000000)  # rebias the exponent from 127 to 15
-    r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))  # round to nearest even
-    return np.uint16(sign | (r >> np.uint32(13)))
-
-
-@njit(cache=True)
-def gelu_mul(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray) -> np.ndarray:
-    """gelu(gate) * up through ggml's fp16 table, as fused_ops.glu's "gelu" (ops.gelu)."""
-    n = gate_up.shape[0]
-    out = np.empty((n, ffn_dim), dtype=np.float32)
-    for i in range(n):
-        for j in range(ffn_dim):
-            g = gate_up[i, j]
-            if g <= np.float32(-10.0):
-                y = np.float32(0.0)
-            elif g >= np.float32(10.0):
-                y = g
-            else:
-                y = table[f16_bits(g)]
-            out[i, j] = y * gate_up[i, ffn_dim + j]
     return out
 
 
@@ -178,7 +125,7 @@ def decode_layer(  # noqa: ANN201
     x, xn = fused_ops.residual_norm(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)
     if gelu:
-        act = gelu_mul(gate_up, ffn_dim, gelu_table)
+        act = fused_ops.gelu_mul(gate_up, ffn_dim, gelu_table)
     else:
         act = fused_ops.silu_mul(gate_up, ffn_dim)
     ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)

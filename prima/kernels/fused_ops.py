@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from prima.kernels import ops
 from prima.kernels.ops import ROPE_NEOX
@@ -128,6 +130,31 @@ def _rope_row(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> No
 
 
 @njit(cache=True, inline="always")
+def _dot8(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """a . b in float32, summed in eight interleaved partial sums that are then added in order.
+    A single running sum is one long chain of dependent adds, which the compiler may not reorder
+    without fastmath (and fastmath made copies of a kernel round differently: see
+    prima.kernels.jit_memory); eight independent chains run ~8x faster, and the order is fixed,
+    so every copy and every run gives the same bits."""
+    n = a.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    full = n - n % 8
+    for j in range(0, full, 8):
+        s0 += a[j] * b[j]
+        s1 += a[j + 1] * b[j + 1]
+        s2 += a[j + 2] * b[j + 2]
+        s3 += a[j + 3] * b[j + 3]
+        s4 += a[j + 4] * b[j + 4]
+        s5 += a[j + 5] * b[j + 5]
+        s6 += a[j + 6] * b[j + 6]
+        s7 += a[j + 7] * b[j + 7]
+    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for j in range(full, n):
+        total += a[j] * b[j]
+    return total
+
+
+@njit(cache=True, inline="always")
 def _attend(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -152,11 +179,7 @@ def _attend(
     sc = np.float32(scale)
     m = np.float32(-np.inf)
     for s in range(lo, hi):
-        kr = k_cache[s, kvh]
-        acc = np.float32(0.0)
-        for j in range(hd):
-            acc += qh[j] * kr[j]
-        acc *= sc
+        acc = _dot8(qh, k_cache[s, kvh]) * sc
         scores[s - lo] = acc
         m = max(m, acc)
     total = np.float32(0.0)
@@ -222,10 +245,61 @@ def silu_mul(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
     return out
 
 
+@intrinsic
+def _f32_bits(typingctx, v):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@njit(cache=True)
+def f16_bits(v: np.float32) -> np.uint16:
+    """The IEEE half nearest to v (ties to even, as numpy's astype(float16)), as its bits."""
+    u = _f32_bits(np.float32(v))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    u &= np.uint32(0x7FFFFFFF)
+    if u > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
+        return np.uint16(sign | np.uint32(0x7E00))
+    if u >= np.uint32(0x477FF000):  # 65520 and above, and infinity, round to infinity
+        return np.uint16(sign | np.uint32(0x7C00))
+    if u < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero), in units of 2^-24
+        return np.uint16(sign | np.uint32(np.rint(_bits_f32(u) * np.float32(16777216.0))))
+    r = u - np.uint32(0x38000000)  # rebias the exponent from 127 to 15
+    r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))  # round to nearest even
+    return np.uint16(sign | (r >> np.uint32(13)))
+
+
+@njit(cache=True)
+def gelu_mul(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up through ggml's fp16 table (ops.gelu_fp16_table), bit for bit as ops.gelu."""
+    n = gate_up.shape[0]
+    out = np.empty((n, ffn_dim), dtype=np.float32)
+    for i in range(n):
+        for j in range(ffn_dim):
+            g = gate_up[i, j]
+            if g <= np.float32(-10.0):
+                y = np.float32(0.0)
+            elif g >= np.float32(10.0):
+                y = g
+            else:
+                y = table[f16_bits(g)]
+            out[i, j] = y * gate_up[i, ffn_dim + j]
+    return out
+
+
 def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
-    """act(gate) * up from the merged gate/up projection; GELU keeps ggml's fp16 table (numpy)."""
+    """act(gate) * up from the merged gate/up projection; GELU through ggml's fp16 table."""
     if activation == "gelu":
-        return ops.gelu(gate_up[:, :ffn_dim]) * gate_up[:, ffn_dim:]
+        return gelu_mul(gate_up, ffn_dim, ops.gelu_fp16_table())
     return silu_mul(gate_up, ffn_dim)
 
 

@@ -17,7 +17,9 @@ DEFAULTS: dict[str, str] = {
     # libgomp's workers sleep between launches instead of spinning. On a loaded machine a
     # spinning worker burns the time slice the other one needs to reach the barrier: SmolLM2
     # decode at 2 threads took 383 ms/token spinning (GOMP_SPINCOUNT=20000), 57-120 passive, with
-    # the load average at 4.6 on 2 cores. A dedicated machine may prefer OMP_WAIT_POLICY=active.
+    # the load average at 4.6 on 2 cores. This is only the default: where the machine is not
+    # shared that way, a brief spin makes launches ~30x cheaper, and the entry points that run a
+    # model replace it with what prima.engine.thread_tuning measured here.
     "OMP_WAIT_POLICY": "PASSIVE",
 }
 

@@ -121,3 +121,24 @@ def needed_ranges(gguf: GGUFFile, windows: Sequence[Window], *, head: bool) -> R
         if layer is None and (head or name not in HEAD_TENSORS) or layer in layers:
             want.append(ByteRange(info.offset, info.offset + info.n_bytes))
     return normalize(want)
+
+
+def held_layers(gguf: GGUFFile, held: Iterable[ByteRange]) -> tuple[int, ...]:
+    """The layers every tensor byte of which is in `held`."""
+    have = normalize(held)
+    by_layer: dict[int, list[ByteRange]] = {}
+    for name, info in gguf.tensors.items():
+        layer = _layer_of(name)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(ByteRange(info.offset, info.offset + info.n_bytes))
+    return tuple(sorted(layer for layer, want in by_layer.items() if covers(have, want)))
+
+
+def holds_head_tensors(gguf: GGUFFile, held: Iterable[ByteRange]) -> bool:
+    """Whether `held` has the embedding and output head (what only the head node reads)."""
+    want = [
+        ByteRange(info.offset, info.offset + info.n_bytes)
+        for name, info in gguf.tensors.items()
+        if name in HEAD_TENSORS
+    ]
+    return covers(held, want)

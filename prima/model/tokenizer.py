@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -48,6 +49,7 @@ END_OF_TURN_NAMES = frozenset(
 )
 
 _CACHE_SIZE = 4
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class _FragmentModel(Protocol):
@@ -114,6 +116,7 @@ class Tokenizer:
             raise TokenizerError(
                 f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens; the GGUF is damaged"
             )
+        _check_byte_tokens(tokens, types)
         # llama.cpp's defaults when the keys are absent: SPM adds BOS and a space prefix, BPE neither
         # (except the Llama 3 and Tekken vocabularies, which add BOS).
         add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", kind == "llama"))
@@ -276,9 +279,23 @@ class StreamDecoder:
         return text
 
 
+def _check_byte_tokens(tokens: Sequence[str], types: np.ndarray) -> None:
+    """TokenizerError unless every BYTE token reads `<0xNN>`: decoding turns it into that byte."""
+    for i in np.flatnonzero(types == TokenType.BYTE).tolist():
+        text = tokens[i]
+        if not (isinstance(text, str) and _BYTE_TOKEN.fullmatch(text)):
+            raise TokenizerError(
+                f"token {i} is typed BYTE but reads {str(text)[:20]!r}, not <0xNN>; the GGUF's "
+                "tokenizer.ggml.token_type or tokens are damaged: re-convert the model"
+            )
+
+
 def _optional_id(meta: Mapping[str, Any], key: str, n_tokens: int) -> int | None:
     value = meta.get(key)
     if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        log.warning("%s = %.20r is not a token id; ignoring it", key, value)
         return None
     value = int(value)
     if not 0 <= value < n_tokens:
@@ -299,6 +316,10 @@ def _cached_model(
         inputs: tuple[Any, ...] = (kind, pre, _digest(tokens), _digest(merges))
     else:
         scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), dtype=np.float32)
+        if scores.shape != (len(tokens),):
+            raise TokenizerError(
+                f"tokenizer.ggml.scores has {scores.size} entries for {len(tokens)} tokens; the GGUF is damaged"
+            )
         unk = _optional_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
         inputs = (kind, add_space_prefix, unk, _digest(tokens), hashlib.sha256(scores.tobytes()).digest())
     key = hash(inputs)

@@ -3,14 +3,18 @@ from them. Every node and coordinator of a cluster holds an identity (its key, i
 the cluster's CA certificate); traffic between them is mutual TLS, so a device without an
 identity the cluster issued can neither join a ring nor call a daemon (see docs/security.md).
 
-A certificate's common name is the node id it may serve under. Each certificate also carries two
-DNS names: MEMBER_NAME, which every member shares (the TLS target name when the caller does not
-yet know who is at an address), and `node_target_name(node_id)`, so a caller that expects a
-given node checks at the handshake that the peer holds that node's certificate.
+A certificate's common name is the node id it may serve under, and its organizational unit its
+role: ROLE_NODE (a device that serves in rings and may also coordinate) or ROLE_COORDINATOR (a
+device that only calls daemons, e.g. a laptop running `prima run`). A node's certificate carries
+two DNS names: MEMBER_NAME, which every node shares (the TLS target name when the caller does
+not yet know who is at an address), and `node_target_name(node_id)`, so a caller that expects a
+given node checks at the handshake that the peer holds that node's certificate. A coordinator's
+certificate carries neither, so it fails every caller's handshake if it is served as a node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import ipaddress
@@ -36,6 +40,9 @@ IDENTITY_FILE = "identity.pem"  # this device's key, certificate and the cluster
 CA_KEY_FILE = "ca.key"  # only on the device that issues certificates (`prima cluster init`)
 CA_CERT_FILE = "ca.crt"
 MEMBER_NAME = "member.prima"
+ROLE_NODE = "node"
+ROLE_COORDINATOR = "coordinator"
+ROLES = (ROLE_NODE, ROLE_COORDINATOR)
 MAX_NAME_CHARS = 63  # node ids are at most 63 bytes (discovery's TXT limit); a CN at most 64
 CA_DAYS = 3650
 MEMBER_DAYS = 825
@@ -55,6 +62,7 @@ class Identity:
     key_pem: bytes
     cert_pem: bytes
     roots_pem: bytes
+    role: str = ROLE_NODE
 
     def to_pem(self) -> bytes:
         """One file a device can be given: key, certificate, then the CA certificates."""
@@ -80,13 +88,14 @@ class Identity:
             key_pem=key_pem,
             cert_pem=own.public_bytes(pem),
             roots_pem=b"".join(c.public_bytes(pem) for c in roots),
+            role=cert_role(own),
         )
 
     def trusting(self, extra_roots_pem: bytes) -> Identity:
         """The same identity, also trusting the CA certificates in `extra_roots_pem`."""
         if not extra_roots_pem or extra_roots_pem in self.roots_pem:
             return self
-        return Identity(self.name, self.key_pem, self.cert_pem, self.roots_pem + extra_roots_pem)
+        return dataclasses.replace(self, roots_pem=self.roots_pem + extra_roots_pem)
 
 
 @dataclass(frozen=True)
@@ -117,17 +126,29 @@ class ClusterCA:
         )
         return cls(_key_pem(key), cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, days: int = MEMBER_DAYS) -> Identity:
-        """A member identity for node id (or coordinator name) `name`, signed by this CA."""
+    def issue(self, name: str, days: int = MEMBER_DAYS, role: str = ROLE_NODE) -> Identity:
+        """A member identity for node id (or coordinator name) `name` in `role`, signed by this CA."""
         check_name(name)
+        if role not in ROLES:
+            raise InputError(f"a member's role is one of {', '.join(ROLES)}, got {role[:40]!r}")
         ca_key = serialization.load_pem_private_key(self.key_pem, password=None)
         ca_cert = x509.load_pem_x509_certificate(self.cert_pem)
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
-        sans: list[x509.GeneralName] = [x509.DNSName(MEMBER_NAME), x509.DNSName(node_target_name(name))]
+        node = role == ROLE_NODE
+        sans: list[x509.GeneralName] = (
+            [x509.DNSName(MEMBER_NAME), x509.DNSName(node_target_name(name))]
+            if node
+            else [x509.DNSName(f"{ROLE_COORDINATOR}.prima")]
+        )
+        usages = [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+        if node:
+            usages.append(x509.oid.ExtendedKeyUsageOID.SERVER_AUTH)
+        subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)]
+        subject.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
         cert = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .subject_name(x509.Name(subject))
             .issuer_name(ca_cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -135,15 +156,11 @@ class ClusterCA:
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
         )
-        return Identity(name, _key_pem(key), cert.public_bytes(serialization.Encoding.PEM), self.cert_pem)
+        cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+        return Identity(name, _key_pem(key), cert_pem, self.cert_pem, role)
 
     def save(self, directory: Path) -> None:
         """Write ca.key (owner-only) and ca.crt into `directory`."""
@@ -171,6 +188,12 @@ def check_name(name: str) -> None:
 def cert_name(cert: x509.Certificate) -> str:
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return str(names[0].value) if names else ""
+
+
+def cert_role(cert: x509.Certificate) -> str:
+    """The role a certificate was issued for; certificates from before roles existed are nodes."""
+    units = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    return str(units[0].value) if units else ROLE_NODE
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -248,7 +271,7 @@ def local_ca() -> ClusterCA:
     with _lock:
         if _local_ca is None:
             _local_ca = ClusterCA.create("prima local ring")
-            _local_coordinator = _local_ca.issue("coordinator")
+            _local_coordinator = _local_ca.issue("coordinator", role=ROLE_COORDINATOR)
         return _local_ca
 
 

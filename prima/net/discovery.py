@@ -3,7 +3,7 @@
 Each primad registers one service instance whose SRV/A records carry host:port and whose TXT
 record carries its node id, protocol version and model fingerprint; the coordinator browses for
 a few seconds. The pure half (TXT encode/decode into a frozen NodeAdvert, consistency checks) is
-separate from the zeroconf half (Advertiser, browse), so the rules are tested without sockets.
+separate from the zeroconf half (Advertiser, browse, AdvertWatch), so the rules are tested without sockets.
 
 TXT records come from anyone on the network: decoding trusts nothing, a malformed record raises
 AdvertError, and browse skips it with a warning logged once per peer (then at debug level).
@@ -18,8 +18,9 @@ import queue
 import re
 import secrets
 import socket
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -247,6 +248,33 @@ def _describe_model(a: NodeAdvert) -> str:
     return f"{a.model_name} {a.short_fingerprint}" if a.model_name else a.short_fingerprint
 
 
+def hint_addresses(
+    adverts: Sequence[NodeAdvert],
+    *,
+    protocol_version: int = PROTOCOL_VERSION,
+    model_fingerprint: str | None = None,
+) -> list[str]:
+    """The addresses worth a handshake, one each: adverts are hints, since anyone on the LAN can
+    send one, and a node's identity comes from its certificate. Adverts for another protocol or
+    (given `model_fingerprint`) another model are left out, and every problem is logged once, so
+    a clashing or garbage advert cannot stop the genuine nodes from being found."""
+    for problem in check_adverts(
+        adverts, protocol_version=protocol_version, model_fingerprint=model_fingerprint
+    ):
+        _warn_once(
+            f"problem:{problem.message}",
+            "mDNS (adverts are hints, checked at the handshake): %s",
+            problem.message,
+        )
+    usable = [
+        a
+        for a in adverts
+        if a.protocol_version == protocol_version
+        and (model_fingerprint is None or a.model_fingerprint == model_fingerprint)
+    ]
+    return sorted({a.address for a in usable})
+
+
 def require_consistent(
     adverts: Sequence[NodeAdvert],
     *,
@@ -413,10 +441,16 @@ def browse(
     interfaces: Sequence[str] | str | None = None,
     expect: int | None = None,
     service_type: str | None = None,
+    enough: Callable[[list[NodeAdvert]], bool] | None = None,
 ) -> list[NodeAdvert]:
     """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
-    `expect` valid adverts are in. Malformed or unresolvable services are skipped with a warning.
+    adverts of `expect` node ids are in, or `enough(adverts)` says so (e.g. once they proved
+    membership). Malformed or unresolvable services are skipped with a warning.
     `service_type` (default SERVICE_TYPE) lets tests browse a private type."""
+    if enough is None:
+        enough = (
+            (lambda _: False) if expect is None else (lambda found: len({a.node_id for a in found}) >= expect)
+        )
     service_type = resolve_service_type(service_type)
     deadline = time.monotonic() + timeout_s
     events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
@@ -434,7 +468,9 @@ def browse(
         ) from exc
     browser = ServiceBrowser(zc, service_type, handlers=[on_change])
     try:
-        while expect is None or len(found) < expect:
+        # By default count node ids, not adverts: an advert that clashes with a node's id must
+        # not end the search before the genuine nodes are in.
+        while not enough(list(found.values())):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -454,6 +490,63 @@ def browse(
     adverts = _dedupe(found.values())
     log.info("mDNS browse found %d node(s): %s", len(adverts), ", ".join(a.node_id for a in adverts))
     return adverts
+
+
+class AdvertWatch:
+    """Browses for as long as it is open and keeps the adverts seen, for a coordinator that may
+    re-plan at any moment: a daemon that (re)starts announces itself and is known within a
+    moment, instead of after a browse window the re-plan would have to wait out."""
+
+    def __init__(
+        self, *, interfaces: Sequence[str] | str | None = None, service_type: str | None = None
+    ) -> None:
+        self.service_type = resolve_service_type(service_type)
+        self._events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
+        self._found: dict[str, NodeAdvert] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        try:
+            self._zc = Zeroconf(interfaces=resolve_interfaces(interfaces))
+        except OSError as exc:
+            raise NodeError(f"cannot open mDNS sockets ({exc}); nodes that come back are not found") from exc
+        self._browser = ServiceBrowser(self._zc, self.service_type, handlers=[self._on_change])
+        # Resolving blocks, which zeroconf's event loop thread must not do: it happens here.
+        self._resolver = threading.Thread(target=self._resolve_changes, name="prima-mdns-watch", daemon=True)
+        self._resolver.start()
+
+    def _on_change(
+        self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
+    ) -> None:
+        self._events.put((name, state_change))
+
+    def _resolve_changes(self) -> None:
+        while not self._closed.is_set():
+            try:
+                name, change = self._events.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            advert = None
+            if change != ServiceStateChange.Removed:
+                advert = _resolve(self._zc, self.service_type, name, time.monotonic() + 1.0)
+            with self._lock:
+                if advert is None:
+                    self._found.pop(name, None)
+                else:
+                    self._found[name] = advert
+
+    def adverts(self) -> list[NodeAdvert]:
+        """The daemons advertised now, sorted by node id."""
+        with self._lock:
+            return _dedupe(self._found.values())
+
+    def close(self) -> None:
+        """Stop browsing and close the sockets; safe to call twice."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._browser.cancel()
+        self._resolver.join(timeout=2.0)
+        self._zc.close()
 
 
 def _resolve(zc: Zeroconf, service_type: str, name: str, deadline: float) -> NodeAdvert | None:

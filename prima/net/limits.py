@@ -8,13 +8,18 @@ megabyte back.
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prima.errors import ProtocolError
-from prima.net.status import PayloadTooLargeError
+from prima.net.status import PayloadTooLargeError, StreamTimeoutError
 
+T = TypeVar("T")
 SHOWN_CHARS = 64
 MAX_MESSAGE_CHARS = 1024  # of a peer's Abort message, passed on to the coordinator
 MAX_SESSION_ID_BYTES = 128
@@ -35,6 +40,14 @@ class DaemonLimits:
     # Tokens of activations from peers waiting for the compute thread, all sessions together. A
     # session may queue at most its context's worth: a whole prompt, pipelined, always fits.
     max_queued_tokens: int = 1 << 16
+    # Generate calls one caller (certificate name) may have running at once: each holds a server
+    # thread and a session, so one caller cannot take them all (`prima serve --parallel` above
+    # this needs primad --max-generates).
+    max_generates_per_caller: int = 8
+    # A Relay stream lives as long as its session; one silent this long, or open this long, is
+    # ended (DEADLINE_EXCEEDED), so idle streams cannot hold the daemon's threads.
+    relay_idle_s: float = 300.0
+    relay_open_s: float = 6 * 3600.0
 
 
 def shown(text: str) -> str:
@@ -116,3 +129,88 @@ class WorkBounds:
             self._per_session[session_id] -= taken
             if self._per_session[session_id] <= 0:
                 del self._per_session[session_id]
+
+
+class CallerSlots:
+    """Counts the calls each caller has running, up to `limit` at once."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self._lock = threading.Lock()
+        self._running: Counter[str] = Counter()
+
+    def take(self, caller: str) -> None:
+        """One more call of `caller`, or PayloadTooLargeError naming the limit."""
+        with self._lock:
+            if self._running[caller] >= self.limit:
+                raise PayloadTooLargeError(
+                    f"{shown(caller)} already has {self._running[caller]} {self.what} calls running on this "
+                    f"node, the most one caller may; wait for one to finish"
+                )
+            self._running[caller] += 1
+
+    def give_back(self, caller: str) -> None:
+        with self._lock:
+            self._running[caller] -= 1
+            if self._running[caller] <= 0:
+                del self._running[caller]
+
+
+_STREAM_END = object()
+
+
+def bounded_stream(
+    messages: Iterator[T], idle_s: float, open_s: float, clock: Callable[[], float] = time.monotonic
+) -> Iterator[T]:
+    """`messages` (a client stream) as long as each arrives within `idle_s` of the last and the
+    stream is open under `open_s`; else StreamTimeoutError. A reader thread pulls the messages
+    (gRPC's iterator cannot wait with a timeout) through a small queue, which keeps the client's
+    flow control: it reads ahead at most two messages."""
+    inbox: queue.Queue[object] = queue.Queue(maxsize=2)
+    gone = threading.Event()  # the consumer stopped: the reader must not block on a full inbox
+
+    def hand_over(item: object) -> None:
+        while not gone.is_set():
+            try:
+                inbox.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def read() -> None:
+        try:
+            for m in messages:
+                hand_over(m)
+                if gone.is_set():
+                    return
+        except Exception as exc:  # noqa: BLE001 - handed to the consuming thread, which re-raises it
+            hand_over(exc)
+            return
+        hand_over(_STREAM_END)
+
+    threading.Thread(target=read, name="relay-reader", daemon=True).start()
+    closes_at = clock() + open_s
+    try:
+        while True:
+            left_s = closes_at - clock()
+            if left_s <= 0:
+                raise StreamTimeoutError(
+                    f"this stream has been open {open_s:g} s, the most a node allows; open a new one"
+                )
+            try:
+                item = inbox.get(timeout=min(idle_s, left_s))
+            except queue.Empty:
+                if clock() >= closes_at:
+                    continue  # reported at the top of the loop
+                raise StreamTimeoutError(
+                    f"no message on this stream for {idle_s:g} s; a node ends idle streams (open one per "
+                    "session and close it when the session ends)"
+                ) from None
+            if item is _STREAM_END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        gone.set()

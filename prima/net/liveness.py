@@ -3,7 +3,9 @@
 Whoever waits on the ring (the head for activations to come back, the coordinator for the head's
 next token) waits in short slices. When a slice passes in silence it asks the nodes it depends on
 for their Info with a short deadline: a node that misses `misses` probes in a row is gone (killed,
-hung, or cut off), and the wait ends with a NodeError naming it. Nodes that answer are only slow,
+hung, or cut off), and the wait ends with a NodeError naming it. Each probe after a miss waits
+`backoff` times longer, so a node that is only slow to answer (its Python threads waiting on a
+long stretch of compute that holds the GIL) gets the time to prove it is alive before a re-plan. Nodes that answer are only slow,
 so the wait goes on, up to `give_up_s` (primad --ring-timeout) for a ring that is up but stuck.
 
 A probe costs one small RPC per node and only happens after a silence, so a healthy ring, whose
@@ -41,16 +43,24 @@ class NodeGoneError(NodeError):
 @dataclass(frozen=True)
 class Liveness:
     """How long a wait stays patient. A hung node is named after about
-    `quiet_s + misses * (quiet_s + probe_timeout_s)` seconds (5 s with the defaults)."""
+    `misses * quiet_s + probe_timeout_s * (1 + backoff + ... + backoff**(misses - 1))` seconds
+    (5 s with the defaults)."""
 
     quiet_s: float = 1.0  # silence before the nodes are probed, and between probes
-    probe_timeout_s: float = 1.5  # Info deadline of one probe
+    probe_timeout_s: float = 1.0  # Info deadline of the first probe
     misses: int = 2  # probes in a row a node may miss before it counts as gone
     give_up_s: float = 300.0  # every node answers, yet nothing comes back for this long
+    backoff: float = 2.0  # each probe after a miss allows this many times longer
 
     def __post_init__(self) -> None:
         if self.quiet_s <= 0 or self.probe_timeout_s <= 0 or self.misses < 1 or self.give_up_s <= 0:
             raise ValueError(f"liveness times must be positive and misses >= 1: {self}")
+        if self.backoff < 1:
+            raise ValueError(f"liveness backoff must be >= 1: {self}")
+
+    def probe_deadline_s(self, missed: int) -> float:
+        """The Info deadline of a probe that follows `missed` misses in a row."""
+        return self.probe_timeout_s * self.backoff**missed
 
     def for_token_time(self, predicted_ms_per_token: float | None) -> Liveness:
         """Slices sized to the plan: a ring predicted to take long per token is not probed
@@ -97,7 +107,7 @@ def wait_for(
             return get(min(liveness.quiet_s, left))
         except queue.Empty:
             pass
-        silent = set(probe(liveness.probe_timeout_s))
+        silent = set(probe(liveness.probe_deadline_s(max(missed.values(), default=0))))
         missed = {name: missed.get(name, 0) + 1 for name in silent}
         gone = sorted(name for name, n in missed.items() if n >= liveness.misses)
         if gone:

@@ -19,6 +19,7 @@ from prima.model.sparse import SparseFile
 from prima.net import codec, fetch
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.credentials import peer_name
+from prima.net.limits import CallerSlots, DaemonLimits, bounded_stream
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.status import status_for
@@ -61,8 +62,10 @@ class NodeHandler(Protocol):
 
 
 class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, handler: NodeHandler) -> None:
+    def __init__(self, handler: NodeHandler, limits: DaemonLimits | None = None) -> None:
         self.handler = handler
+        self.limits = limits or DaemonLimits()
+        self._generates = CallerSlots(self.limits.max_generates_per_caller, "Generate")
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T], rpc: str = "") -> T:
         """Run `fn` for a call (after checking that its caller may make it, when `rpc` names it)
@@ -117,10 +120,10 @@ class NodeServicer(pb_grpc.NodeServicer):
         return pb.PingReply(received_bytes=len(request.payload))
 
     def Relay(self, request_iterator: Iterator[pb.Activation], context: grpc.ServicerContext) -> pb.Empty:
-        h = self.handler
+        h, bounds = self.handler, self.limits
 
         def relay() -> None:
-            for msg in request_iterator:
+            for msg in bounded_stream(request_iterator, bounds.relay_idle_s, bounds.relay_open_s):
                 h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
 
         self._guard(context, relay, "Relay")
@@ -132,9 +135,16 @@ class NodeServicer(pb_grpc.NodeServicer):
         """Run a generation on this head and stream its events; a coordinator that hangs up
         ends it at the next token (the iterator is closed, which closes the ring session)."""
         h = self.handler
-        events = self._guard(
-            context, lambda: h.generate(codec.generate_request_from_proto(request, vocab_size=h.vocab_size))
-        )
+        caller = _caller_key(context)
+        self._guard(context, lambda: self._generates.take(caller))
+        try:
+            events = self._guard(
+                context,
+                lambda: h.generate(codec.generate_request_from_proto(request, vocab_size=h.vocab_size)),
+            )
+        except BaseException:
+            self._generates.give_back(caller)
+            raise
         try:
             while context.is_active():
                 event = self._guard(context, lambda: next(events, None))
@@ -143,6 +153,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                 yield codec.token_event_to_proto(event)
         finally:
             events.close()
+            self._generates.give_back(caller)
 
     def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:
         return fetch.manifest_to_proto(self._guard(context, self.handler.manifest))
@@ -157,3 +168,13 @@ class NodeServicer(pb_grpc.NodeServicer):
             if not context.is_active():
                 return
             yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
+
+
+def _caller_key(context: grpc.ServicerContext) -> str:
+    """Who is calling, for per-caller bounds: the certificate's name, or on a plaintext daemon
+    (loopback only) the caller's IP address."""
+    name = peer_name(context)
+    if name is not None:
+        return name
+    host, _, _port = context.peer().rpartition(":")
+    return f"plaintext caller {host}"

@@ -26,6 +26,10 @@ class PayloadTooLargeError(ProtocolError):
     """A tensor or batch exceeds the node's limits."""
 
 
+class StreamTimeoutError(ProtocolError):
+    """A client stream stayed silent, or open, longer than the node allows."""
+
+
 class PermissionDeniedError(ProtocolError):
     """A cluster member asked for something only another member may do (another coordinator's
     plan, a session of a plan the caller is not in)."""
@@ -37,6 +41,8 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, StaleEpochError | NotReadyError):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, StreamTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, PermissionDeniedError):
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, PayloadTooLargeError):

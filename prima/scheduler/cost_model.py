@@ -19,6 +19,12 @@ Y_m = k*u_m - P_m are the layers device m rereads per token. Its disk reads them
 of the ring computes (the prefetch thread runs ahead of compute), so they bound T next to the
 trip instead of adding to it.
 
+Disk, per device: a device that holds only some layers of the model (it fetched them from a
+peer) fetches the others its windows need, and may hold at most `disk_budget_bytes` after that;
+an assignment over that budget does not fit. Windows lie in the plan's order (the members after
+the head, then the head, in every round), so which layers a device gets depends on the windows
+before it (`window_offsets`).
+
 Memory, per device (bytes): a resident device needs k*u_m*(layer + KV) + fixed_m <= RAM budget;
 a streaming device pins P_m layers: P_m*layer + (u_m + 1)*layer + k*u_m*KV + fixed_m <= budget. Accelerator layers need
 k*n_m*(layer + KV) <= accelerator memory. Both Halda and the brute-force check in the tests
@@ -51,6 +57,8 @@ class DeviceCost:
     ram_budget_bytes: int
     accel_budget_bytes: int  # 0 without an accelerator
     accel_shares_ram: bool
+    held_layers: frozenset[int] | None = None  # None: the whole model file
+    fetch_room_layers: int = -1  # layers it may fetch within its disk budget; -1: no budget
 
     @property
     def layer_ram_bytes(self) -> int:
@@ -100,6 +108,8 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
     hop = device.net_latency_ms + _transfer_ms(model.activation_bytes, device.net_bandwidth_bytes_per_s)
     fixed_ms = gemv_ms(model.output_flops, device.cpu_flops) if is_head else 0.0
     return DeviceCost(
+        held_layers=None if device.held_layers is None else frozenset(device.held_layers),
+        fetch_room_layers=fetch_room_layers(device, model, is_head=is_head),
         cpu_ms_per_layer=cpu,
         accel_delta_ms_per_layer=delta,
         disk_ms_per_layer=disk,
@@ -112,6 +122,20 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
         accel_budget_bytes=accel_budget,
         accel_shares_ram=shares,
     )
+
+
+def fetch_room_layers(device: DeviceProfile, model: ModelProfile, *, is_head: bool) -> int:
+    """How many layers `device` may fetch within its disk budget (-1: no budget, or it holds the
+    whole file and fetches nothing): the budget less what it holds, less the embedding and output
+    head when it heads the ring without them. The few small non-layer tensors are not counted."""
+    if device.disk_budget_bytes <= 0 or device.held_layers is None:
+        return -1
+    room = device.disk_budget_bytes - device.held_bytes
+    if is_head and not device.holds_head_tensors:
+        room -= model.input_bytes + model.output_bytes
+    if model.layer_bytes <= 0:
+        return -1
+    return max(room, 0) // model.layer_bytes
 
 
 def ring_costs(devices: Sequence[DeviceProfile], model: ModelProfile) -> list[DeviceCost]:
@@ -196,12 +220,54 @@ def device_time_ms(
     return math.inf if t is None else t.own_ms
 
 
+def window_offsets(window_sizes: Sequence[int]) -> list[int]:
+    """Where each member's window starts within a round: the members after the head first, in
+    ring order, then the head (as prima.plan.plan_from_window_sizes lays them out)."""
+    offsets = [0] * len(window_sizes)
+    cursor = 0
+    for m in [*range(1, len(window_sizes)), 0]:
+        offsets[m] = cursor
+        cursor += window_sizes[m]
+    return offsets
+
+
+def fetched_layers(cost: DeviceCost, rounds: int, per_round: int, offset: int, window: int) -> int:
+    """Layers of the device's windows (one per round, at `offset` in each) it does not hold."""
+    if cost.held_layers is None:
+        return 0
+    return sum(
+        1
+        for r in range(rounds)
+        for layer in range(r * per_round + offset, r * per_round + offset + window)
+        if layer not in cost.held_layers
+    )
+
+
+def ring_fetched_layers(
+    costs: Sequence[DeviceCost], rounds: int, window_sizes: Sequence[int]
+) -> tuple[int, ...] | None:
+    """Layers each member must fetch for these windows; None when one would exceed its disk
+    budget."""
+    per_round = sum(window_sizes)
+    offsets = window_offsets(window_sizes)
+    counts = tuple(
+        fetched_layers(c, rounds, per_round, at, w)
+        for c, at, w in zip(costs, offsets, window_sizes, strict=True)
+    )
+    if any(0 <= c.fetch_room_layers < n for c, n in zip(costs, counts, strict=True)):
+        return None
+    return counts
+
+
 def ring_time_ms(
     costs: Sequence[DeviceCost], rounds: int, window_sizes: Sequence[int], accel_layers: Sequence[int]
 ) -> float:
     """Predicted ms per token of a ring (costs[0] the head); inf if any device's layers do not
-    fit. T = max(kappa + the trip round the ring, each device's own reads + compute): the trip is
-    serial, while each device's disk streams its next layers as the others compute."""
+    fit its memory or its disk budget. T = max(kappa + the trip round the ring, each device's own
+    reads + compute): the trip is serial, while each device's disk streams its next layers as
+    the others compute."""
+    if ring_fetched_layers(costs, rounds, window_sizes) is None:
+        return math.inf
     sends = len(costs) > 1
     trip = costs[0].fixed_ms
     own = 0.0

@@ -1,69 +1,76 @@
 """Halda: choose which devices join the ring and how many layers each computes per round.
 
-For every k dividing L (W = L/k layers per round) one small mixed-integer program is solved
-with HiGHS; the best k wins. The objective and constraints are those of `cost_model`, written
-linearly (docs/halda.md has the derivation):
+For every k dividing L (W = L/k layers per round) the fastest assignment under `cost_model` is
+found exactly; the best k wins. The objective (docs/halda.md has the derivation):
 
-    minimize  k * sum_m (a_m w_m + b_m n_m + d_m y_m + c_m z_m) + k c_0 h + kappa
-    subject to
-      sum_m w_m = W                              every layer of a round is computed somewhere
-      z_m <= w_m <= wmax_m z_m                   z_m binary: device m is in the ring
-      n_m <= w_m,  n_m <= nmax_m                 accelerator layers fit its memory
-      u_m <= R_m + (S_m - R_m) s_m               s_m binary: device m streams from disk
-      y_m >= u_m - S_m (1 - s_m),  y_m >= 0      y_m: layers it rereads every token
-      h >= z_m  (m > 0)                          h binary: the head has a next hop
+    minimize  T = max( kappa + k * sum_m (a_m w_m + b_m n_m + c_m z_m),    the trip round the ring
+                       max_m d_m y_m + k (a_m w_m + b_m n_m + c_m) )        each device's own time
+    subject to  sum_m w_m = W, each device's layers fitting its memory (resident, or streaming:
+                pinning what fits and rereading y_m layers per token), n_m <= w_m accelerator
+                layers fitting its accelerator memory, the layers it lacks fitting its disk
+                budget, the head always in the ring.
+    of equally fast plans: the fewest layers fetched (devices that hold only some), then the
+    fewest rounds.
 
-u_m are the layers whose weights sit in RAM (w_m - n_m, or w_m with unified memory); R_m is how
-many of them fit resident and S_m how many fit when streaming (two windows + all KV). Memory
-budgets are thus integer layer counts computed exactly from bytes, so the program's feasible
-set is the cost model's, with no floating tolerance at the boundary.
-
-The original system decides two things outside the program: each device's memory case (iterate
-"solve, reassign cases" until stable) and which devices to drop (those left with one layer).
-Both heuristics can stop short of the optimum, so here both are binaries inside it (s_m, z_m);
-with the hop cost c_m measured, a device whose hop costs more than it saves is dropped by the
-objective itself. The result is exact under the cost model; the tests check it against brute
-force.
+The trip is a sum over devices and each own time depends on one device alone, so for a bound
+tau on the own times the cheapest trip is a knapsack over devices, solved by dynamic program;
+`window_search` bisects tau over the own times the options can take. Which devices join, which
+stream and how many layers go to accelerators are all choices inside that search, so unlike the
+original (which fixes memory cases and drops devices by heuristics between solves) the result
+is exact under the cost model; the tests check it against brute force.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import highspy
-import numpy as np
-
 from prima.errors import PlanError
 from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
-from prima.scheduler.cost_model import DeviceCost, pinned_layers, ring_costs, ring_time_ms
+from prima.scheduler.cost_model import (
+    DeviceCost,
+    fetch_room_layers,
+    pinned_layers,
+    ring_costs,
+    ring_time_ms,
+)
 from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.window_search import Coefficients, search
 
 log = logging.getLogger("prima.scheduler")
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
-# Variables per device, in column order; two more columns, h and T, close the vector.
-_W, _N, _Z, _S, _Y, _P = range(6)
-_PER_DEVICE = 6
 # Two plans whose predicted times differ by less than this are equally good; prefer fewer rounds.
 _TIE_RELATIVE = 1e-9
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """The solution of one integer program: the chosen devices (indices into the input, head
-    first), their window sizes and accelerator layers, and the predicted ms per token."""
+    """The best plan for one k: the chosen devices (indices into the input, head first), their
+    window sizes and accelerator layers, the predicted ms per token, and how many layers the
+    members must fetch because they do not hold them."""
 
     rounds: int
     members: tuple[int, ...]
     window_sizes: tuple[int, ...]
     accel_layers: tuple[int, ...]
     ms_per_token: float
+    fetched_layers: int = 0
+
+    def beats(self, other: Assignment | None) -> bool:
+        """Faster; or as fast (within _TIE_RELATIVE) and fetching less; or equal in both and
+        with fewer rounds."""
+        if other is None:
+            return True
+        if self.ms_per_token < other.ms_per_token * (1 - _TIE_RELATIVE):
+            return True
+        if self.ms_per_token > other.ms_per_token * (1 + _TIE_RELATIVE):
+            return False
+        return (self.fetched_layers, self.rounds) < (other.fetched_layers, other.rounds)
 
 
 @dataclass(frozen=True)
@@ -154,31 +161,24 @@ def best_assignment(
     costs: Sequence[DeviceCost], n_layers: int, *, max_rounds: int | None = None
 ) -> Assignment | None:
     """The fastest assignment over every k dividing `n_layers` (up to `max_rounds`), or None;
-    equal plans prefer fewer rounds."""
+    of equally fast plans, the one fetching fewest layers, then the one with fewer rounds."""
     ks = [k for k in divisors(n_layers) if max_rounds is None or k <= max_rounds]
-    # Bounds first: one from the coefficients alone rules some k out for free; each remaining
-    # k's LP relaxation (about a millisecond) orders the integer programs, which are solved best
-    # bound first, so the incumbent is found early and cuts the others short or rules them out.
-    candidates = []
-    for k in ks:
-        built = _build_program(costs, n_layers, k)
-        if built is None:
-            continue
-        lp = built.prog.to_lp(built.continuous)
-        bound = max(_relaxation_bound(lp), _cheap_bound(costs, n_layers, k))
-        if math.isfinite(bound):
-            candidates.append((bound, k, built, lp))
+    coef = Coefficients.of(costs, n_layers)
+    # A bound from the coefficients alone orders the k: the likely best is searched first, and
+    # its time then cuts the others short or rules them out before any search.
+    bounds = sorted((_cheap_bound(costs, n_layers, k), k) for k in ks)
     best: Assignment | None = None
-    for bound, k, built, lp in sorted(candidates, key=lambda c: (c[0], c[1])):
+    for bound, k in bounds:
         cutoff = math.inf
         if best is not None:
-            # Only a better plan, or an equal one with fewer rounds, replaces the incumbent.
-            tie = (1 + _TIE_RELATIVE) if k < best.rounds else (1 - _TIE_RELATIVE)
-            cutoff = best.ms_per_token * tie
+            # Only a plan that beats the incumbent can replace it: one as fast may, if the
+            # incumbent fetches layers or has more rounds.
+            tie = best.fetched_layers > 0 or k < best.rounds
+            cutoff = best.ms_per_token * ((1 + _TIE_RELATIVE) if tie else (1 - _TIE_RELATIVE))
             if bound >= cutoff:
                 continue
-        found = built.decode(_solve_lp(lp, cutoff))
-        if found is not None and found.ms_per_token < cutoff:
+        found = solve_rounds(costs, n_layers, k, cutoff_ms=cutoff, coef=coef)
+        if found is not None and found.beats(best):
             best = found
     return best
 
@@ -204,257 +204,26 @@ def divisors(n: int) -> list[int]:
 
 
 def solve_rounds(
-    costs: Sequence[DeviceCost], n_layers: int, rounds: int, *, cutoff_ms: float = math.inf
+    costs: Sequence[DeviceCost],
+    n_layers: int,
+    rounds: int,
+    *,
+    cutoff_ms: float = math.inf,
+    coef: Coefficients | None = None,
 ) -> Assignment | None:
-    """Solve the integer program for a fixed k = `rounds`. Returns None when nothing fits or
+    """The fastest assignment for a fixed k = `rounds`. Returns None when nothing fits or
     nothing beats `cutoff_ms`."""
-    built = _build_program(costs, n_layers, rounds)
-    if built is None:
-        return None
-    lp = built.prog.to_lp(built.continuous)
-    if math.isfinite(cutoff_ms) and _relaxation_bound(lp) >= cutoff_ms:
-        return None
-    return built.decode(_solve_lp(lp, cutoff_ms))
-
-
-@dataclass(frozen=True)
-class _Built:
-    """One k's integer program and how to read its solution back."""
-
-    costs: Sequence[DeviceCost]
-    rounds: int
-    prog: _Program
-    continuous: list[int]
-
-    def decode(self, x: np.ndarray | None) -> Assignment | None:
-        if x is None:
-            return None
-        m_count, k = len(self.costs), self.rounds
-        members = tuple(m for m in range(m_count) if round(x[_PER_DEVICE * m + _Z]) == 1)
-        windows = tuple(round(x[_PER_DEVICE * m + _W]) for m in members)
-        accel = tuple(round(x[_PER_DEVICE * m + _N]) for m in members)
-        # Score the answer with the cost model itself, so the plan's prediction is the model's.
-        ms = ring_time_ms([self.costs[m] for m in members], k, windows, accel)
-        assert math.isfinite(ms), (k, windows, accel)
-        return Assignment(k, members, windows, accel, ms)
-
-
-def _build_program(costs: Sequence[DeviceCost], n_layers: int, rounds: int) -> _Built | None:
-    """The integer program for k = `rounds`, or None when the head cannot take a layer."""
     k = rounds
-    per_round = n_layers // k
-    m_count = len(costs)
-    prog = _Program(_PER_DEVICE * m_count + 2)
-    h, t = prog.n_cols - 2, prog.n_cols - 1
-
-    def col(m: int, var: int) -> int:
-        return _PER_DEVICE * m + var
-
-    prog.var(t, 0, math.inf, 1.0)  # T, the objective
-    trip: dict[int, float] = {t: 1}  # T - (the trip round the ring) >= kappa
-    head_hop = costs[0].hop_ms
-    if math.isfinite(head_hop) and m_count > 1:
-        prog.var(h, 0, 1, 0.0)
-        trip[h] = -k * head_hop
-    for m, c in enumerate(costs):
-        w, n, z, s, y, p = (col(m, v) for v in (_W, _N, _Z, _S, _Y, _P))
-        cap = capacity(c, k, per_round)
-        w_max = cap.window(c, per_round)
-        usable = w_max >= 1 and math.isfinite(c.cpu_ms_per_layer) and (m == 0 or math.isfinite(c.hop_ms))
-        if not usable:
-            if m == 0:
-                return None  # the head cannot take even one layer per window
-            continue  # every column of m stays fixed at 0
-        hop = 0.0 if m == 0 else k * c.hop_ms
-        prog.var(z, 1 if m == 0 else 0, 1, 0.0)
-        prog.var(w, 0, w_max, 0.0)
-        prog.row({w: 1, z: -1}, 0, math.inf)  # z <= w
-        prog.row({w: 1, z: -w_max}, -math.inf, 0)  # w <= wmax z
-        if m > 0:
-            prog.row({h: 1, z: -1}, 0, math.inf)  # h >= z_m
-        own = {w: k * c.cpu_ms_per_layer, z: hop}  # this device's part of the trip
-        u = {w: 1}
-        if c.has_accel and cap.accel > 0:
-            prog.var(n, 0, cap.accel, 0.0)
-            prog.row({n: 1, w: -1}, -math.inf, 0)  # n <= w
-            own[n] = k * c.accel_delta_ms_per_layer
-            if not c.accel_shares_ram:
-                u = {w: 1, n: -1}
-        for j, v in own.items():
-            trip[j] = trip.get(j, 0.0) - v
-        if cap.streaming >= 0:
-            _streaming_rows(
-                prog, c, k, per_round, cap, u, own, s, y, p, t, head_hop if m == 0 and m_count > 1 else 0.0, h
-            )
-        else:
-            prog.row(u, -math.inf, cap.resident)
-    prog.row(trip, costs[0].fixed_ms, math.inf)
-    prog.row({col(m, _W): 1 for m in range(m_count)}, per_round, per_round)
-    # y and T may be continuous: at the optimum y equals an integer anyway.
-    continuous = [col(m, _Y) for m in range(m_count)] + [t]
-    return _Built(costs, k, prog, continuous)
-
-
-def _streaming_rows(
-    prog: _Program,
-    c: DeviceCost,
-    k: int,
-    per_round: int,
-    cap: Capacity,
-    u: dict[int, int],
-    own: dict[int, float],
-    s: int,
-    y: int,
-    p: int,
-    t: int,
-    head_hop: float,
-    h: int,
-) -> None:
-    """A device that may stream: s = 1 when it does, p its pinned layers, y the layers it rereads
-    per token, and T >= its own time (reads + its part of the trip)."""
-    # Big-M constants as small as the rows allow (a tighter LP relaxation, less branching):
-    # u <= S always, and u <= R, p = 0 when s = 0.
-    b = c.layer_weight_bytes
-    most = k * cap.streaming  # k*u never exceeds this
-    prog.var(s, 0, 1, 0.0)
-    prog.var(p, 0, most, 0.0)
-    prog.var(y, 0, most, 0.0)
-    # u <= R + (S - R) s: resident, or streaming with the larger limit.
-    prog.row({**u, s: -(cap.streaming - cap.resident)}, -math.inf, cap.resident)
-    # Streaming: p*b + (k*KV + b)*u + b <= room (bytes); void when s = 0.
-    room = c.ram_budget_bytes - c.fixed_bytes - b
-    per_u = k * c.layer_kv_bytes + b
-    big = max(0, per_u * cap.resident - room)
-    mem = {p: float(b), s: float(big)}
-    for j, v in u.items():
-        mem[j] = mem.get(j, 0.0) + v * per_u
-    prog.row(mem, -math.inf, room + big)
-    prog.row({p: 1, s: -most}, -math.inf, 0)  # p <= k S s
-    pin = {p: 1.0}
-    for j, v in u.items():
-        pin[j] = pin.get(j, 0.0) - k * v
-    prog.row(pin, -math.inf, 0)  # p <= k u
-    # y >= k u - p - k R (1 - s)
-    reread = {y: 1.0, p: 1.0, s: -float(k * cap.resident)}
-    for j, v in u.items():
-        reread[j] = reread.get(j, 0.0) - k * v
-    prog.row(reread, -float(k * cap.resident), math.inf)
-    # T >= d y + own (the head's own time includes its hop to the next node, through h).
-    row = {t: 1.0, y: -c.disk_ms_per_layer}
-    for j, v in own.items():
-        row[j] = row.get(j, 0.0) - v
-    if head_hop:
-        row[h] = row.get(h, 0.0) - k * head_hop
-    prog.row(row, 0, math.inf)
-
-
-class _Program:
-    """A mixed-integer program built column by column and solved with HiGHS."""
-
-    def __init__(self, n_cols: int) -> None:
-        self.n_cols = n_cols
-        self.cost = np.zeros(n_cols)
-        self.lower = np.zeros(n_cols)
-        self.upper = np.zeros(n_cols)  # unset columns are fixed at 0
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-
-    def var(self, j: int, lo: float, hi: float, cost: float) -> None:
-        self.lower[j], self.upper[j], self.cost[j] = lo, hi, cost
-
-    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
-        self.rows.append((coefs, lo, hi))
-
-    def to_lp(self, continuous: Sequence[int]) -> highspy.HighsLp:
-        """The program as HiGHS takes it; `continuous` columns are real, the rest integer."""
-        # Column-wise sparse matrix, as HiGHS takes it.
-        by_col: list[list[tuple[int, float]]] = [[] for _ in range(self.n_cols)]
-        for i, (coefs, _, _) in enumerate(self.rows):
-            for j, v in coefs.items():
-                by_col[j].append((i, float(v)))
-        lp = highspy.HighsLp()
-        lp.num_col_ = self.n_cols
-        lp.num_row_ = len(self.rows)
-        lp.col_cost_ = self.cost
-        lp.col_lower_ = self.lower
-        lp.col_upper_ = self.upper
-        lp.row_lower_ = np.array([lo for _, lo, _ in self.rows], dtype=float)
-        lp.row_upper_ = np.array([hi for _, _, hi in self.rows], dtype=float)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = np.cumsum([0] + [len(c) for c in by_col])
-        lp.a_matrix_.index_ = np.array([i for c in by_col for i, _ in c], dtype=np.int32)
-        lp.a_matrix_.value_ = np.array([v for c in by_col for _, v in c], dtype=float)
-        integrality = [highspy.HighsVarType.kInteger] * self.n_cols
-        for j in continuous:
-            integrality[j] = highspy.HighsVarType.kContinuous
-        lp.integrality_ = integrality
-        return lp
-
-
-def _solve_lp(lp: highspy.HighsLp, cutoff: float) -> np.ndarray | None:
-    """Integer solution vector, or None if infeasible or no better than `cutoff`."""
-    for attempt in range(2):
-        solver = _new_highs()
-        solver.setOptionValue("mip_rel_gap", 0.0)
-        if math.isfinite(cutoff):
-            solver.setOptionValue("objective_bound", cutoff)
-        solver.passModel(lp)
-        if solver.run() != highspy.HighsStatus.kError or attempt:
-            break
-        # HiGHS keeps one thread pool per process; if someone started it with other
-        # settings, our single-threaded run is refused until the pool is rebuilt.
-        log.debug("HiGHS refused to run; resetting its thread pool")
-        highspy.Highs.resetGlobalScheduler(True)
-    if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+    found = search(coef or Coefficients.of(costs, n_layers), k, n_layers // k, cutoff_ms)
+    if found is None:
         return None
-    return np.rint(np.asarray(solver.getSolution().col_value)).astype(int)
-
-
-def _relaxation_bound(lp: highspy.HighsLp) -> float:
-    """The LP relaxation's optimum: a lower bound on the program's, found in well under a
-    millisecond; inf when even the relaxation is infeasible."""
-    solver = _new_highs()
-    solver.setOptionValue("solve_relaxation", True)
-    # Presolve costs more than it saves on an LP this small (2.2 -> 1.0 ms at 32 devices); the
-    # integer programs keep it, since branching without it is far slower.
-    solver.setOptionValue("presolve", "off")
-    solver.passModel(lp)
-    if solver.run() == highspy.HighsStatus.kError:
-        return -math.inf
-    status = solver.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return math.inf
-    if status != highspy.HighsModelStatus.kOptimal:
-        return -math.inf
-    return solver.getInfo().objective_function_value
-
-
-_banner_silenced = False
-
-
-def _new_highs() -> highspy.Highs:
-    """A quiet HiGHS instance. The first one in a process writes a banner straight to fd 1,
-    past sys.stdout, which would corrupt `prima plan --json`; point fd 1 at /dev/null for it."""
-    global _banner_silenced
-    if _banner_silenced:
-        solver = highspy.Highs()
-    else:
-        sys.stdout.flush()
-        saved = os.dup(1)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, 1)
-            solver = highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-            os.close(devnull)
-        _banner_silenced = True
-    solver.setOptionValue("output_flag", False)
-    # These programs take a few hundred microseconds to solve; HiGHS's worker threads and its
-    # feasibility-jump heuristic each cost ten times that to start, so run without both.
-    solver.setOptionValue("threads", 1)
-    solver.setOptionValue("mip_heuristic_run_feasibility_jump", False)
-    return solver
+    members = tuple(m for m, w in enumerate(found.window_sizes) if w > 0)
+    windows = tuple(found.window_sizes[m] for m in members)
+    accel = tuple(found.accel_layers[m] for m in members)
+    # Score the answer with the cost model itself, so the plan's prediction is the model's.
+    ms = ring_time_ms([costs[m] for m in members], k, windows, accel)
+    assert math.isfinite(ms), (k, windows, accel)
+    return Assignment(k, members, windows, accel, ms, found.fetched_layers)
 
 
 def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m: int) -> str:
@@ -471,6 +240,12 @@ def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m
         return (
             f"cannot hold a layer in {k} round(s): a layer with its KV cache needs "
             f"{c.layer_ram_bytes / MiB:.0f} MiB, it has {c.ram_budget_bytes / MiB:.0f} MiB free{disk}"
+        )
+    if c.fetch_room_layers == 0 and c.held_layers is not None and len(c.held_layers) < n_layers:
+        held = ", ".join(map(str, sorted(c.held_layers))) or "none"
+        return (
+            f"its --disk-budget leaves no room to fetch a layer, and the layers it holds ({held}) "
+            "are not where a window of the best plan lies; raise its --disk-budget or free room on it"
         )
     per_layer = c.cpu_ms_per_layer + min(c.accel_delta_ms_per_layer, 0.0)
     members = [costs[i] for i in best.members]
@@ -489,6 +264,19 @@ def _no_fit_message(
         return (
             f"the head {devices[0].node_id} has no CPU throughput for this model's formats; "
             "re-run `prima profile` on it"
+        )
+    budgeted = [d for d, c in zip(devices, costs, strict=True) if c.fetch_room_layers >= 0]
+    unbounded = [dataclasses.replace(c, fetch_room_layers=-1) for c in costs]
+    if budgeted and best_assignment(unbounded, model.n_layers) is not None:
+        rooms = ", ".join(
+            f"{d.node_id} {fetch_room_layers(d, model, is_head=i == 0)} layer(s)"
+            for i, d in enumerate(devices)
+            if d in budgeted
+        )
+        return (
+            f"no assignment of {model.n_layers} layers fits the disk budgets: the devices would have to "
+            f"fetch layers they lack and have room for only {rooms} more; raise a --disk-budget, free "
+            "room on one, or start a primad holding the whole model file"
         )
     need = model.n_layers * costs[0].layer_ram_bytes + costs[0].fixed_bytes
     have = sum(

@@ -42,7 +42,13 @@ class AcceleratorProfile:
 class DeviceProfile:
     """One device as measured by the profiler. `cpu_flops` maps a ggml weight format name
     (`Q4_K`, `F32`, ...) to GEMV throughput in FLOP/s; a missing format falls back to `F32`.
-    `net_*` describe the link this device sends activations over to the next ring member."""
+    `net_*` describe the link this device sends activations over to the next ring member (the
+    one link measured per device; Halda also prices fetching model bytes over it).
+
+    What it holds of the model being planned: `held_layers` the layers every byte of which it
+    has (None: the whole file), `holds_head_tensors` whether it has the embedding and output
+    head, `held_bytes` all it holds of the file; `disk_budget_bytes` caps what it may hold after
+    fetching (primad --disk-budget; 0 = no cap)."""
 
     node_id: str
     address: str = ""
@@ -57,6 +63,13 @@ class DeviceProfile:
     accelerator: AcceleratorProfile | None = None
     net_latency_ms: float = 0.0
     net_bandwidth_bytes_per_s: float = math.inf
+    held_layers: tuple[int, ...] | None = None
+    holds_head_tensors: bool = True
+    held_bytes: int = 0
+    disk_budget_bytes: int = 0
+
+    def holds_layer(self, layer: int) -> bool:
+        return self.held_layers is None or layer in self.held_layers
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +89,11 @@ class DeviceProfile:
             "net_latency_ms": self.net_latency_ms,
             # JSON has no infinity: an unmeasured (local) link is written as null.
             "net_bandwidth_bytes_per_s": _finite_or_none(self.net_bandwidth_bytes_per_s),
+            # null: the whole model file.
+            "held_layers": None if self.held_layers is None else list(self.held_layers),
+            "holds_head_tensors": self.holds_head_tensors,
+            "held_bytes": self.held_bytes,
+            "disk_budget_bytes": self.disk_budget_bytes,
         }
 
     @classmethod
@@ -108,6 +126,10 @@ class DeviceProfile:
             net_bandwidth_bytes_per_s=math.inf
             if bandwidth is None
             else r.number("net_bandwidth_bytes_per_s"),
+            held_layers=r.layers("held_layers"),
+            holds_head_tensors=r.flag("holds_head_tensors", True),
+            held_bytes=r.count("held_bytes", 0),
+            disk_budget_bytes=r.count("disk_budget_bytes", 0),
         )
 
 
@@ -354,6 +376,23 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InputError(f"{self.what}: {name} must be an integer >= 0, got {value!r}")
         return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise InputError(f"{self.what}: {name} must be true or false, got {value!r}")
+        return value
+
+    def layers(self, name: str) -> tuple[int, ...] | None:
+        """A sorted, distinct list of layer indices, or null (absent: null)."""
+        value = self._get(name, None)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
+            raise InputError(f"{self.what}: {name} must be a list of layer indices >= 0 or null")
+        return tuple(sorted(set(value)))
 
     def flops(self, name: str) -> dict[str, float]:
         value = self._get(name, {})

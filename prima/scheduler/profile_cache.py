@@ -28,6 +28,9 @@ from prima.scheduler.profiler import usable_ram_bytes
 log = logging.getLogger("prima.scheduler")
 
 CACHE_ENV = "PRIMA_PROFILE_CACHE"
+# Which probes measured a cached profile; a profile from other probes is measured again.
+# 2: the disk probe streams in the prefetcher's pattern beside a compute load.
+PROBE_VERSION = 2
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -75,6 +78,9 @@ def load_or_measure(
 def _read(path: Path) -> tuple[DeviceProfile, float] | None:
     try:
         doc = json.loads(path.read_text())
+        if doc.get("probe_version") != PROBE_VERSION:
+            log.info("the cached profile %s is from older probes; measuring again", path)
+            return None
         measured = float(doc["measured_unix_s"])
         return DeviceProfile.from_dict(doc["profile"]), measured
     except FileNotFoundError:
@@ -88,7 +94,12 @@ def _write(path: Path, profile: DeviceProfile, measured: float) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"measured_unix_s": measured, "profile": profile.to_dict()}, indent=2))
+        tmp.write_text(
+            json.dumps(
+                {"probe_version": PROBE_VERSION, "measured_unix_s": measured, "profile": profile.to_dict()},
+                indent=2,
+            )
+        )
         tmp.replace(path)
     except OSError as exc:
         log.warning("could not cache the profile in %s: %s", path, exc)

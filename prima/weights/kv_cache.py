@@ -41,6 +41,12 @@ class WrittenPositions:
             self._length[i] = min(self._length[i], length)
 
 
+def kv_bytes(config: ModelConfig, n_ctx: int, n_layers: int) -> int:
+    """The bytes a KVCache of `n_layers` layers and `n_ctx` positions takes, known before it is
+    allocated (so a request too large is refused without touching memory)."""
+    return 2 * n_layers * n_ctx * config.n_kv_heads * config.head_dim * np.dtype(np.float32).itemsize
+
+
 class KVCache:
     """float32 keys and values per owned layer, each (n_ctx, n_kv_heads, head_dim).
 

@@ -99,6 +99,31 @@ def _merge(spans: list[tuple[int, int]]) -> tuple[Span, ...]:
     return tuple(merged)
 
 
+def read_span(fd: int, base_address: int, span: Span, *, populate: bool = True) -> bool:
+    """Read the file's bytes `span` into the page cache and map them at `base_address +
+    span.start` (the file's mmap), reading exactly its pages: readahead requests of
+    READAHEAD_CHUNK each (all queued at once), then MADV_POPULATE_READ waits for them and maps
+    them. Without that madvise (Linux < 5.14, or `populate` false) it preads the span instead.
+    Returns whether MADV_POPULATE_READ is there to use next time. The disk probe reads this way
+    too, so the profile's disk speed is the prefetcher's."""
+    for at in range(span.start, span.end, READAHEAD_CHUNK):
+        os.posix_fadvise(fd, at, min(READAHEAD_CHUNK, span.end - at), os.POSIX_FADV_WILLNEED)
+    if populate:
+        if _libc.madvise(base_address + span.start, span.n_bytes, MADV_POPULATE_READ) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
+        log.info("no MADV_POPULATE_READ on this kernel; prefetching with pread")
+    at = span.start
+    while at < span.end:
+        got = len(os.pread(fd, min(READ_CHUNK, span.end - at), at))
+        if not got:
+            break
+        at += got
+    return False
+
+
 def layer_spans(gguf: GGUFFile, weights: ModelWeights, layer: int) -> tuple[Span, ...]:
     """The page-aligned span of one layer's tensors."""
     start, end = gguf.byte_range(weights.layer_tensor_names(layer))
@@ -356,25 +381,10 @@ class LayerWindows:
 
     # -- system calls --------------------------------------------------------------------------
     def _read(self, layer: int) -> None:
-        """Bring `layer` into memory and map it, reading exactly its pages: readahead requests
-        of READAHEAD_CHUNK each (all queued at once), then MADV_POPULATE_READ waits for them and
-        maps them; without that madvise (Linux < 5.14), pread."""
+        """Bring `layer` into memory and map it (`read_span`), timing the read."""
         t0 = time.perf_counter()
         for span in self._spans[layer]:
-            for at in range(span.start, span.end, READAHEAD_CHUNK):
-                os.posix_fadvise(self._fd, at, min(READAHEAD_CHUNK, span.end - at), os.POSIX_FADV_WILLNEED)
-            if self._populate:
-                if (
-                    _libc.madvise(self.gguf.data.ctypes.data + span.start, span.n_bytes, MADV_POPULATE_READ)
-                    == 0
-                ):
-                    continue
-                err = ctypes.get_errno()
-                if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
-                log.info("no MADV_POPULATE_READ on this kernel; prefetching with pread")
-                self._populate = False
-            self._pread(span)
+            self._populate = read_span(self._fd, self.gguf.data.ctypes.data, span, populate=self._populate)
         self.stats.read_ms += (time.perf_counter() - t0) * 1e3
         self.stats.bytes_read += self._bytes[layer]
 

@@ -10,7 +10,7 @@ import pytest
 from prima.cli import primad
 from prima.cli.main import main
 from prima.errors import InputError
-from prima.net import credentials
+from prima.net import credentials, revocation
 
 
 def test_init_issue_join(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,3 +49,36 @@ def test_primad_serves_under_its_certificates_name(tmp_path: Path) -> None:
     assert args.name == "phone"
     with pytest.raises(InputError, match="differs"):
         primad.load_node_identity(_args(tmp_path, "--host", "0.0.0.0", "--name", "other"))
+
+
+def test_revoke_writes_a_list_of_that_names_certificates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keeper = tmp_path / "keeper"
+    assert main(["cluster", "--dir", str(keeper), "init", "--name", "laptop"]) == 0
+    for _ in range(2):  # phone was issued twice: both certificates go
+        assert main(["cluster", "--dir", str(keeper), "issue", "phone", "-o", str(tmp_path / "p.pem")]) == 0
+    assert main(["cluster", "--dir", str(keeper), "revoke", "phone"]) == 0
+    crl = (keeper / revocation.REVOKED_FILE).read_bytes()
+    ca = credentials.ClusterCA.load(keeper)
+    assert revocation.load_crl(crl, ca.cert_pem, "crl") == frozenset(
+        revocation.issued_serials(keeper, "phone")
+    )
+    assert main(["cluster", "--dir", str(keeper), "revoke", "tablet"]) == 1  # never issued
+    assert "no certificate issued to 'tablet'" in capsys.readouterr().err
+
+
+def test_primad_refuses_a_coordinators_identity(tmp_path: Path) -> None:
+    ca = credentials.ClusterCA.create()
+    laptop = ca.issue("laptop", role=credentials.ROLE_COORDINATOR)
+    credentials.write_private(tmp_path / credentials.IDENTITY_FILE, laptop.to_pem())
+    with pytest.raises(InputError, match="coordinator's, which may call daemons but not serve"):
+        primad.load_node_identity(_args(tmp_path, "--host", "0.0.0.0"))
+
+
+def test_primad_bounds_come_from_its_flags(tmp_path: Path) -> None:
+    limits = primad.daemon_limits(
+        _args(tmp_path, "--max-sessions", "3", "--max-kv-mib", "64", "--max-generates", "2")
+    )
+    assert (limits.max_sessions, limits.max_kv_bytes, limits.max_generates_per_caller) == (3, 64 << 20, 2)
+    assert primad.daemon_limits(_args(tmp_path)).max_kv_bytes > 0  # a quarter of this machine's RAM

@@ -1,6 +1,7 @@
 """A generation survives nodes leaving the ring: a follower or the head killed (SIGKILL), a
 follower hung (SIGSTOP), two failures in one run. Every run streams exactly the tokens of the
-unbroken run, greedy, and its streamed text is its final text; no daemon keeps the session."""
+unbroken run, greedy, and its streamed text is its final text; no daemon keeps the session.
+A long prefill, which keeps every node busy, is not taken for a failure."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from prima.engine.generate import GenerationResult, TokenEvent, generate, stream
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import prompt_ids
 from prima.forward.loader import load_model
+from prima.net.liveness import Liveness
 
 from .conftest import GREEDY, N_CTX, UBATCH, ring_request, start_ring
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 64
+BIG_UBATCH = 256  # one micro-batch of a long prompt: each node computes it in one long stretch
 PROMPT_TEXT = "The capital of France is"
 Action = Callable[[LocalRing], None]
 
@@ -111,3 +114,25 @@ def test_two_failures_in_one_run(three_nodes: LocalRing, smollm2_path: Path) -> 
     pieces, result, ring = run_with_failures(three_nodes, smollm2_path, failures)
     assert [n.node_id for n in ring.plan.nodes] == ["node2"]
     check_run(pieces, result, ring, smollm2_path, [first, second])
+
+
+def test_long_prefill_on_busy_nodes_is_not_a_failure(three_nodes: LocalRing, smollm2_path: Path) -> None:
+    """Big micro-batches of a long prompt keep each node computing for long stretches, during
+    which no token comes: this side probes the head every 0.2 s, and the head its followers
+    whenever a second passes, and every probe must be answered in time."""
+    text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 16)
+    ids = prompt_ids(load_model(smollm2_path, layers=range(0)).tokenizer, text)
+    loaded = load_model(smollm2_path, mode="exact")
+    engine = LocalEngine(loaded.model, n_ctx=N_CTX, ubatch=BIG_UBATCH)
+    expected = generate(engine, ids, max_tokens=4, sampler=GREEDY).token_ids
+    eager = Liveness(quiet_s=0.2, probe_timeout_s=1.0, misses=2, give_up_s=300.0)
+    ring = FailoverRing(
+        Ring.connect(three_nodes.addresses), RingSpec(tuple(three_nodes.addresses)), liveness=eager
+    )
+    try:
+        events = list(ring.generate(ring_request(ids, 4, ubatch=BIG_UBATCH)))
+        assert events[:-1] == expected
+        assert ring.recoveries == []
+        assert [n.node_id for n in ring.plan.nodes] == ["node0", "node1", "node2"]
+    finally:
+        ring.close()

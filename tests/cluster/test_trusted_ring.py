@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +43,7 @@ class RogueHandler:
     vocab_size = 49152
     max_batch_tokens = 512
 
-    def __init__(self, info: NodeStatus, profile: NodeProfile) -> None:
+    def __init__(self, info: NodeStatus, profile: NodeProfile | None) -> None:
         self.calls: list[str] = []
         self._info = info
         self._profile = profile
@@ -51,7 +52,7 @@ class RogueHandler:
         self.calls.append("Info")
         return self._info
 
-    def profile(self, peer_address: str, refresh: bool) -> NodeProfile:
+    def profile(self, peer_address: str, refresh: bool) -> NodeProfile | None:
         self.calls.append("Profile")
         return self._profile
 
@@ -67,19 +68,21 @@ def ring(mdns_env: None, smollm2_path: Path, ring_logs: Path) -> Iterator[LocalR
     yield from start_ring(2, smollm2_path, ring_logs, mdns=True)
 
 
-def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys) -> None:  # noqa: ANN001
+def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys, caplog) -> None:  # noqa: ANN001
     honest = NodeClient(ring.addresses[0])
     info, profile = honest.info(), honest.profile()
     honest.close()
     better = dataclasses.replace(profile.device, ram_available_bytes=profile.device.ram_available_bytes * 100)
     rogues = []
     servers = []
+    ports: list[int] = []
     for name, identity in [
         ("rogue-tls", ClusterCA.create("other").issue("rogue-tls")),
         ("rogue-plain", None),
     ]:
         handler = RogueHandler(dataclasses.replace(info, node_id=name), NodeProfile(better, 0, 0.0))
         server, port = start_server(handler, "127.0.0.1", 0, identity=identity)  # type: ignore[arg-type]
+        ports.append(port)
         advert = discovery.NodeAdvert(name, "127.0.0.1", port, info.model_fingerprint, info.model_name)
         servers.append((server, discovery.Advertiser(advert, interfaces="127.0.0.1")))
         rogues.append(handler)
@@ -87,7 +90,9 @@ def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, ca
         for _, advertiser in servers:
             advertiser.__enter__()
         argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
-        assert main([*argv, "--json", "--exact", "--expect", "4"]) == 0
+        # No --expect: the search listens its whole time, so it sees (and checks) the rogues too.
+        with caplog.at_level(logging.WARNING, logger="prima.coordinator"):
+            assert main([*argv, "--json", "--exact", "--discover-timeout", "6"]) == 0
     finally:
         for server, advertiser in servers:
             advertiser.__exit__(None, None, None)
@@ -95,9 +100,55 @@ def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, ca
     out = json.loads(capsys.readouterr().out)
     assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
     assert [r.calls for r in rogues] == [[], []]  # not even Info: the handshake stopped them
+    left_out = " ".join(r.getMessage() for r in caplog.records if "leaving out" in r.getMessage())
+    assert all(f"127.0.0.1:{port}" in left_out for port in ports)
     loaded = load_model(smollm2_path, mode="exact")
     ids = prompt_ids(loaded.tokenizer, PROMPT)
     engine = LocalEngine(loaded.model, n_ctx=N_CTX)
     stops = sorted(loaded.tokenizer.stop_ids)
     ref = generate(engine, ids, max_tokens=MAX_TOKENS, sampler=SamplerConfig(), stop_ids=stops)
     assert out["token_ids"] == ref.token_ids
+
+
+def test_clashing_and_garbage_adverts_do_not_break_discovery(
+    ring: LocalRing,
+    smollm2_path: Path,
+    capsys,
+    caplog,  # noqa: ANN001
+) -> None:
+    """Adverts are hints: a rogue claiming a genuine node's id, an advert pointing at nothing and
+    one for another model neither stop the search nor the run, which uses the genuine nodes."""
+    honest = NodeClient(ring.addresses[0])
+    info = honest.info()
+    honest.close()
+    clash = info.node_id  # the rogue claims to be the ring's first node
+    handler = RogueHandler(info, None)  # its profile does not matter: it never gets a call
+    server, port = start_server(handler, "127.0.0.1", 0, identity=ClusterCA.create("other").issue(clash))  # type: ignore[arg-type]
+    fp, name = info.model_fingerprint, info.model_name
+    adverts = [
+        discovery.NodeAdvert(clash, "127.0.0.1", port, fp, name),  # the clash, a live TLS server
+        discovery.NodeAdvert("node1", "127.0.0.1", 1, fp, name),  # the other id, nobody listening
+        discovery.NodeAdvert("junk", "127.0.0.1", 2, "00" * 32, "junk"),  # another model
+    ]
+    advertisers = [discovery.Advertiser(a, interfaces="127.0.0.1") for a in adverts]
+    try:
+        for advertiser in advertisers:
+            advertiser.start()
+        argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
+        assert main([*argv, "--json", "--exact", "--expect", "2", "--discover-timeout", "10"]) == 0
+    finally:
+        for advertiser in advertisers:
+            advertiser.close()
+        server.stop(grace=None)
+    out = json.loads(capsys.readouterr().out)
+    assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
+    assert handler.calls == []
+    assert out["token_ids"] == _reference(smollm2_path)
+
+
+def _reference(model: Path) -> list[int]:
+    loaded = load_model(model, mode="exact")
+    engine = LocalEngine(loaded.model, n_ctx=N_CTX)
+    stops = sorted(loaded.tokenizer.stop_ids)
+    ids = prompt_ids(loaded.tokenizer, PROMPT)
+    return generate(engine, ids, max_tokens=MAX_TOKENS, sampler=SamplerConfig(), stop_ids=stops).token_ids

@@ -1,9 +1,10 @@
 """The request a failover sends the new ring: the tokens so far end the prompt, the budget and
-the sampler's step move on by as many, and the caller's prompt logits are not asked of it."""
+the sampler's step move on by as many, and the caller's prompt logits are not asked of it. The
+nodes a re-plan asks: the known ones, then those a browse finds now."""
 
 from __future__ import annotations
 
-from prima.coordinator.failover import Recovery, continuation
+from prima.coordinator.failover import Recovery, RingSpec, continuation
 from prima.engine.generate import GenerateRequest
 from prima.engine.sampling import SamplerConfig
 
@@ -29,3 +30,10 @@ def test_recovery_reports_rounded_times() -> None:
         "replay_ms": 421.988,
         "nodes": ["node0", "node1"],
     }
+
+
+def test_replan_asks_the_known_nodes_then_the_newly_found() -> None:
+    known = ("h:1", "h:2", "h:3")
+    assert RingSpec(known).candidates() == list(known)
+    browsed = RingSpec(known, discover=lambda: ["h:4", "h:2", "h:5"])
+    assert browsed.candidates() == ["h:1", "h:2", "h:3", "h:4", "h:5"]

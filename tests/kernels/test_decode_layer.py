@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType
 
 from prima.forward.loader import LoadedModel, load_model
 from prima.kernels import decode_layer as dl
+from prima.kernels import fused_ops, ops
 from prima.kernels import matmul as mm
-from prima.kernels import ops
 from prima.kernels.quants import F16_TABLE
 
 from .weights import random_qtensor
@@ -90,11 +90,11 @@ def test_f16_bits_rounds_as_numpy() -> None:
             (rng.standard_normal(20000) * 10.0 ** rng.uniform(-9, 6, 20000)).astype(np.float32),
         ]
     )
-    got = np.array([dl.f16_bits(v) for v in values], dtype=np.uint16)
+    got = np.array([fused_ops.f16_bits(v) for v in values], dtype=np.uint16)
     with np.errstate(over="ignore"):  # the overflow to infinity is part of what is checked
         expected = values.astype(np.float16).view(np.uint16)
     np.testing.assert_array_equal(got, expected)
-    assert np.isnan(np.array([dl.f16_bits(np.float32(np.nan))], np.uint16).view(np.float16)[0])
+    assert np.isnan(np.array([fused_ops.f16_bits(np.float32(np.nan))], np.uint16).view(np.float16)[0])
 
 
 def test_gelu_mul_matches_the_table_gelu() -> None:
@@ -102,7 +102,7 @@ def test_gelu_mul_matches_the_table_gelu() -> None:
     gate_up = (rng.standard_normal((2, 64)) * 6).astype(np.float32)
     gate_up[0, :4] = [-10.0, 10.0, -30.0, 30.0]
     expected = ops.gelu(gate_up[:, :32]) * gate_up[:, 32:]
-    np.testing.assert_array_equal(dl.gelu_mul(gate_up, 32, ops.gelu_fp16_table()), expected)
+    np.testing.assert_array_equal(fused_ops.gelu_mul(gate_up, 32, ops.gelu_fp16_table()), expected)
 
 
 @pytest.mark.parametrize("int8", [True, False])

@@ -11,6 +11,8 @@ from prima.model.byte_ranges import (
     ByteRange,
     bootstrap_ranges,
     covers,
+    held_layers,
+    holds_head_tensors,
     intersect,
     needed_ranges,
     normalize,
@@ -68,4 +70,23 @@ def test_needed_ranges_hold_the_windows_and_the_head_only_on_the_head(tmp_path: 
     assert not covers(follower, [span["blk.0.attn_q.weight"]])
     # Together the two nodes need every tensor.
     assert covers(normalize([*follower, *head]), span.values())
+    gguf.close()
+
+
+def test_held_layers_are_those_whose_every_tensor_is_held(tmp_path: Path) -> None:
+    """What a node reports to Halda from its sparse file's record."""
+    path = write_tiny_model(tmp_path / "m.gguf", n_layers=4)
+    gguf = GGUFFile(path)
+    follower = needed_ranges(gguf, [Window(1, 3)], head=False)
+    assert held_layers(gguf, follower) == (1, 2)
+    assert not holds_head_tensors(gguf, follower)
+    head = needed_ranges(gguf, [Window(0, 1), Window(3, 4)], head=True)
+    assert held_layers(gguf, head) == (0, 3)
+    assert holds_head_tensors(gguf, head)
+    # One byte short of layer 2's last tensor: layer 2 is not held.
+    last = max((t for n, t in gguf.tensors.items() if n.startswith("blk.2.")), key=lambda t: t.offset)
+    assert held_layers(
+        gguf, subtract(follower, [R(last.offset + last.n_bytes - 1, last.offset + last.n_bytes)])
+    ) == (1,)
+    assert held_layers(gguf, [R(0, gguf.file_size)]) == (0, 1, 2, 3)
     gguf.close()

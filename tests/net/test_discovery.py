@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -167,6 +168,27 @@ def test_require_consistent_raises_every_problem_at_once() -> None:
         discovery.require_consistent(ring)
 
 
+def test_hint_addresses_keep_clashing_ids_and_drop_other_models(caplog: pytest.LogCaptureFixture) -> None:
+    genuine = [_advert("node0", 7600), _advert("node1", 7601)]
+    rogues = [
+        _advert("node0", 7666),
+        _advert("odd", 7667, fp=FP_B),
+        _advert("old", 7668, proto=PROTOCOL_VERSION + 1),
+    ]
+    with caplog.at_level(logging.WARNING, "prima.net"):
+        hints = discovery.hint_addresses([*genuine, *rogues], model_fingerprint=FP_A)
+    # The clash is for the handshake to settle; other models and protocols cannot join anyway.
+    assert hints == ["127.0.0.1:7600", "127.0.0.1:7601", "127.0.0.1:7666"]
+    assert any("node0" in r.getMessage() for r in caplog.records)
+
+
+def test_browse_with_expect_waits_past_a_clashing_advert(service_type: str) -> None:
+    adverts = [_advert("node0", 17640), _advert("node0", 17641), _advert("node1", 17642)]
+    with advertising(adverts, service_type):
+        found = discovery.browse(5.0, interfaces=LOOPBACK, expect=2, service_type=service_type)
+    assert {a.node_id for a in found} == {"node0", "node1"}
+
+
 def test_warn_once_then_debug(caplog: pytest.LogCaptureFixture) -> None:
     key = f"test:{secrets.token_hex(4)}"
     with caplog.at_level(logging.DEBUG, logger="prima.net"):
@@ -197,6 +219,29 @@ def test_browse_forgets_a_closed_advertiser(service_type: str) -> None:
         second = discovery.browse(1.5, interfaces=LOOPBACK, service_type=service_type)
     assert [a.node_id for a in first] == ["leaves", "stays"]
     assert [a.node_id for a in second] == ["stays"]
+
+
+def _seen(watch: discovery.AdvertWatch, want: set[str], timeout_s: float = 10.0) -> set[str]:
+    """The node ids `watch` holds once they are `want` (or when `timeout_s` has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while (ids := {a.node_id for a in watch.adverts()}) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ids
+
+
+def test_watch_sees_daemons_come_and_go_while_it_is_open(service_type: str) -> None:
+    watch = discovery.AdvertWatch(interfaces=LOOPBACK, service_type=service_type)
+    try:
+        assert watch.adverts() == []
+        with advertising([_advert("early", 17620)], service_type):
+            assert _seen(watch, {"early"}) == {"early"}
+            # One that starts while the watch is open announces itself and is seen too.
+            with advertising([_advert("late", 17621)], service_type):
+                assert _seen(watch, {"early", "late"}) == {"early", "late"}
+            assert _seen(watch, {"early"}) == {"early"}  # its goodbye removes it
+    finally:
+        watch.close()
+    watch.close()  # twice is fine
 
 
 def test_browse_sees_both_daemons_sharing_an_id(service_type: str) -> None:

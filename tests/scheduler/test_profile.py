@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -27,6 +28,26 @@ def test_profile_device_round_trips_through_json(make_device):
     assert make_device("local", net_mbps=0).to_dict()["net_bandwidth_bytes_per_s"] is None
 
 
+def test_profile_device_round_trips_what_it_holds(make_device):
+    """A node that fetched only some layers: which, how much, and its disk budget survive JSON;
+    a profile without them (an older file) holds the whole model and has no disk cap."""
+    dev = dataclasses.replace(
+        make_device("pi"),
+        held_layers=(0, 1, 5),
+        holds_head_tensors=False,
+        held_bytes=3 << 30,
+        disk_budget_bytes=20 << 30,
+    )
+    assert DeviceProfile.from_dict(json.loads(json.dumps(dev.to_dict()))) == dev
+    raw = make_device("old").to_dict()
+    for key in ("held_layers", "holds_head_tensors", "held_bytes", "disk_budget_bytes"):
+        del raw[key]
+    old = DeviceProfile.from_dict(raw)
+    assert old.held_layers is None
+    assert old.holds_layer(79)
+    assert (old.disk_budget_bytes, old.holds_head_tensors) == (0, True)
+
+
 def test_profile_model_round_trips_through_json(make_model):
     model = make_model()
     assert ModelProfile.from_dict(json.loads(json.dumps(model.to_dict()))) == model
@@ -50,6 +71,10 @@ def test_profile_cluster_file_round_trips(tmp_path, make_device, make_model):
         ({"os": "plan9"}, "os must be one of"),
         ({"cpu_flops": {"F32": "fast"}}, "cpu_flops"),
         ({"kind": "model"}, "kind"),
+        ({"held_layers": [0, -1]}, "held_layers must be a list of layer indices"),
+        ({"held_layers": "all"}, "held_layers must be a list of layer indices"),
+        ({"holds_head_tensors": 1}, "holds_head_tensors must be true or false"),
+        ({"disk_budget_bytes": -5}, "disk_budget_bytes"),
     ],
 )
 def test_profile_rejects_bad_device_fields(make_device, change, message):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 from prima.scheduler.profile import DeviceProfile
-from prima.scheduler.profile_cache import cache_path, load_or_measure
+from prima.scheduler.profile_cache import PROBE_VERSION, cache_path, load_or_measure
 
 FP = "ab" * 32
 
@@ -47,8 +48,23 @@ def test_refresh_and_another_model_measure_again(tmp_path: Path, make_device) ->
 def test_unreadable_cache_is_measured_over(tmp_path: Path, make_device) -> None:
     calls, measure = _counting(make_device)
     path = cache_path(tmp_path, "node0", FP)
-    path.write_text('{"measured_unix_s": 1, "profile": {"node_id": 3}}')
+    path.write_text(
+        json.dumps({"probe_version": PROBE_VERSION, "measured_unix_s": 1, "profile": {"node_id": 3}})
+    )
     found = load_or_measure("node0", FP, measure, cache_dir=tmp_path)
     assert len(calls) == 1
     assert not found.from_cache
     assert load_or_measure("node0", FP, measure, cache_dir=tmp_path).from_cache
+
+
+def test_a_profile_from_older_probes_is_measured_again(tmp_path: Path, make_device) -> None:
+    """A cache written before the disk probe streamed like the prefetcher holds a disk speed
+    the planner would trust wrongly."""
+    calls, measure = _counting(make_device)
+    load_or_measure("node0", FP, measure, cache_dir=tmp_path)
+    path = cache_path(tmp_path, "node0", FP)
+    doc = json.loads(path.read_text())
+    del doc["probe_version"]
+    path.write_text(json.dumps(doc))
+    assert not load_or_measure("node0", FP, measure, cache_dir=tmp_path).from_cache
+    assert len(calls) == 2

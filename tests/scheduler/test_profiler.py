@@ -6,6 +6,7 @@ Nothing here asserts how fast this machine is."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ from prima.net import codec
 from prima.scheduler import profiler
 from prima.scheduler.profile import OS_CLASSES, DeviceProfile, ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
+from prima.weights.window import READAHEAD_CHUNK
 from tests.fake_time import FakeTime
 
 MiB = 1 << 20
@@ -52,16 +54,48 @@ def test_gemv_flops_is_the_work_over_the_best_product(clock: FakeTime) -> None:
     assert profiler.numpy_gemv_flops(32, 48, repeats=3) == pytest.approx(2 * 32 * 48 / 1e-3)
 
 
+def readahead(calls: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    return [(off, n) for off, n, advice in calls if advice == os.POSIX_FADV_WILLNEED]
+
+
 @pytest.mark.parametrize(("n_bytes", "read"), [(MiB + 100, MiB + 100), (10 * MiB, 3 * MiB + 7)])
-def test_disk_read_is_the_bytes_read_from_the_file_over_the_time(
+def test_disk_read_is_the_bytes_streamed_from_the_file_over_the_time(
     tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]], n_bytes: int, read: int
 ) -> None:
     """At most `n_bytes` and at most the file; exactly those bytes are dropped from the page
-    cache first, so the probe reads them from the disk."""
+    cache first, then read in pieces as the prefetch thread reads a layer: readahead for every
+    128 KiB of it, in order. The clock moves 1 s per reading, so each 1 MiB piece takes 1 s."""
     path = tmp_path / "blob"
     path.write_bytes(b"\x01" * (3 * MiB + 7))
-    assert profiler.measure_disk_read(path, n_bytes) == pytest.approx(read / 1.0)
-    assert fadvised == [(0, read, os.POSIX_FADV_DONTNEED)]
+    pieces = -(-read // MiB)
+    rate = profiler.measure_disk_read(path, n_bytes, piece_bytes=MiB, max_seconds=10.0)
+    assert rate == pytest.approx(read / pieces)
+    assert fadvised[0] == (0, read, os.POSIX_FADV_DONTNEED)
+    chunks = readahead(fadvised)
+    assert chunks[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(chunks))
+    assert sum(n for _, n in chunks) == read
+    assert max(n for _, n in chunks) == READAHEAD_CHUNK
+
+
+def test_disk_read_stops_after_max_seconds(
+    tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]]
+) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (5 * MiB))
+    # 1 s per piece: the third piece ends past 2.5 s, and the probe stops there.
+    assert profiler.measure_disk_read(path, 5 * MiB, piece_bytes=MiB, max_seconds=2.5) == pytest.approx(
+        3 * MiB / 3.0
+    )
+    assert sum(n for _, n in readahead(fadvised)) == 3 * MiB
+
+
+def test_disk_read_runs_the_load_beside_the_reads(tmp_path: Path, clock: FakeTime) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * MiB)
+    runs: list[int] = []
+    profiler.measure_disk_read(path, MiB, load=lambda: runs.append(1))
+    assert runs  # it had started before the first read
 
 
 @pytest.mark.parametrize(("n_bytes", "read"), [(MiB * 5 // 2, 2 * MiB), (1000, 1000)])
@@ -71,7 +105,21 @@ def test_disk_read_without_a_path_reads_a_scratch_file_it_removes(
     """The scratch file holds whole MiB (at least one); the probe reads what it asked for of it."""
     scratch = tmp_path / "scratch"
     assert profiler.measure_disk_read(None, n_bytes, scratch_dir=scratch) == pytest.approx(read / 1.0)
-    assert fadvised == [(0, read, os.POSIX_FADV_DONTNEED)]
+    assert fadvised[0] == (0, read, os.POSIX_FADV_DONTNEED)
+    assert list(scratch.iterdir()) == []
+
+
+def test_disk_read_of_a_sparse_file_reads_a_scratch_file(
+    tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]]
+) -> None:
+    """A node that fetched only its layers holds holes, which read as zeros without the disk."""
+    path = tmp_path / "sparse.gguf"
+    with open(path, "wb") as fh:
+        fh.truncate(8 * MiB)
+    scratch = tmp_path / "scratch"
+    profiler.measure_disk_read(path, 3 * MiB + 100, scratch_dir=scratch)
+    # The scratch file holds whole MiB: 3 of them, not the 3 MiB + 100 the sparse file has.
+    assert fadvised[0] == (0, 3 * MiB, os.POSIX_FADV_DONTNEED)
     assert list(scratch.iterdir()) == []
 
 

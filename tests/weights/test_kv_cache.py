@@ -8,7 +8,7 @@ import pytest
 
 from prima.errors import ContextFullError
 from prima.model.config import ModelConfig
-from prima.weights.kv_cache import KVCache
+from prima.weights.kv_cache import KVCache, kv_bytes
 
 N_KV_HEADS = 2
 HEAD_DIM = 3
@@ -45,6 +45,7 @@ def test_cache_holds_only_the_owned_layers() -> None:
     assert all(a.shape == (10, N_KV_HEADS, HEAD_DIM) and a.dtype == np.float32 for a in cache.k.values())
     # K and V, float32, per owned layer and position.
     assert cache.n_bytes == 3 * 2 * 10 * N_KV_HEADS * HEAD_DIM * 4
+    assert kv_bytes(_config(), 10, len(cache.layers)) == cache.n_bytes  # known before allocating
     assert [cache.length(i) for i in cache.layers] == [0, 0, 0]
     with pytest.raises(KeyError):
         cache.length(0)

@@ -1,0 +1,304 @@
+"""Choose the compute threads and how idle OpenMP workers wait, by timing a real decode step here.
+
+A decode step launches ~100 small parallel regions. How much a launch costs depends on how the
+pool's workers wait between them, and that differs by machine: on an AMD EPYC VM a launch cost
+~120 us when workers slept (OMP_WAIT_POLICY=passive, woken through the kernel) against ~4 us when
+they spun, so two threads decoded SmolLM2 at half the speed of one. Spinning for ever is no answer
+either: an idle daemon would burn a core of somebody's laptop, and workers spinning on a busy
+machine starve each other. libgomp's middle way is a bounded spin (GOMP_SPINCOUNT iterations,
+~3 ms, then sleep): launches within a token find their workers awake, a daemon waiting for work
+sleeps after a few milliseconds.
+
+Which of 1 thread, N threads spinning briefly, N threads sleeping is fastest is measured, not
+guessed: each candidate runs in its own process (libgomp reads its settings once, when it loads),
+times decode steps of the model about to run, and the winner is kept in the kernel cache, keyed on
+the CPU, the cores this process may use and the model. `prima tune` measures again and prints
+the table. N threads are chosen only if faster than one.
+
+Applying a choice changes only what prima.kernels.thread_env set by default; wait settings the user
+exported are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prima.errors import PrimaError
+from prima.kernels import compile_cache, thread_env
+
+log = logging.getLogger("prima.engine")
+
+SPIN = "spin"
+PASSIVE = "passive"
+# libgomp's own default when no policy is set: about 3 ms of spinning before a worker sleeps.
+SPIN_COUNT = "300000"
+WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+TUNING_ENV = "PRIMA_THREAD_TUNING"
+# A candidate this close to the fastest counts as a tie; ties go to fewer threads, then to
+# sleeping workers (both leave more of the machine to its owner).
+TIE = 0.03
+MEASURE_TIMEOUT_S = 300.0
+MEASURE_BYTES = 256 << 20  # weights one timed step reads at most (a window of a big model)
+WARM_STEPS = 4
+TIMED_STEPS = 12
+ROUNDS = 3
+
+
+_applied: ThreadSetting | None = None
+
+
+class TuningError(PrimaError):
+    """A measurement run failed; the message carries its last words."""
+
+
+@dataclass(frozen=True)
+class ThreadSetting:
+    """How many compute threads, and how idle workers wait (SPIN: briefly, then sleep)."""
+
+    threads: int
+    wait: str
+
+    def env(self) -> dict[str, str | None]:
+        """The environment that selects this setting (None: unset the variable)."""
+        if self.wait == SPIN:
+            return {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": SPIN_COUNT}
+        return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+
+    def describe(self) -> str:
+        if self.threads == 1:
+            return "1 thread"
+        return f"{self.threads} threads, workers {'spin ~3 ms then sleep' if self.wait == SPIN else 'sleep'}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    setting: ThreadSetting
+    ms_per_step: float
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def candidates(cores: int) -> list[ThreadSetting]:
+    """1 thread, and with more cores all of them with each wait policy."""
+    out = [ThreadSetting(1, PASSIVE)]
+    if cores > 1:
+        out += [ThreadSetting(cores, SPIN), ThreadSetting(cores, PASSIVE)]
+    return out
+
+
+def choose(measured: Sequence[Measurement]) -> ThreadSetting:
+    """The fastest setting; among those within TIE of it, fewer threads, then sleeping workers."""
+    if not measured:
+        raise ValueError("no measurements to choose from")
+    best = min(m.ms_per_step for m in measured)
+    close = [m.setting for m in measured if m.ms_per_step <= best * (1 + TIE)]
+    return min(close, key=lambda s: (s.threads, s.wait != PASSIVE))
+
+
+def record_path(fingerprint: str, cores: int) -> Path:
+    """Where the choice for this model, CPU and core count is kept: beside the kernels compiled
+    from the same sources for the same CPU, so new kernels are measured again."""
+    return compile_cache.cache_dir() / f"threads-{compile_cache.target_key()}-{cores}-{fingerprint[:16]}.json"
+
+
+def load_record(path: Path) -> tuple[ThreadSetting, list[Measurement]] | None:
+    try:
+        raw = json.loads(path.read_text())
+        chosen = ThreadSetting(**raw["chosen"])
+        measured = [
+            Measurement(ThreadSetting(**m["setting"]), float(m["ms_per_step"])) for m in raw["measured"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return chosen, measured
+
+
+def save_record(path: Path, chosen: ThreadSetting, measured: Sequence[Measurement]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps({"chosen": asdict(chosen), "measured": [asdict(m) for m in measured]}, indent=1)
+    )
+    os.replace(tmp, path)
+
+
+def measure(
+    model: str | os.PathLike[str], setting: ThreadSetting, timeout_s: float = MEASURE_TIMEOUT_S
+) -> float:
+    """ms per decode step with `setting`, timed in a child process that starts with its env."""
+    env = dict(os.environ)
+    for key, value in setting.env().items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env["PRIMA_THREAD_ENV"] = "off"  # the child's pools are set up by exactly this environment
+    for key in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(key, "1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "prima.engine.thread_tuning",
+        "--measure",
+        str(model),
+        "--threads",
+        str(setting.threads),
+    ]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise TuningError(
+            f"timing a decode step with {setting.describe()} took over {timeout_s:.0f} s"
+        ) from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-10:])
+        raise TuningError(f"timing a decode step with {setting.describe()} failed:\n{tail}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["ms_per_step"])
+
+
+def tune(
+    model: str | os.PathLike[str], fingerprint: str, *, cores: int | None = None, refresh: bool = False
+) -> tuple[ThreadSetting, list[Measurement], bool]:
+    """The setting for this model here: recorded, or measured now (and recorded). Returns the
+    setting, its measurements and whether they were taken by this call."""
+    cores = cores or usable_cores()
+    path = record_path(fingerprint, cores)
+    if not refresh:
+        found = load_record(path)
+        if found is not None:
+            return found[0], found[1], False
+    with compile_cache.exclusive():  # daemons starting together measure once, not side by side
+        if not refresh:
+            found = load_record(path)
+            if found is not None:
+                return found[0], found[1], False
+        measured = [Measurement(s, measure(model, s)) for s in candidates(cores)]
+        chosen = choose(measured)
+        save_record(path, chosen, measured)
+    return chosen, measured, True
+
+
+def apply(setting: ThreadSetting) -> bool:
+    """Put `setting`'s wait policy into this process's environment, where prima set the default
+    and the user did not choose; True if the pool will run with it. libgomp reads the variables
+    once, when numba first starts its pool, so this must run before a model is loaded."""
+    if any(key in os.environ and key not in thread_env.APPLIED for key in WAIT_KEYS):
+        log.info("keeping the OpenMP wait settings from the environment")
+        return False
+    if _pool_started():
+        log.debug("numba's thread pool is running already; its wait policy stays")
+        return False
+    for key, value in setting.env().items():
+        if value is None:
+            os.environ.pop(key, None)
+            thread_env.APPLIED.discard(key)
+        else:
+            os.environ[key] = value
+            thread_env.APPLIED.add(key)
+    return True
+
+
+def tuned_setting(
+    model_path: str | os.PathLike[str],
+    on_stage: Callable[[str], None] | None = None,
+    threads: int | None = None,
+) -> ThreadSetting | None:
+    """The measured setting for this model, applied to this process (see `apply`): the fastest,
+    or with `threads` given the fastest wait policy for that many. None when there is nothing
+    to choose (one thread), PRIMA_THREAD_TUNING=off, or the model cannot be read; numba's and
+    prima's defaults then stay."""
+    global _applied
+    if os.environ.get(TUNING_ENV) == "off" or threads == 1:
+        return None
+    from prima.model.gguf_file import GGUFFile
+
+    try:
+        with GGUFFile(model_path) as gguf:
+            fingerprint = gguf.fingerprint()
+    except (OSError, PrimaError):
+        return None
+    cores = usable_cores()
+    if on_stage and load_record(record_path(fingerprint, cores)) is None:
+        on_stage(f"timing decode with 1 and {cores} threads, once for this model and CPU (~10 s)")
+    chosen, measured, fresh = tune(model_path, fingerprint, cores=cores)
+    if fresh and on_stage:
+        on_stage("chose " + chosen.describe() + ": " + format_measurements(measured))
+    if threads is not None:
+        same = [m for m in measured if m.setting.threads == threads]
+        chosen = choose(same) if same else ThreadSetting(threads, PASSIVE)
+    if apply(chosen):
+        _applied = chosen
+    return chosen
+
+
+def applied() -> ThreadSetting | None:
+    """The setting this process runs with, if tuned_setting applied one."""
+    return _applied
+
+
+def format_measurements(measured: Sequence[Measurement]) -> str:
+    return ", ".join(f"{m.setting.describe()} {m.ms_per_step:.1f} ms" for m in measured)
+
+
+def _pool_started() -> bool:
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return bool(parallel is not None and getattr(parallel, "_is_initialized", False))
+
+
+def _time_decode(model: str, threads: int) -> float:
+    """Median ms of one decode step of `model` (the whole model when small, else a window of
+    its first layers of ~MEASURE_BYTES), with `threads` threads."""
+    import numpy as np
+
+    from prima.forward.loader import load_model
+
+    loaded = load_model(model, threads=threads, download=False)
+    net = loaded.model
+    cfg = net.config
+    per_layer = max(1, sum(loaded.gguf.tensors[n].n_bytes for n in loaded.weights.layer_tensor_names(0)))
+    n_layers = max(1, min(cfg.n_layers, MEASURE_BYTES // per_layer))
+    whole = n_layers == cfg.n_layers
+    steps = WARM_STEPS + ROUNDS * TIMED_STEPS
+    cache = net.new_cache(steps + 1, range(0, n_layers))
+    token = np.array([1], dtype=np.int64)
+    times: list[float] = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        h = net.embed(token)
+        h = net.forward_layers(h, np.array([step]), 0, n_layers, cache)
+        if whole:
+            net.output_logits(h[-1:])
+        times.append(time.perf_counter() - t0)
+    timed = times[WARM_STEPS:]
+    rounds = [sum(timed[i : i + TIMED_STEPS]) / TIMED_STEPS for i in range(0, len(timed), TIMED_STEPS)]
+    return statistics.median(rounds) * 1000.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prima.engine.thread_tuning", description=__doc__)
+    p.add_argument("--measure", required=True, metavar="MODEL", help="model name or GGUF path to time")
+    p.add_argument("--threads", type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sys.stdout.write(json.dumps({"ms_per_step": _time_decode(args.measure, args.threads)}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

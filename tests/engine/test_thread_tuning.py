@@ -1,0 +1,113 @@
+"""Thread tuning: the choice rule, the record it keeps, and its effect on the environment of the
+processes that run the kernels. The measurements are real decode steps in child processes; no
+test asserts how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prima.engine import thread_tuning as tt
+from prima.engine.thread_tuning import PASSIVE, SPIN, Measurement, ThreadSetting
+
+
+def m(threads: int, wait: str, ms: float) -> Measurement:
+    return Measurement(ThreadSetting(threads, wait), ms)
+
+
+def test_choose_takes_the_fastest() -> None:
+    measured = [m(1, PASSIVE, 12.0), m(2, SPIN, 8.0), m(2, PASSIVE, 11.0)]
+    assert tt.choose(measured) == ThreadSetting(2, SPIN)
+
+
+def test_more_threads_only_when_faster_than_one() -> None:
+    # Two threads slower than one (the AMD VM of issue 14 with sleeping workers): one thread.
+    assert tt.choose([m(1, PASSIVE, 16.0), m(2, SPIN, 17.0), m(2, PASSIVE, 30.0)]) == ThreadSetting(
+        1, PASSIVE
+    )
+
+
+def test_ties_go_to_fewer_threads_then_to_sleeping_workers() -> None:
+    assert tt.choose([m(1, PASSIVE, 10.1), m(2, SPIN, 10.0)]) == ThreadSetting(1, PASSIVE)
+    assert tt.choose([m(1, PASSIVE, 20.0), m(2, SPIN, 10.0), m(2, PASSIVE, 10.2)]) == ThreadSetting(
+        2, PASSIVE
+    )
+
+
+def test_candidates_cover_one_thread_and_each_wait_policy() -> None:
+    assert tt.candidates(1) == [ThreadSetting(1, PASSIVE)]
+    assert set(tt.candidates(4)) == {
+        ThreadSetting(1, PASSIVE),
+        ThreadSetting(4, SPIN),
+        ThreadSetting(4, PASSIVE),
+    }
+
+
+def test_settings_name_their_environment() -> None:
+    assert ThreadSetting(2, SPIN).env() == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": tt.SPIN_COUNT}
+    assert ThreadSetting(2, PASSIVE).env() == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+
+
+def test_a_damaged_record_is_measured_again(tmp_path: Path) -> None:
+    path = tmp_path / "threads.json"
+    path.write_text("{not json")
+    assert tt.load_record(path) is None
+    tt.save_record(path, ThreadSetting(2, SPIN), [m(2, SPIN, 1.0)])
+    assert tt.load_record(path) == (ThreadSetting(2, SPIN), [m(2, SPIN, 1.0)])
+
+
+def _apply_in_child(env: dict[str, str], setting: ThreadSetting) -> dict[str, str | None]:
+    """Run apply() in a fresh interpreter (as an entry point would, before numba's pool starts)
+    and return the wait variables it leaves."""
+    code = (
+        "import json, os, prima.kernels.thread_env\n"
+        "from prima.engine.thread_tuning import ThreadSetting, apply\n"
+        f"ok = apply(ThreadSetting({setting.threads}, {setting.wait!r}))\n"
+        "print(json.dumps({'ok': ok, **{k: os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')}}))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in tt.WAIT_KEYS and k != "PRIMA_THREAD_ENV"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def test_apply_replaces_only_prima_defaults() -> None:
+    # prima's default (passive, set by thread_env) gives way to the measured choice ...
+    assert _apply_in_child({}, ThreadSetting(2, SPIN)) == {
+        "ok": True,
+        "OMP_WAIT_POLICY": None,
+        "GOMP_SPINCOUNT": tt.SPIN_COUNT,
+    }
+    # ... but what the user exported stays.
+    assert _apply_in_child({"OMP_WAIT_POLICY": "ACTIVE"}, ThreadSetting(2, PASSIVE)) == {
+        "ok": False,
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "GOMP_SPINCOUNT": None,
+    }
+
+
+@pytest.mark.slow
+def test_tune_measures_each_candidate_once_then_reads_the_record(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "threads.json"
+    monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
+    chosen, measured, fresh = tt.tune(smollm2_path, "f" * 64, cores=2)
+    assert fresh
+    assert record.exists()
+    assert [x.setting for x in measured] == tt.candidates(2)
+    assert all(x.ms_per_step > 0 for x in measured)
+    assert chosen == tt.choose(measured)
+    again = tt.tune(smollm2_path, "f" * 64, cores=2)
+    assert again == (chosen, measured, False)

@@ -1,0 +1,128 @@
+"""The bounds on calls, not on data: Generate calls one caller may run at once, and how long a
+Relay stream may stay silent or open. A real one-node ring of a tiny random-weight model runs
+in-process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from prima.daemon.runtime import NodeRuntime
+from prima.engine.sampling import SamplerConfig
+from prima.errors import ProtocolError
+from prima.forward.loader import load_model
+from prima.net import codec
+from prima.net.limits import CallerSlots, DaemonLimits, bounded_stream
+from prima.net.proto import prima_pb2 as pb
+from prima.net.proto import prima_pb2_grpc as pb_grpc
+from prima.net.server import start_server
+from prima.net.status import PayloadTooLargeError, StreamTimeoutError
+from prima.plan import plan_from_window_sizes
+
+from ..conftest import tiny_model_path
+
+IDLE_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[pb_grpc.NodeStub]:
+    """A head holding every layer, allowing one Generate per caller and half a second of silence."""
+    loaded = load_model(tiny_model_path("tiny-qwen2"))
+    runtime = NodeRuntime(loaded, "solo")
+    bounds = DaemonLimits(max_generates_per_caller=1, relay_idle_s=IDLE_S)
+    server, port = start_server(runtime, "127.0.0.1", 0, limits=bounds)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.NodeStub(channel)
+    n_layers = loaded.weights.config.n_layers
+    plan = plan_from_window_sizes([("solo", f"127.0.0.1:{port}")], [n_layers], 1, n_layers, epoch=1)
+    stub.LoadPlan(pb.LoadPlanRequest(plan=codec.plan_to_proto(plan), node_id="solo"), timeout=60)
+    yield stub
+    channel.close()
+    server.stop(grace=None)
+    runtime.shutdown()
+
+
+def _request(max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_ids=[1, 2, 3],
+        max_tokens=max_tokens,
+        n_ctx=256,
+        sampler=codec.sampler_to_proto(SamplerConfig()),
+    )
+
+
+def test_a_second_concurrent_generate_of_one_caller_is_resource_exhausted(head: pb_grpc.NodeStub) -> None:
+    first = head.Generate(_request(200), timeout=60)
+    try:
+        next(first)  # running: it holds the caller's one slot
+        with pytest.raises(grpc.RpcError) as info:
+            list(head.Generate(_request(2), timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "Generate calls running" in info.value.details()
+    finally:
+        first.cancel()
+    # The slot is given back once the first call ends: the same caller may generate again.
+    replies: list[pb.GenerateReply] = []
+    refusals: set[grpc.StatusCode] = set()
+    for _attempt in range(50):
+        try:
+            replies = list(head.Generate(_request(2), timeout=30))
+            break
+        except grpc.RpcError as exc:
+            refusals.add(exc.code())
+            threading.Event().wait(0.1)  # the cancelled call's generator is still closing
+    assert refusals <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert replies, "the Generate slot was never given back"
+    assert replies[-1].done
+
+
+def test_a_silent_relay_stream_is_ended_with_deadline_exceeded(head: pb_grpc.NodeStub) -> None:
+    release = threading.Event()
+
+    def silent() -> Iterator[pb.Activation]:
+        release.wait(30)  # sends nothing until the test ends
+        return
+        yield
+
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            head.Relay(silent(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert f"no message on this stream for {IDLE_S:g} s" in info.value.details()
+    finally:
+        release.set()
+    head.Ping(pb.PingRequest(), timeout=10)  # still serving
+
+
+def test_bounded_stream_passes_messages_then_ends_when_open_too_long() -> None:
+    now = [0.0]
+    stream = bounded_stream(iter(range(3)), idle_s=5.0, open_s=10.0, clock=lambda: now[0])
+    assert [next(stream), next(stream)] == [0, 1]
+    now[0] = 11.0  # the stream has now been open longer than allowed
+    with pytest.raises(StreamTimeoutError, match="open 10 s"):
+        next(stream)
+
+
+def test_bounded_stream_passes_the_reader_error_on() -> None:
+    def broken() -> Iterator[int]:
+        yield 1
+        raise ProtocolError("torn stream")
+
+    stream = bounded_stream(broken(), idle_s=5.0, open_s=10.0)
+    assert next(stream) == 1
+    with pytest.raises(ProtocolError, match="torn stream"):
+        next(stream)
+
+
+def test_caller_slots_count_each_caller_apart() -> None:
+    slots = CallerSlots(2, "Generate")
+    slots.take("a")
+    slots.take("a")
+    slots.take("b")
+    with pytest.raises(PayloadTooLargeError, match="'a' already has 2 Generate calls"):
+        slots.take("a")
+    slots.give_back("a")
+    slots.take("a")
