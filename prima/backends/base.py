@@ -22,7 +22,7 @@ window (`windows_bit_identical`); tests/backends/test_conformance.py holds every
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -92,3 +92,25 @@ class Backend(Protocol):
         """y = x @ W.T (float32), in the mode this backend runs: what the profiler times per
         weight format (prima.scheduler.kernel_bench) so that plans use this backend's speed."""
         ...
+
+
+class AcceleratorBackend(Backend, Protocol):
+    """A backend on a device beside the host CPU (`accelerator` is true). A node gives it the
+    plan's `accel_layers` of each window and its `host` the rest of the window."""
+
+    # The CPU backend of the same weights: embeddings, output head and the layers a plan
+    # leaves on the CPU.
+    host: Backend
+    # Its memory is the host's RAM (unified memory): its layers count against RAM too.
+    shares_ram: bool
+
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory now."""
+        ...
+
+
+def host_backend(backend: Backend) -> Backend:
+    """The backend that computes on the host CPU: an accelerator's `host`, else `backend` itself."""
+    if backend.accelerator:
+        return cast(AcceleratorBackend, backend).host
+    return backend

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from prima.cli.arg_types import positive_int
 from prima.errors import InputError
 from prima.model.files import open_model
 from prima.model.registry import DEFAULT_MODEL
+
+DEFAULT_CTX = 512  # as prima.backends.acl.backend.DEFAULT_CTX (not imported: onnx is optional)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +28,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="START-END",
         help="layers [START, END) to compile as one window (repeatable; default: the whole model)",
     )
-    comp.add_argument("--ctx", type=int, default=512, help="KV cache slots per window (default 512)")
+    comp.add_argument(
+        "--npu-ctx",
+        "--ctx",
+        dest="ctx",
+        type=positive_int,
+        default=DEFAULT_CTX,
+        metavar="N",
+        help=f"KV cache slots per window, the longest session it serves (default {DEFAULT_CTX}); "
+        "give primad the same --npu-ctx",
+    )
     comp.add_argument(
         "--gears", default="1,2,4,8", help="tokens per call the model accepts (default 1,2,4,8)"
     )

@@ -86,7 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
     )
-    p.add_argument("--backend", default="cpu", help="compute backend (default cpu)")
+    p.add_argument(
+        "--backend",
+        default="cpu",
+        help="compute backend: cpu (default), or acl (an Ascend NPU for a plan's accel_layers, the "
+        "rest on the CPU; docs/orangepi.md)",
+    )
+    p.add_argument(
+        "--npu-ctx",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="acl: KV slots the NPU windows are compiled for, the longest session they serve "
+        "(default 512; as given to `prima npu compile --npu-ctx`)",
+    )
     p.add_argument(
         "--exact",
         action="store_true",
@@ -250,6 +263,7 @@ def serve(args: argparse.Namespace) -> int:
         threads=threads,
         layers=range(0),
         mode="exact" if args.exact else "q8",
+        npu_ctx=args.npu_ctx,
     )
     stop = threading.Event()
     bounds = daemon_limits(args)

@@ -74,7 +74,14 @@ class FileSource:
             log.info("%s holds only part of the model; the ring's nodes fetch from each other", path)
             return None
         host = address_towards(towards)
-        identity = credentials.client_identity()
+        identity = credentials.file_server_identity()
+        if identity is None and credentials.client_identity() is not None:
+            log.warning(
+                "not serving %s to the ring: this device's certificate is a coordinator's, and only a "
+                "node's may serve; the ring's nodes fetch from a daemon holding the file",
+                path.name,
+            )
+            return None
         if identity is None and not credentials.is_loopback(host):
             log.warning(
                 "not serving %s to the ring on %s: this device has no cluster identity (prima cluster "

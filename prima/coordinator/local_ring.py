@@ -64,6 +64,7 @@ class LocalRing:
         mem_budgets: Sequence[str] | None = None,
         models: Sequence[str | os.PathLike[str]] | None = None,
         extra_args: Sequence[str] = (),
+        node_args: Sequence[Sequence[str]] | None = None,
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
         log_dir: Path | None = None,
         names: Sequence[str] | None = None,
@@ -77,6 +78,7 @@ class LocalRing:
         its ready line. `models` and `mem_budgets` optionally give each node its own file or
         budget; `mdns` lets them advertise on 127.0.0.1. The daemons end with this process
         (Linux), unless `detach`: then they run on in their own session until stopped.
+        `node_args[i]` are daemon i's own arguments after `extra_args` (e.g. one `--backend acl`).
         `preexec[i]` runs in daemon i's process before it starts (e.g. joining a memory cgroup,
         see cluster.emulate). Each daemon gets a certificate for its name from `ca` (default:
         this process's throwaway CA); `plaintext` starts them without credentials instead."""
@@ -112,7 +114,7 @@ class LocalRing:
                     crl = credentials.cluster_dir() / REVOKED_FILE
                     cmd += ["--cluster-dir", str(dirs[i]), "--revocation-list", str(crl)]
                 cmd += ["--model", str(models[i] if models else model), "--name", names[i], *extra_args]
-                cmd += ["--threads", str(threads)]
+                cmd += [*(node_args[i] if node_args else ()), "--threads", str(threads)]
                 if not mdns:
                     cmd.append("--no-mdns")
                 if mem_budgets and mem_budgets[i]:

@@ -1,6 +1,10 @@
 """A daemon measuring itself for the scheduler: the generic probes (prima.scheduler.profiler) on
 prima's own kernels, then one real layer timed on this node's model, to which the kernel speeds
-are calibrated (cached per model file); and the memory it may use, read fresh each time."""
+are calibrated (cached per model file); and the memory it may use, read fresh each time.
+
+A node with an accelerator (an NPU backend) also times a one-layer window run there, and reads
+the device's free memory (acl.rt.get_mem_info): its AcceleratorProfile, from which Halda decides
+how many layers of each window (`accel_layers`) the device runs."""
 
 from __future__ import annotations
 
@@ -8,11 +12,15 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
+from prima.backends.base import AcceleratorBackend, KVState
 from prima.forward.loader import LoadedModel
+from prima.forward.placement import Piece
 from prima.model.byte_ranges import held_layers, holds_head_tensors
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
@@ -20,10 +28,9 @@ from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops
 from prima.scheduler.memory import MemoryLimit, read_memory_limit
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
 from prima.scheduler.profiler import profile_device
-from prima.weights.kv_cache import KVCache
 from prima.weights.window import PAGE, Span, resident_bytes
 
 log = logging.getLogger("prima.daemon")
@@ -47,26 +54,78 @@ def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
         layer_ms = time_one_layer(loaded)
     except (ValueError, OSError) as exc:  # a layer this node cannot map: keep the kernel speeds
         log.warning("could not time a layer of %s (%s); planning from kernel speeds alone", loaded.name, exc)
-        return device
-    return calibrate_to_layer(device, model, layer_ms)
+    else:
+        device = calibrate_to_layer(device, model, layer_ms)
+    if backend.accelerator:
+        device = dataclasses.replace(device, accelerator=measure_accelerator(loaded, device))
+    return device
 
 
 def time_one_layer(loaded: LoadedModel, steps: int = LAYER_STEPS) -> float:
-    """Best ms per layer of one decode step (one token) through the first few layers (about
-    TIMED_BYTES of weights, at least one layer), their weights read in first."""
+    """Best ms per layer of one decode step (one token) on the host CPU through the first few
+    layers (about TIMED_BYTES of weights, at least one layer), their weights read in first."""
     model = loaded.model
     layer_bytes = max(ModelProfile.from_gguf(loaded.gguf).layer_bytes, 1)
     n = max(1, min(model.config.n_layers, -(-TIMED_BYTES // layer_bytes)))
     loaded.weights.validate(range(0, n))
-    cache = KVCache(model.config, steps, range(n))
-    h = np.full((1, model.config.d_model), 0.01, dtype=np.float32)
+    piece = Piece(range(0, n), on_accel=False)
+    return (
+        _best_step_ms(
+            lambda h, pos, kv: model.run(piece, h, pos, kv),
+            model.host.new_kv(steps, piece.layers),
+            loaded,
+            steps,
+        )
+        / n
+    )
+
+
+def measure_accelerator(
+    loaded: LoadedModel, device: DeviceProfile, steps: int = LAYER_STEPS
+) -> AcceleratorProfile:
+    """The accelerator of `loaded`'s backend: one decode step through a one-layer window there
+    (compiled and loaded as the plan's windows are; the first step warms up), as the throughput
+    at which the cost model's GEMV time of a layer equals it, and its free memory now."""
+    accel = cast(AcceleratorBackend, loaded.model.backend)
+    layers = range(0, 1)
+    loaded.weights.validate(layers)
+    window = accel.load_window(layers)
+    try:
+        layer_ms = _best_step_ms(
+            lambda h, pos, kv: accel.run_window(window, h, pos, kv),
+            accel.new_kv(steps, layers),
+            loaded,
+            steps,
+        )
+    finally:
+        accel.release_window(window)
+    flops = ModelProfile.from_gguf(loaded.gguf).layer_flops
+    per_s = sum(flops.values()) / (layer_ms / 1e3)
+    free, _ = accel.device_memory()
+    log.info("%s: %.2f ms per layer, %d MiB free", accel.name, layer_ms, free >> 20)
+    return AcceleratorProfile(
+        kind=accel.name,
+        memory_available_bytes=free,
+        flops={fmt: per_s for fmt in (*flops, "F32")},
+        # Reading the KV cache at the planned context is not timed on the device: at the host's
+        # memory speed, which a unified-memory NPU shares (one with its own is likely faster).
+        mem_bandwidth_bytes_per_s=device.mem_bandwidth_bytes_per_s,
+        shares_ram=accel.shares_ram,
+    )
+
+
+def _best_step_ms(
+    run: Callable[[np.ndarray, np.ndarray, KVState], object], kv: KVState, loaded: LoadedModel, steps: int
+) -> float:
+    """Best ms of one decode step `run(hidden, positions, kv)` over `steps` steps, the first not counted."""
+    h = np.full((1, loaded.model.config.d_model), 0.01, dtype=np.float32)
     best = math.inf
     for pos in range(steps):
         t0 = time.perf_counter()
-        model.forward_layers(h, np.array([pos]), 0, n, cache)
+        run(h, np.array([pos]), kv)
         if pos:
             best = min(best, time.perf_counter() - t0)
-    return best * 1e3 / n
+    return best * 1e3
 
 
 def node_profile(
@@ -83,15 +142,27 @@ def node_profile(
     disk_budget_bytes: int = 0,
 ) -> NodeProfile:
     """This device measured for the scheduler (cached per model file; `refresh` measures
-    again), with the memory it may use now, what it holds of the model file (`store`) and its
-    disk budget, plus the link to `peer_address` when one is given."""
-    found = load_or_measure(
-        node_id, fingerprint, lambda: measure_node(loaded, node_id), refresh=refresh, cache_dir=cache_dir
-    )
+    again), with the memory it may use now (its accelerator's too), what it holds of the model
+    file (`store`) and its disk budget, plus the link to `peer_address` when one is given."""
+    backend = loaded.model.backend
+
+    def measure() -> DeviceProfile:
+        return measure_node(loaded, node_id)
+
+    found = load_or_measure(node_id, fingerprint, measure, refresh=refresh, cache_dir=cache_dir)
+    if backend.accelerator and found.profile.accelerator is None:  # cached by a CPU-only run
+        found = load_or_measure(node_id, fingerprint, measure, refresh=True, cache_dir=cache_dir)
     # Memory is read now, as the planner will use it: the cached profile's is from another time.
     limit = memory_limit(loaded)
+    accel = found.profile.accelerator if backend.accelerator else None  # none without its backend
+    if accel is not None:
+        free, _ = cast(AcceleratorBackend, backend).device_memory()
+        accel = dataclasses.replace(accel, memory_available_bytes=free)
     device = dataclasses.replace(
-        found.profile, ram_total_bytes=limit.total, ram_available_bytes=limit.weights_budget()
+        found.profile,
+        ram_total_bytes=limit.total,
+        ram_available_bytes=limit.weights_budget(),
+        accelerator=accel,
     )
     if store is not None:
         device = with_holdings(device, loaded.gguf, store, disk_budget_bytes)

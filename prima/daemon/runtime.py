@@ -17,6 +17,7 @@ from prima import metrics
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
 from prima.forward.loader import LoadedModel
+from prima.forward.placement import host_layers, split_window
 from prima.model.sparse import SparseFile
 from prima.net import limits
 from prima.net.client import NodeClient, Transport
@@ -30,7 +31,7 @@ from prima.net.status import (
     StaleEpochError,
     UnknownSessionError,
 )
-from prima.plan import Plan
+from prima.plan import Plan, Window
 from prima.weights.kv_cache import kv_bytes
 from prima.weights.window import LayerWindows, Residency
 
@@ -287,24 +288,39 @@ class NodeRuntime:
         """Load node `me`'s windows of `plan`, whose bytes it holds; forget the views of layers
         built over holes before a fetch (the profile may have timed them)."""
         windows = plan.nodes[me].windows
+        accel = plan.nodes[me].accel_layers
         if fetched_bytes:
             mine = {i for w in windows for i in range(w.start, w.end)}
             self.loaded.weights.forget_layers(mine)
             self.model.release_layers(mine)
         for w in windows:
             self.loaded.weights.validate(range(w.start, w.end))
-        # The backend readies each layer (the worker runs them one by one, so compute on one
-        # overlaps the prefetch of the next); layers of an older plan are released below.
-        layers = [range(i, i + 1) for w in windows for i in range(w.start, w.end)]
-        for r in layers:
-            self.model.window(r)
+        # The accelerator's part of each window is one compiled model, readied now (an NPU
+        # compiles it unless cached); the host's part is read by the layer windows below.
+        spans = [range(w.start, w.end) for w in windows]
+        for span in spans:
+            for piece in split_window(span, accel):
+                if piece.on_accel:
+                    self.model.window(piece)
         auto = self.budget_bytes is None
         budget = window_budget(self.loaded, self.node_id, me == 0) if auto else self.budget_bytes
         assert budget is not None
-        layer_windows = LayerWindows(self.loaded.gguf, self.loaded.weights, windows, budget)
+        host_windows = [Window(r.start, r.stop) for r in (host_layers(s, accel) for s in spans)]
+        layer_windows = LayerWindows(self.loaded.gguf, self.loaded.weights, host_windows, budget)
         if layer_windows.limited:
             layer_windows.release_all()  # start from a known resident set
         layer_windows.start()
+        # The host runs a window's layers in one call, or one by one while it streams (see the
+        # worker): either form may be asked for, so both are kept; the current one is readied.
+        keep = {
+            p
+            for s in spans
+            for per_layer in (False, True)
+            for p in split_window(s, accel, per_layer=per_layer)
+        }
+        for span in spans:
+            for piece in split_window(span, accel, per_layer=layer_windows.limited):
+                self.model.window(piece)
         hops = tuple(plan.hops())
         peers = {h.node_index for h in hops} | {0}
         clients = {
@@ -327,7 +343,7 @@ class NodeRuntime:
                 c.close()
             return
         self._end_sessions(sessions, f"node {self.node_id} loaded plan epoch {plan.epoch}")
-        self.model.release_windows(keep=set(layers))
+        self.model.release_windows(keep=keep)
         if old:
             old.windows.close()
             for c in old.clients.values():
@@ -357,13 +373,14 @@ class NodeRuntime:
         if not 0 < n_ctx <= self.model.config.context_length:
             raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
         # Refused before the cache exists: allocating it first and freeing it on refusal leaves
-        # the pages resident (the allocator keeps them), so spam would grow the daemon.
+        # the pages resident (the allocator keeps them), so spam would grow the daemon. (Counted
+        # as float32 host KV: an accelerator's float16 cache takes at most that.)
         with self._lock:
             self._check_room(kv_bytes(self.model.config, n_ctx, len(set(layout.layers()))))
-        # The backend keeps the KV state (the acl backend: on the NPU).
-        session = NodeSession(
-            session_id, plan_epoch, n_ctx, self.model.backend.new_kv(n_ctx, layout.layers())
-        )
+        # The backends keep the KV state (the acl backend: on the NPU, for its layers).
+        host = layout.host_layers()
+        accel = [i for i in layout.layers() if i not in set(host)]
+        session = NodeSession(session_id, plan_epoch, n_ctx, self.model.new_split_cache(n_ctx, accel, host))
         with self._lock:
             if session_id in self._sessions:
                 raise ProtocolError(f"session {shown(session_id)} is already open on node {self.node_id}")

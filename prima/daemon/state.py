@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prima.backends.base import KVState
 from prima.errors import NodeError
+from prima.forward.placement import Piece, host_layers, split_window
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import Activation, WireDType
 from prima.plan import Hop, Plan
@@ -31,6 +32,23 @@ class Layout:
 
     def layers(self) -> list[int]:
         return [i for w in self.plan.nodes[self.me].windows for i in range(w.start, w.end)]
+
+    @property
+    def accel_layers(self) -> int:
+        """Layers of each of this node's windows that run on its accelerator (the first ones)."""
+        return self.plan.nodes[self.me].accel_layers
+
+    def host_layers(self) -> list[int]:
+        """This node's layers that its host CPU computes, in compute order."""
+        return [
+            i
+            for w in self.plan.nodes[self.me].windows
+            for i in host_layers(range(w.start, w.end), self.accel_layers)
+        ]
+
+    def pieces(self, window: range, *, per_layer: bool) -> tuple[Piece, ...]:
+        """How one of this node's windows runs: see prima.forward.placement."""
+        return split_window(window, self.accel_layers, per_layer=per_layer)
 
 
 @dataclass

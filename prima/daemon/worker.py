@@ -1,5 +1,7 @@
-"""The compute thread of a daemon: each arriving activation goes through this node's windows,
-layer by layer, and is streamed straight on to the node of its next hop.
+"""The compute thread of a daemon: each arriving activation goes through this node's windows and
+is streamed straight on to the node of its next hop. A window runs as at most two calls: its
+`accel_layers` on the accelerator as one compiled model, the rest on the host CPU as one call,
+or layer by layer while the node streams weights from disk (prima.forward.placement).
 
 Activations of every session go through one work queue and one thread, so a session's
 micro-batches reach each layer in the order they were sent and its KV caches are written front
@@ -106,7 +108,7 @@ class Worker:
 
     def _compute(self, group: list[Activation]) -> None:
         """Run micro-batches of one session, all at the same hop, through this node's consecutive
-        hops, layer by layer (each layer for every micro-batch in order), then route each on."""
+        hops, piece by piece (each piece for every micro-batch in order), then route each on."""
         act = group[0]
         layout = self.host.layout
         session = self.host.find_session(act.session_id)
@@ -120,12 +122,19 @@ class Worker:
         while h < len(layout.hops) and layout.hops[h].node_index == layout.me:
             hop = layout.hops[h]
             before = dataclasses.replace(windows.stats)
-            for layer in range(hop.window.start, hop.window.end):
-                # Layer by layer, so compute on one overlaps the prefetch thread reading the next.
-                windows.before_layer(layer)
+            # The accelerator's layers in one call; the host's in one call, or layer by layer
+            # while streaming, so compute on one overlaps the prefetch thread reading the next.
+            streaming = windows.limited
+            for piece in layout.pieces(range(hop.window.start, hop.window.end), per_layer=streaming):
+                read = not piece.on_accel
+                if read:
+                    for layer in piece.layers:
+                        windows.before_layer(layer)
                 for i, a in enumerate(group):
-                    hidden[i] = model.forward_layers(hidden[i], a.positions, layer, layer + 1, session.cache)
-                windows.after_layer(layer)
+                    hidden[i] = model.run(piece, hidden[i], a.positions, session.cache)
+                if read:
+                    for layer in piece.layers:
+                        windows.after_layer(layer)
             if log.isEnabledFor(logging.DEBUG):
                 now = windows.stats
                 log.debug(

@@ -27,12 +27,16 @@ def load_model(
     mode: str = "q8",
     layers: range | None = None,
     download: bool = True,
+    npu_ctx: int | None = None,
 ) -> LoadedModel:
     """Resolve, open and validate a model, and build its forward pass on `backend`. `layers`
     limits validation to the layers this node will run. `mode` is the backend's arithmetic:
-    "q8" (int8 decode activations, fast) or "exact"."""
+    "q8" (int8 decode activations, fast) or "exact"; `npu_ctx` the KV slots of an NPU backend's
+    compiled windows."""
     files = open_model(name_or_path, layers=layers, download=download)
-    model = Transformer(files.weights, get_backend(backend, files.weights, threads=threads, mode=mode))
+    model = Transformer(
+        files.weights, get_backend(backend, files.weights, threads=threads, mode=mode, npu_ctx=npu_ctx)
+    )
     # Before any weight page is read: see prima.kernels.jit_memory (peak RSS).
     jit_memory.preload_and_release()
     cfg = files.config

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from prima.backends.base import Backend, KVState, WindowHandle
+from prima.backends.base import Backend, KVState, WindowHandle, host_backend
+from prima.forward.placement import Piece, SplitKV
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
 
@@ -22,34 +23,49 @@ class Transformer:
         self.weights = weights
         self.config: ModelConfig = weights.config
         self.backend = backend
-        self._windows: dict[range, WindowHandle] = {}
+        # Where layers that a plan leaves off the accelerator run (`backend` itself on a CPU).
+        self.host = host_backend(backend)
+        self._windows: dict[Piece, WindowHandle] = {}
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """Token ids (n,) -> hidden states (n, d_model) float32."""
         return self.backend.embed(np.asarray(token_ids, dtype=np.int64))
 
-    def window(self, layers: range) -> WindowHandle:
-        """`layers` made ready on the backend (once; kept until release_windows)."""
-        handle = self._windows.get(layers)
+    def whole(self, layers: range) -> Piece:
+        """`layers` as one piece on this model's own backend (the accelerator, if it is one)."""
+        return Piece(layers, self.backend.accelerator)
+
+    def backend_of(self, piece: Piece) -> Backend:
+        return self.backend if piece.on_accel else self.host
+
+    def window(self, piece: Piece | range) -> WindowHandle:
+        """A piece (or layers on this model's backend) made ready, once; kept until released."""
+        key = piece if isinstance(piece, Piece) else self.whole(piece)
+        handle = self._windows.get(key)
         if handle is None:
-            handle = self._windows[layers] = self.backend.load_window(layers)
+            handle = self._windows[key] = self.backend_of(key).load_window(key.layers)
         return handle
 
-    def release_windows(self, keep: set[range] | None = None) -> None:
+    def release_windows(self, keep: set[Piece] | None = None) -> None:
         """Release every window loaded so far, except those in `keep`."""
-        for layers in list(self._windows):
-            if keep is None or layers not in keep:
-                self.backend.release_window(self._windows.pop(layers))
+        for piece in list(self._windows):
+            if keep is None or piece not in keep:
+                self.backend_of(piece).release_window(self._windows.pop(piece))
 
     def release_layers(self, layers: set[int]) -> None:
         """Release the windows holding any of `layers` (their bytes changed: fetched)."""
-        self.release_windows(keep={w for w in self._windows if not layers.intersection(w)})
+        self.release_windows(keep={p for p in self._windows if not layers.intersection(p.layers)})
 
     def forward_layers(
         self, h: np.ndarray, positions: np.ndarray, start: int, end: int, cache: KVState
     ) -> np.ndarray:
         """Run layers [start, end) on hidden states h (n, d) of tokens at `positions` (n,)."""
-        return self.backend.run_window(self.window(range(start, end)), h, positions, cache)
+        return self.run(self.whole(range(start, end)), h, positions, cache)
+
+    def run(self, piece: Piece, h: np.ndarray, positions: np.ndarray, cache: KVState) -> np.ndarray:
+        """Run `piece`'s layers on its backend; `cache` is a SplitKV or the backend's own state."""
+        kv = cache.part(piece) if isinstance(cache, SplitKV) else cache
+        return self.backend_of(piece).run_window(self.window(piece), h, positions, kv)
 
     def output_logits(self, h: np.ndarray) -> np.ndarray:
         """Hidden states (n, d) -> logits (n, vocab) float32 through the final norm and head."""
@@ -57,3 +73,9 @@ class Transformer:
 
     def new_cache(self, n_ctx: int, layers: range | None = None) -> KVState:
         return self.backend.new_kv(n_ctx, layers if layers is not None else range(self.config.n_layers))
+
+    def new_split_cache(self, n_ctx: int, accel_layers: list[int], host_layers: list[int]) -> SplitKV:
+        """KV state for layers split between the accelerator and the host (a daemon's session)."""
+        accel = self.backend.new_kv(n_ctx, accel_layers) if accel_layers else None
+        host = self.host.new_kv(n_ctx, host_layers) if host_layers else None
+        return SplitKV(n_ctx, accel, host)

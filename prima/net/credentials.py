@@ -262,6 +262,7 @@ def peer_name(context: grpc.ServicerContext) -> str | None:
 _lock = threading.Lock()
 _local_ca: ClusterCA | None = None
 _local_coordinator: Identity | None = None
+_local_file_server: Identity | None = None
 
 
 def local_ca() -> ClusterCA:
@@ -285,6 +286,26 @@ def client_identity() -> Identity | None:
     if own is None:
         return local
     return own.trusting(local.roots_pem) if local else own
+
+
+def file_server_identity() -> Identity | None:
+    """What this process serves its model file's bytes with (prima.coordinator.file_source): a
+    server needs a certificate made for serving, which only the node role has. The device's own
+    identity when it is a node's; else, for local rings, a node identity of their throwaway CA
+    (made once, its key in memory); else None (a coordinator-only device does not serve)."""
+    global _local_file_server
+    own = load_identity()
+    with _lock:
+        local, ca = _local_coordinator, _local_ca
+    if own is not None and own.role == ROLE_NODE:
+        return own.trusting(local.roots_pem) if local else own
+    if ca is None:
+        return None
+    with _lock:
+        if _local_file_server is None:
+            _local_file_server = ca.issue("coordinator-files", role=ROLE_NODE)
+        served = _local_file_server
+    return served.trusting(own.roots_pem) if own is not None else served
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

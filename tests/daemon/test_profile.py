@@ -15,8 +15,9 @@ import pytest
 
 from prima.daemon import profile as node_profile
 from prima.forward.loader import LoadedModel, load_model
+from prima.forward.placement import Piece
 from prima.scheduler import profiler
-from prima.scheduler.cost_model import gemv_ms
+from prima.scheduler.cost_model import device_cost, gemv_ms
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
 from tests.fake_time import FakeTime
@@ -41,15 +42,16 @@ def tiny() -> LoadedModel:
 def steps(
     monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
 ) -> list[tuple[int, int, tuple[int, ...], list[int]]]:
-    """(start, end, h shape, positions) of every forward_layers call; each "takes" 1 ms."""
+    """(start, end, h shape, positions) of every window run; each "takes" 1 ms."""
     calls: list[tuple[int, int, tuple[int, ...], list[int]]] = []
-    forward = tiny.model.forward_layers
+    run = tiny.model.run
 
-    def spy(h: np.ndarray, positions: np.ndarray, start: int, end: int, cache: Any) -> np.ndarray:
-        calls.append((start, end, h.shape, positions.tolist()))
-        return forward(h, positions, start, end, cache)
+    def spy(piece: Piece, h: np.ndarray, positions: np.ndarray, cache: Any) -> np.ndarray:
+        assert not piece.on_accel
+        calls.append((piece.layers.start, piece.layers.stop, h.shape, positions.tolist()))
+        return run(piece, h, positions, cache)
 
-    monkeypatch.setattr(tiny.model, "forward_layers", spy)
+    monkeypatch.setattr(tiny.model, "run", spy)
     monkeypatch.setattr(node_profile, "time", FakeTime(1e-3))
     return calls
 
@@ -138,3 +140,46 @@ def test_kernel_speeds_stand_when_no_layer_can_be_timed(
         dev, _, bench = measured(unmappable)
     assert dev.cpu_flops == bench
     assert "planning from kernel speeds alone" in caplog.text
+
+
+def test_an_npu_node_profiles_its_accelerator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Through FakeAcl (a stand-in for pyACL: no NPU result): the accelerator's memory is what
+    acl.rt.get_mem_info reports, read afresh, and its speed is the timed one-layer window, so the
+    cost model's accelerator time per layer is exactly the measured one (time is injected)."""
+    pytest.importorskip("onnxruntime")
+    if not TINY_ORACLE_DIR.is_dir():
+        pytest.skip(f"no tiny models at {TINY_ORACLE_DIR}")
+    from tests.backends.acl.fake_acl import fake_cann
+
+    with fake_cann(tmp_path, memory_bytes=256 << 20) as fake:
+        loaded = load_model(tiny_model_path("tiny-qwen3"), backend="acl", mode="exact", npu_ctx=64)
+        monkeypatch.setattr(node_profile, "time", FakeTime(2e-3))  # every step "takes" 2 ms
+        monkeypatch.setattr(node_profile, "time_one_layer", lambda loaded: 5.0)
+        monkeypatch.setattr(
+            node_profile, "profile_device", functools.partial(profiler.profile_device, sizes=SMALL)
+        )
+        before = fake.executions
+        dev = node_profile.measure_node(loaded, "npu0")
+        assert fake.executions - before == node_profile.LAYER_STEPS  # one decode step per run
+        assert fake.used_bytes == 0  # the timed window and its KV cache were given back
+        accel = dev.accelerator
+        assert accel is not None
+        assert accel.kind == "acl"
+        assert accel.memory_available_bytes == 256 << 20
+        model = ModelProfile.from_gguf(loaded.gguf)
+        assert gemv_ms(model.layer_flops, accel.flops) == pytest.approx(2.0)
+        # Halda's coefficients use it: the NPU's budget and its time per layer next to the CPU's
+        cost = device_cost(dev, model, is_head=False)
+        assert cost.has_accel
+        assert cost.accel_budget_bytes == 256 << 20
+        cpu = gemv_ms(model.layer_flops, dev.cpu_flops)
+        kv_ms = model.kv_bytes_per_layer / dev.mem_bandwidth_bytes_per_s * 1e3
+        assert cost.accel_delta_ms_per_layer == pytest.approx(2.0 - cpu)
+        assert cost.cpu_ms_per_layer == pytest.approx(cpu + kv_ms)
+        # a node profile reads the device's free memory now, under the cached speeds
+        window = loaded.model.backend.load_window(range(0, 2))
+        fresh = node_profile.node_profile(loaded, "npu0", "f" * 16, budget_bytes=None, cache_dir=tmp_path)
+        assert fresh.device.accelerator is not None
+        assert fresh.device.accelerator.memory_available_bytes == (256 << 20) - fake.used_bytes
+        loaded.model.backend.release_window(window)
+        loaded.model.backend.close()

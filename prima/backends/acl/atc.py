@@ -39,7 +39,8 @@ DEFAULT_SOC = "Ascend310B1"  # the OrangePi AIpro's NPU
 DEFAULT_GEARS: tuple[int, ...] = (1, 2, 4, 8)  # tokens per call: decode, and prefill in chunks
 PRECISION_FLAGS: tuple[str, ...] = ("--precision_mode=must_keep_origin_dtype",)
 # Bumped whenever onnx_window builds a different graph, so cached models are rebuilt.
-GRAPH_VERSION = 1
+GRAPH_VERSION = 2  # 2: the KV cache's dtype is chosen (float16 by default)
+DEFAULT_KV_DTYPE = "float16"
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class WindowArtifacts:
 
     directory: Path
     job: AtcJob
+    kv_dtype: str = DEFAULT_KV_DTYPE
 
     @property
     def onnx(self) -> Path:
@@ -128,8 +130,14 @@ class WindowArtifacts:
         return self.job.om
 
 
+ACL_CACHE_ENV = "PRIMA_ACL_CACHE"
+
+
 def acl_cache_dir() -> Path:
-    return cache_root() / "acl"
+    """`$PRIMA_ACL_CACHE` (e.g. a larger disk, or a cache compiled on another machine), else
+    `<prima cache>/acl`."""
+    explicit = os.environ.get(ACL_CACHE_ENV)
+    return Path(explicit).expanduser() if explicit else cache_root() / "acl"
 
 
 def artifacts(
@@ -140,13 +148,15 @@ def artifacts(
     gears: Sequence[int] = DEFAULT_GEARS,
     soc: str = DEFAULT_SOC,
     root: Path | None = None,
+    kv_dtype: str = DEFAULT_KV_DTYPE,
 ) -> WindowArtifacts:
-    """The cache entry of one window (nothing is written)."""
-    key = f"g{GRAPH_VERSION}-{layers.start}-{layers.stop}-ctx{ctx}-gears{'_'.join(map(str, gears))}"
+    """The cache entry of one window with a `kv_dtype` KV cache (nothing is written)."""
+    gear_key = "_".join(map(str, gears))
+    key = f"g{GRAPH_VERSION}-{layers.start}-{layers.stop}-ctx{ctx}-gears{gear_key}-kv{kv_dtype}"
     directory = (root or acl_cache_dir()) / fingerprint / f"{soc}-cann{cann_version()}" / key
     input_shape, dynamic_dims = shapes(weights.config, layers, ctx, gears)
     job = AtcJob(directory / "window.onnx", directory / "window", soc, input_shape, dynamic_dims)
-    return WindowArtifacts(directory, job)
+    return WindowArtifacts(directory, job, kv_dtype)
 
 
 def export(weights: ModelWeights, art: WindowArtifacts, layers: range, ctx: int) -> None:
@@ -156,7 +166,7 @@ def export(weights: ModelWeights, art: WindowArtifacts, layers: range, ctx: int)
     from prima.backends.acl.onnx_window import export_window
 
     art.directory.mkdir(parents=True, exist_ok=True)
-    model = export_window(weights, layers, ctx)
+    model = export_window(weights, layers, ctx, art.kv_dtype)
     tmp = art.onnx.with_name("window.tmp.onnx")
     onnx.save_model(model, tmp, save_as_external_data=True, location="window.onnx.data", size_threshold=1024)
     tmp.replace(art.onnx)

@@ -2,13 +2,14 @@
 
 Each window is one graph (onnx_window), compiled by ATC (atc) and loaded on the device with its
 input and output buffers. The KV cache lives on the device, one buffer per layer for keys and
-one for values, (ctx, KVH, hd) float32 each; they are the model's past_k/past_v inputs as they
+one for values, (ctx, KVH, hd) float16 each (float32 on request: twice the memory); they are the model's past_k/past_v inputs as they
 are, and after each call the new keys and values are copied into them device to device, so no
 cache crosses to the host. Tokens go through in gears (1, 2, 4, 8 at a time): a prefill of 13
 tokens is three calls (8, 4, 1). Embedding and output head run on the host CPU.
 
 Numerics: projections in float16, the rest float32, so logits are within fp16 tolerance of
-llama.cpp's f32 logits, not bit-equal: `logit_tolerance` below (the tiny F32 models), cosine
+llama.cpp's f32 logits, not bit-equal: `logit_tolerance` below (the tiny F32 models, either
+KV dtype), cosine
 >= 0.999 and the same greedy tokens up to near-ties (tests/backends/test_conformance.py). Not
 verified on a device: everything runs in the tests through a stand-in for pyACL (FakeAcl).
 """
@@ -46,7 +47,7 @@ class AclKV:
     ) -> None:
         self.n_ctx = n_ctx
         self.layers = tuple(sorted(set(layers)))
-        self.row_bytes = row_bytes  # one position: KVH * hd float32
+        self.row_bytes = row_bytes  # one position: KVH * hd keys (or values) in the cache's dtype
         self.slot_bytes = ctx * row_bytes
         self.k: dict[int, int] = {}
         self.v: dict[int, int] = {}
@@ -94,7 +95,8 @@ class AclWindow:
 
 class AclBackend:
     """A model's windows on an Ascend NPU (device `device_id`), embeddings and head on the CPU.
-    `ctx`: cache slots per compiled window; `gears`: token counts per call."""
+    `ctx`: cache slots per compiled window; `gears`: token counts per call; `kv_dtype`: the
+    device KV cache's, float16 or float32."""
 
     name = "acl"
     mode = "fp16"
@@ -113,6 +115,7 @@ class AclBackend:
         soc: str = atc.DEFAULT_SOC,
         acl: Any = None,
         host_mode: str = "exact",
+        kv_dtype: str = atc.DEFAULT_KV_DTYPE,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         self.weights = weights
@@ -121,18 +124,27 @@ class AclBackend:
         self.gears = tuple(sorted(gears))
         if not self.gears or self.gears[0] != 1:
             raise InputError(f"acl gears {gears} must include 1 (a decode step is one token)")
+        if kv_dtype not in ("float16", "float32"):
+            raise InputError(f"acl KV cache dtype {kv_dtype!r}: use float16 or float32")
+        self.kv_dtype = kv_dtype
+        # One position of one layer's keys (or values) in the cache: KVH * hd elements.
+        self._row_bytes = self.config.n_kv_heads * self.config.head_dim * np.dtype(kv_dtype).itemsize
         self.soc = soc
+        # The 310B (OrangePi AIpro) has no memory of its own: its LPDDR4X is the host's RAM.
+        self.shares_ram = soc.startswith("Ascend310B")
         self.progress = progress
         self.fingerprint = weights.gguf.fingerprint()
-        self.cpu = CpuBackend(weights, threads=threads, mode=host_mode)  # embed, head, profiler matmul
+        # Embeddings, output head, the profiler's matmul, and the layers a plan leaves on the CPU.
+        self.host = CpuBackend(weights, threads=threads, mode=host_mode)
         self.runtime = open_runtime(device_id, acl)
-        self._row_bytes = self.config.n_kv_heads * self.config.head_dim * 4
 
     # -- windows -------------------------------------------------------------------------------
     def compile(self, layers: range) -> atc.WindowArtifacts:
         """Export and compile `layers` unless cached; the cache entry."""
         self.weights.validate(layers)
-        art = atc.artifacts(self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc)
+        art = atc.artifacts(
+            self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc, kv_dtype=self.kv_dtype
+        )
         atc.compile_window(self.weights, art, layers, self.ctx, self.progress)
         return art
 
@@ -169,8 +181,9 @@ class AclBackend:
     def new_kv(self, n_ctx: int, layers: Iterable[int]) -> AclKV:
         if n_ctx > self.ctx:
             raise InputError(
-                f"context {n_ctx} is larger than the {self.ctx} slots the NPU windows are compiled for; "
-                f"use a context of at most {self.ctx} tokens (--ctx)"
+                f"a context of {n_ctx} tokens is larger than the {self.ctx} KV slots the NPU windows are "
+                f"compiled for: ask for at most {self.ctx} (prima --ctx), or compile and serve longer "
+                f"windows (prima npu compile --npu-ctx N, primad --npu-ctx N)"
             )
         return AclKV(self.runtime, n_ctx, self.ctx, self._row_bytes, layers)
 
@@ -217,15 +230,19 @@ class AclBackend:
 
     # -- host side -----------------------------------------------------------------------------
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
-        return self.cpu.embed(token_ids)
+        return self.host.embed(token_ids)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self.cpu.logits(hidden)
+        return self.host.logits(hidden)
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """The host CPU's matmul: the profiler's kernel table is the CPU's; the NPU is profiled
         by timing a window (prima.backends.acl.profile)."""
-        return self.cpu.matmul(w, x)
+        return self.host.matmul(w, x)
+
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of NPU memory now (acl.rt.get_mem_info)."""
+        return self.runtime.memory()
 
     def close(self) -> None:
         """Give the device back; windows and KV states must have been released."""

@@ -6,8 +6,12 @@ The graph is the reference block (prima.backends.reference) for every layer of t
   inputs   hidden (n, d) f32, positions (n,) int64,
            mask (n, ctx + n) f32 additive (0 or MASKED; ctx past slots, then the n new tokens),
            mask_swa (same) when the window has sliding-window layers,
-           past_k_<i>, past_v_<i> (ctx, KVH, hd) f32 for each layer i of the window
-  outputs  hidden_out (n, d) f32, new_k_<i>, new_v_<i> (n, KVH, hd) f32
+           past_k_<i>, past_v_<i> (ctx, KVH, hd) f16 (or f32) for each layer i of the window
+  outputs  hidden_out (n, d) f32, new_k_<i>, new_v_<i> (n, KVH, hd) f16 (or f32)
+
+The KV cache is float16 by default (half the device memory of float32): keys and values are
+rounded to f16 as they are stored, and attention reads them back as f32, the new tokens' own
+keys rounded too, so a token sees the same keys in the call that writes them as in later ones.
 
 The caller keeps the cache (on the device) and writes new_k/new_v into it at `positions`; which
 cache slots a token may see is the mask's business, so one graph serves every position, and a
@@ -38,6 +42,7 @@ except ImportError as exc:
     raise AclError("the acl backend exports windows with onnx: pip install 'prima[acl]'") from exc
 
 OPSET = 17
+KV_DTYPES: dict[str, int] = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
 IR_VERSION = 8
 # A masked score: exp() of it is 0 in fp32 and fp16 alike (fp16's most negative finite value).
 MASKED = float(np.finfo(np.float16).min)
@@ -66,8 +71,14 @@ def window_graph(cfg: ModelConfig, layers: range, ctx: int) -> WindowGraph:
     return WindowGraph(layers, ctx, tuple(inputs), tuple(outputs), sliding)
 
 
-def export_window(weights: ModelWeights, layers: range, ctx: int) -> onnx.ModelProto:
-    """The ONNX model of `layers` with a cache of `ctx` past slots (n stays symbolic)."""
+def export_window(
+    weights: ModelWeights, layers: range, ctx: int, kv_dtype: str = "float16"
+) -> onnx.ModelProto:
+    """The ONNX model of `layers` with a cache of `ctx` past slots in `kv_dtype` (float16 or
+    float32); n stays symbolic."""
+    if kv_dtype not in KV_DTYPES:
+        raise AclError(f"KV cache dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    kv_type = KV_DTYPES[kv_dtype]
     cfg = weights.config
     weights.validate(layers)
     spec = window_graph(cfg, layers, ctx)
@@ -85,13 +96,13 @@ def export_window(weights: ModelWeights, layers: range, ctx: int) -> onnx.ModelP
     pos_f = b.op("Cast", ["positions"], to=TensorProto.FLOAT)
     x = "hidden"
     for i in layers:
-        inputs += [_value(f"past_k_{i}", TensorProto.FLOAT, kv_shape)]
-        inputs += [_value(f"past_v_{i}", TensorProto.FLOAT, kv_shape)]
-        outputs += [_value(f"new_k_{i}", TensorProto.FLOAT, new_shape)]
-        outputs += [_value(f"new_v_{i}", TensorProto.FLOAT, new_shape)]
+        inputs += [_value(f"past_k_{i}", kv_type, kv_shape)]
+        inputs += [_value(f"past_v_{i}", kv_type, kv_shape)]
+        outputs += [_value(f"new_k_{i}", kv_type, new_shape)]
+        outputs += [_value(f"new_v_{i}", kv_type, new_shape)]
         params = BlockParams.of(weights.layer(i), cfg)
         mask = "mask_swa" if params.window else "mask"
-        x = _block(b, cfg, params, x, pos_f, mask, i)
+        x = _block(b, cfg, params, x, pos_f, mask, i, kv_type)
     b.op("Identity", [x], out="hidden_out")
     graph = helper.make_graph(b.nodes, f"prima_window_{layers.start}_{layers.stop}", inputs, outputs, b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="prima")
@@ -112,8 +123,11 @@ def attention_mask(positions: np.ndarray, ctx: int, window: int = 0) -> np.ndarr
     return np.where(seen, np.float32(0.0), np.float32(MASKED)).astype(np.float32)
 
 
-def _block(b: _Builder, cfg: ModelConfig, p: BlockParams, x: str, pos_f: str, mask: str, i: int) -> str:
-    """One block (reference.block's steps) on x (n, d); writes new_k_i/new_v_i; returns its output."""
+def _block(
+    b: _Builder, cfg: ModelConfig, p: BlockParams, x: str, pos_f: str, mask: str, i: int, kv_type: int
+) -> str:
+    """One block (reference.block's steps) on x (n, d); writes new_k_i/new_v_i (in `kv_type`);
+    returns its output."""
     lw = p.weights
     eps = cfg.norm_eps
     hd, heads, kv_heads = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -125,16 +139,19 @@ def _block(b: _Builder, cfg: ModelConfig, p: BlockParams, x: str, pos_f: str, ma
     v = _project(b, lw.attn_v, xn, p.v_bias)
     q = b.op("Reshape", [q, b.const(np.array([0, heads, hd], np.int64))])  # (n, H, hd)
     k = b.op("Reshape", [k, b.const(np.array([0, kv_heads, hd], np.int64))])  # (n, KVH, hd)
-    v = b.op("Reshape", [v, b.const(np.array([0, kv_heads, hd], np.int64))], out=f"new_v_{i}")
+    v = b.op("Reshape", [v, b.const(np.array([0, kv_heads, hd], np.int64))])
     if p.q_norm.size:
         q = _rms_norm(b, q, p.q_norm, eps)
     if p.k_norm.size:
         k = _rms_norm(b, k, p.k_norm, eps)
     cos, sin = _rope_angles(b, pos_f, p.inv_freq)
     q = _rope(b, cfg, q, cos, sin)
-    k = _rope(b, cfg, k, cos, sin, out=f"new_k_{i}")
-    keys = b.op("Concat", [f"past_k_{i}", k], axis=0)  # (ctx + n, KVH, hd)
-    values = b.op("Concat", [f"past_v_{i}", v], axis=0)
+    k = _rope(b, cfg, k, cos, sin)
+    # Stored in the cache's dtype; attention sees past and new keys as the cache holds them.
+    new_k = b.op("Cast", [k], to=kv_type, out=f"new_k_{i}")
+    new_v = b.op("Cast", [v], to=kv_type, out=f"new_v_{i}")
+    keys = b.op("Concat", [_as_f32(b, f"past_k_{i}", kv_type), _as_f32(b, new_k, kv_type)], axis=0)
+    values = b.op("Concat", [_as_f32(b, f"past_v_{i}", kv_type), _as_f32(b, new_v, kv_type)], axis=0)
     attn = _attention(b, cfg, q, keys, values, mask)
     attn = _project(b, lw.attn_output, attn, None)
     if p.post_attention_norm.size:
@@ -161,6 +178,10 @@ def _project(b: _Builder, w: QTensor, x: str, bias: np.ndarray | None) -> str:
     if bias is not None and bias.size:
         y = b.op("Add", [y, b.const(bias.astype(np.float32))])
     return y
+
+
+def _as_f32(b: _Builder, x: str, dtype: int) -> str:
+    return x if dtype == TensorProto.FLOAT else b.op("Cast", [x], to=TensorProto.FLOAT)
 
 
 def _rms_norm(b: _Builder, x: str, w: np.ndarray, eps: float) -> str:

@@ -71,8 +71,16 @@ def describe(call: str, code: int) -> str:
     return f"acl call {call} failed with code {code}: {what}{hint}"
 
 
+# Tests only: `module:factory` of a stand-in for pyACL that a daemon process loads instead.
+STANDIN_ENV = "PRIMA_TEST_ACL_STANDIN"
+
+
 def import_acl() -> Any:
-    """The pyACL module, or an AclError naming what is missing (CANN, or its environment)."""
+    """The pyACL module, or an AclError naming what is missing (CANN, or its environment); a
+    test stand-in instead when $PRIMA_TEST_ACL_STANDIN names one (see load_standin)."""
+    standin = os.environ.get(STANDIN_ENV)
+    if standin:
+        return load_standin(standin)
     try:
         return importlib.import_module("acl")
     except ImportError as exc:
@@ -88,6 +96,35 @@ def import_acl() -> Any:
             "or not set up in this shell: install CANN and run `source /usr/local/Ascend/ascend-toolkit/"
             "set_env.sh` (see docs/orangepi.md); the PyPI package named pyacl is unrelated"
         ) from exc
+
+
+def load_standin(spec: str) -> Any:
+    """A stand-in for pyACL, for tests that run the acl backend in a daemon process (which cannot
+    be handed an object): `spec` is `module:factory`, and the factory must declare
+    `STANDS_IN_FOR = "acl"`; anything else is refused. Nothing computed through a stand-in is an
+    NPU result, and the daemon says so in its log."""
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        raise AclError(f"${STANDIN_ENV}={spec!r}: expected module:factory naming a test stand-in for pyACL")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as exc:
+        raise AclError(
+            f"${STANDIN_ENV}={spec!r}: cannot load it ({exc}); unset it to use CANN's pyACL"
+        ) from exc
+    if getattr(factory, "STANDS_IN_FOR", None) != "acl":
+        raise AclError(
+            f"${STANDIN_ENV}={spec!r} does not declare STANDS_IN_FOR = 'acl'; only a test stand-in "
+            "for pyACL may be loaded this way (unset it to use CANN's pyACL)"
+        )
+    with _OPEN_LOCK:  # one per process, as an imported module would be
+        if spec not in _STANDINS:
+            log.warning("acl backend on %s, a test stand-in for pyACL: no NPU computes here", spec)
+            _STANDINS[spec] = factory()
+        return _STANDINS[spec]
+
+
+_STANDINS: dict[str, Any] = {}
 
 
 @dataclass

@@ -18,6 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prima.backends.acl.atc import ACL_CACHE_ENV
+from prima.backends.acl.runtime import STANDIN_ENV
+
 SUCCESS = 0
 INVALID_PARAM = 100000
 UNINITIALIZE = 100001
@@ -31,6 +34,7 @@ RT_INVALID_DEVICEID = 107001
 RT_MEMORY_ALLOCATION = 207001
 RT_NO_DEVICE = 207004
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DYNAMIC_DIMS_INPUT = "ascend_mbatch_shape_data"
 _SPAN = 1 << 40  # device addresses: each allocation is its own span, so base = ptr - ptr % _SPAN
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(float16)": np.float16}
@@ -50,14 +54,31 @@ with open(args["output"] + ".om", "w") as f:
 """
 
 
-@contextmanager
-def fake_cann(tmp: Path, memory_bytes: int = 1 << 30) -> Iterator[FakeAcl]:
-    """FakeAcl importable as `acl`, the fake atc on PATH, and the acl cache under `tmp`."""
-    bin_dir = tmp / "bin"
+def write_fake_atc(bin_dir: Path) -> Path:
+    """The stand-in atc written into `bin_dir` (to be put on PATH); returns `bin_dir`."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     script = bin_dir / "atc"
     script.write_text(FAKE_ATC.format(python=sys.executable), encoding="utf-8")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return bin_dir
+
+
+def standin_env(tmp: Path) -> dict[str, str]:
+    """Environment variables under which a daemon process runs its acl backend on FakeAcl (a
+    labelled stand-in: see prima.backends.acl.runtime.load_standin) with the stand-in atc."""
+    bin_dir = write_fake_atc(tmp / "bin")
+    return {
+        STANDIN_ENV: f"{__name__}:FakeAcl",
+        ACL_CACHE_ENV: str(tmp / "acl-cache"),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+
+
+@contextmanager
+def fake_cann(tmp: Path, memory_bytes: int = 1 << 30) -> Iterator[FakeAcl]:
+    """FakeAcl importable as `acl`, the fake atc on PATH, and the acl cache under `tmp`."""
+    bin_dir = write_fake_atc(tmp / "bin")
     fake = FakeAcl(memory_bytes)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "acl", fake)
@@ -91,7 +112,10 @@ class FakeAcl:
     `(value, ret)`, 0 for success and CANN's error codes otherwise. Device memory is host memory
     behind integer addresses, limited to `memory_bytes`; a loaded offline model is the fake
     ATC's .om, which names the ONNX file it was compiled from, and executing it runs that ONNX
-    file with onnxruntime on the CPU. `fail(call, code)` makes the next such call return `code`."""
+    file with onnxruntime on the CPU. `fail(call, code)` makes the next such call return `code`.
+    A daemon process loads it through $PRIMA_TEST_ACL_STANDIN (see `standin_env`)."""
+
+    STANDS_IN_FOR = "acl"  # what prima.backends.acl.runtime.load_standin requires
 
     def __init__(self, memory_bytes: int = 1 << 30, devices: int = 1) -> None:
         self.memory_bytes = memory_bytes

@@ -16,10 +16,11 @@ import pytest
 from prima.backends import get_backend
 from prima.errors import ContextFullError, InputError
 from prima.model.files import open_model
-from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
+from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
 
 pytest.importorskip("onnxruntime")
 
+import prima.backends.acl.runtime as runtime  # noqa: E402
 from prima.backends.acl import AclBackend, AclError  # noqa: E402
 from prima.backends.acl.runtime import ERRORS, describe, import_acl  # noqa: E402
 from tests.backends.acl.fake_acl import FakeAcl, fake_cann  # noqa: E402
@@ -75,7 +76,7 @@ def test_windows_are_compiled_once_and_cached(cann: FakeAcl, monkeypatch: pytest
 
 def test_a_context_beyond_the_compiled_slots_is_refused(cann: FakeAcl) -> None:
     backend = _backend()
-    with pytest.raises(InputError, match="64 slots"):
+    with pytest.raises(InputError, match="64 KV slots .*--npu-ctx"):
         backend.new_kv(65, range(1))
     backend.close()
 
@@ -154,3 +155,45 @@ def test_missing_cann_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     if TINY_ORACLE_DIR.is_dir():
         with pytest.raises(AclError, match="CANN"):
             get_backend("acl", open_model(tiny_model_path("tiny-qwen2")).weights)
+
+
+def test_a_standin_is_loaded_only_when_it_says_what_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon process gets FakeAcl through $PRIMA_TEST_ACL_STANDIN; nothing else passes."""
+    monkeypatch.setattr(runtime, "_STANDINS", {})  # a clean table, restored afterwards
+    monkeypatch.setenv(runtime.STANDIN_ENV, "tests.backends.acl.fake_acl:FakeAcl")
+    fake = import_acl()
+    assert isinstance(fake, FakeAcl)
+    assert import_acl() is fake  # one per process, as a module
+    for spec, message in [
+        ("fake_acl", "expected module:factory"),
+        ("tests.backends.acl.no_such:FakeAcl", "cannot load it"),
+        ("numpy:zeros", "does not declare STANDS_IN_FOR"),
+    ]:
+        monkeypatch.setenv(runtime.STANDIN_ENV, spec)
+        with pytest.raises(AclError, match=message):
+            import_acl()
+
+
+def test_a_float16_kv_cache_takes_half_the_device_memory_within_the_tolerance(cann: FakeAcl) -> None:
+    """The device KV cache in float16 (the default) against float32: half the bytes, and the
+    prompt's logits within the backend's stated tolerance of llama.cpp's either way (measured
+    on the tiny models: <= 0.025 for both)."""
+    prompt = load_tiny_oracle("tiny-qwen3")["prompts"][1]
+    ids = np.array(prompt["prompt_token_ids"])
+    want = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    kv_bytes = {}
+    for kv_dtype in ("float16", "float32"):
+        backend = _backend(kv_dtype=kv_dtype)
+        n = backend.config.n_layers
+        window, kv = backend.load_window(range(n)), backend.new_kv(64, range(n))
+        before = cann.used_bytes
+        kv_bytes[kv_dtype] = kv.n_bytes
+        h = backend.run_window(window, backend.embed(ids), np.arange(len(ids)), kv)
+        assert np.abs(backend.logits(h[-1:])[0] - want).max() <= backend.logit_tolerance
+        kv.free()
+        assert before - cann.used_bytes == kv_bytes[kv_dtype]  # what it holds on the device
+        backend.release_window(window)
+        backend.close()
+    assert kv_bytes["float32"] == 2 * kv_bytes["float16"]
+    with pytest.raises(InputError, match="float16 or float32"):
+        _backend(kv_dtype="bfloat16")

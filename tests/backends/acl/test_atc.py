@@ -39,7 +39,7 @@ def test_dry_run_prints_the_atc_command_of_each_window(
     path = tiny_model_path("tiny-qwen2")
     cfg = open_model(path).config
     windows = [range(0, 1), range(1, cfg.n_layers)]
-    argv = ["npu", "compile", "-m", str(path), "--dry-run", "--ctx", "256", "--gears", "1,8"]
+    argv = ["npu", "compile", "-m", str(path), "--dry-run", "--npu-ctx", "256", "--gears", "1,8"]
     assert main([*argv, *(f"--window={w.start}-{w.stop}" for w in windows)]) == 0
     lines = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if line.startswith("atc")]
     assert len(lines) == len(windows)

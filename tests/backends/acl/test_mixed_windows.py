@@ -1,8 +1,8 @@
 """A model split between a CPU backend and the acl backend (through FakeAcl: not an NPU result),
 hidden states passed from one to the other as a ring passes them between nodes, gives the
 single-device logits within the acl backend's tolerance and the same greedy tokens. Both
-backends run in this process here; the daemon does not yet split a node's accel_layers onto
-the NPU (see docs/orangepi.md)."""
+backends run in this process here; tests/cluster/test_ring_npu.py runs the split across
+primad processes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The ONNX graph of a window (prima.backends.acl.onnx_window), run in onnxruntime on the CPU,
 against the CPU backend in exact mode: the same hidden states within float16 arithmetic
 (relative error <= 2e-3 of the largest value, cosine >= 0.9999), through a prefill and a decode
-step that reads the keys and values the prefill wrote back into the cache."""
+step that reads the keys and values the prefill wrote back into the cache, kept in float16 (the
+default) or float32."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ NEXT = np.array([42])
 class OrtWindow:
     """A window graph in onnxruntime with its KV cache in numpy, written back after each call."""
 
-    def __init__(self, weights: ModelWeights, layers: range) -> None:
+    def __init__(self, weights: ModelWeights, layers: range, kv_dtype: str = "float16") -> None:
         self.cfg = weights.config
         self.spec = onnx_window.window_graph(self.cfg, layers, CTX)
-        model = onnx_window.export_window(weights, layers, CTX)
+        model = onnx_window.export_window(weights, layers, CTX, kv_dtype)
         self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         shape = (CTX, self.cfg.n_kv_heads, self.cfg.head_dim)
-        self.past = {n: np.zeros(shape, np.float32) for n in self.spec.inputs if n.startswith("past_")}
+        self.past = {n: np.zeros(shape, kv_dtype) for n in self.spec.inputs if n.startswith("past_")}
 
     def run(self, hidden: np.ndarray, positions: np.ndarray) -> np.ndarray:
         feed = {"hidden": hidden, "positions": positions, "mask": onnx_window.attention_mask(positions, CTX)}
@@ -58,13 +59,13 @@ def assert_close_fp16(got: np.ndarray, want: np.ndarray) -> None:
     assert cos >= 0.9999, cos
 
 
-def check_windows(weights: ModelWeights, windows: list[range]) -> None:
-    """Chain `windows` through onnxruntime and through the CPU backend, window by window."""
+def check_windows(weights: ModelWeights, windows: list[range], kv_dtype: str = "float16") -> None:
+    """Chain `windows` through onnxruntime (a `kv_dtype` cache) and through the CPU backend."""
     cpu = get_backend("cpu", weights, threads=1, mode="exact")
     h_prompt, h_next = cpu.embed(PROMPT), cpu.embed(NEXT)
     for layers in windows:
         handle, kv = cpu.load_window(layers), cpu.new_kv(CTX, layers)
-        graph = OrtWindow(weights, layers)
+        graph = OrtWindow(weights, layers, kv_dtype)
         want_prompt = cpu.run_window(handle, h_prompt, np.arange(len(PROMPT)), kv)
         want_next = cpu.run_window(handle, h_next, np.array([len(PROMPT)]), kv)
         assert_close_fp16(graph.run(h_prompt, np.arange(len(PROMPT))), want_prompt)
@@ -72,14 +73,15 @@ def check_windows(weights: ModelWeights, windows: list[range]) -> None:
         h_prompt, h_next = want_prompt, want_next
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("tag", TINY_TAGS)
-def test_window_graphs_of_tiny_models_match_the_cpu_backend(tag: str) -> None:
+def test_window_graphs_of_tiny_models_match_the_cpu_backend(tag: str, kv_dtype: str) -> None:
     if not TINY_ORACLE_DIR.is_dir():
         pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     weights = open_model(tiny_model_path(tag)).weights
     n = weights.config.n_layers
-    check_windows(weights, [range(n)])
-    check_windows(weights, [range(i, i + 1) for i in range(n)])
+    check_windows(weights, [range(n)], kv_dtype)
+    check_windows(weights, [range(i, i + 1) for i in range(n)], kv_dtype)
 
 
 def test_attention_mask_sees_the_past_and_earlier_new_tokens() -> None:
