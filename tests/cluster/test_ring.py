@@ -14,8 +14,10 @@ import pytest
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
 from prima.engine.generate import GenerationDone
+from prima.engine.prompt import prompt_ids
 from prima.engine.speculative import DraftConfig
 from prima.forward.loader import load_model
+from tests.conftest import REPEAT_TEXT
 
 from .conftest import reference_tokens, ring_request, ring_tokens, start_ring
 
@@ -103,18 +105,19 @@ def _check_drafts(
 ) -> None:
     """Speculative decoding on 3 nodes: the head sends the last token and its drafts round the
     ring as one micro-batch and gets every row back; the tokens are the single device's."""
-    stops = sorted(load_model(model_path, layers=range(0)).tokenizer.stop_ids)
+    tokenizer = load_model(model_path, layers=range(0)).tokenizer
+    stops = sorted(tokenizer.stop_ids)
+    prompts = [p["prompt_token_ids"] for p in oracle(tag)["prompts"]]
     ring = Ring.connect(local_ring.addresses[:3], rounds=1)
     accepted = 0
     try:
-        for prompt in oracle(tag)["prompts"]:
-            ids = prompt["prompt_token_ids"]
+        for ids in [*prompts, prompt_ids(tokenizer, REPEAT_TEXT)]:
             request = replace(ring_request(ids, 16, stops), draft=DraftConfig("lookup", 3))
             events = list(ring.generate(request))
             done = events[-1]
             assert isinstance(done, GenerationDone)
             got = [t for t in events if isinstance(t, int)]
-            assert got == reference_tokens(model_path, ids, 16), prompt["name"]
+            assert got == reference_tokens(model_path, ids, 16), f"prompt {ids[:8]}..."
             assert done.accepted_tokens <= done.draft_tokens
             accepted += done.accepted_tokens
     finally:

@@ -16,6 +16,7 @@ import pytest
 
 from prima.engine.generate import GenerateRequest, GenerationDone, sample_tokens
 from prima.engine.local import LocalEngine
+from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.engine.speculative import MAX_DRAFT_TOKENS, DraftConfig, PromptLookup
 from prima.errors import InputError
@@ -30,6 +31,10 @@ from tests.conftest import (
 )
 
 LOOKUP = DraftConfig("lookup", 3)
+# Both test models continue this by repeating it: drafts get checked and kept.
+REPEAT_TEXT = (
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday, Thursday, Friday. Monday,"
+)
 SEEDED = SamplerConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11)
 
 
@@ -134,25 +139,24 @@ def test_a_full_context_ends_the_drafting_run_like_the_plain_one() -> None:
 
 # -- every oracle prompt of the test models ------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["q8", "exact"])
+@pytest.mark.parametrize("tag", ORACLE_TAGS)
 def test_drafts_keep_plain_decodings_tokens_on_every_oracle_prompt(
-    mode: str, oracle: Callable[[str], dict[str, Any]]
+    tag: str, oracle: Callable[[str], dict[str, Any]]
 ) -> None:
     """The CPU checks drafts in batches of four whose rows are bit-identical to single tokens,
-    so even near-ties between two tokens come out as plain decoding decides them."""
-    for tag in ORACLE_TAGS:
-        loaded = _loaded(tag, mode)
-        stops = tuple(sorted(loaded.tokenizer.stop_ids))
-        accepted = 0
-        for prompt in oracle(tag)["prompts"]:
-            plain = GenerateRequest(tuple(prompt["prompt_token_ids"]), 20, SamplerConfig(), stops, n_ctx=512)
-            want, _ = _run(loaded, plain)
-            if mode == "exact":  # plain decoding starts as llama.cpp's float32 run
-                assert want[0] == prompt["f32"]["greedy_token_ids"][0]
-            got, done = _run(loaded, replace(plain, draft=LOOKUP))
-            assert got == want, f"{tag} {prompt['name']}"
-            accepted += done.accepted_tokens
-        assert accepted > 0, tag
+    so even near-ties between two tokens come out as plain decoding decides them. The oracle's
+    prompts seldom repeat within a few tokens; REPEAT_TEXT makes sure drafts are also kept."""
+    loaded = _loaded(tag, "q8")
+    stops = tuple(sorted(loaded.tokenizer.stop_ids))
+    prompts = [p["prompt_token_ids"] for p in oracle(tag)["prompts"]]
+    accepted = 0
+    for ids in [*prompts, prompt_ids(loaded.tokenizer, REPEAT_TEXT)]:
+        plain = GenerateRequest(tuple(ids), 16, SamplerConfig(), stops, n_ctx=512)
+        want, _ = _run(loaded, plain)
+        got, done = _run(loaded, replace(plain, draft=LOOKUP))
+        assert got == want, f"{tag} prompt {ids[:8]}..."
+        accepted += done.accepted_tokens
+    assert accepted > 0
 
 
 @pytest.mark.slow
