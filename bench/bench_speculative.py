@@ -32,7 +32,8 @@ TEXTS = {
         "    value = value.strip()\n    if not key:\n        raise ValueError(line)\n    return key, value\n\n"
         "# The same function with type hints:\ndef parse_line(line: str) -> tuple[str, str]:\n"
     ),
-    "list": "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,",
+    "list": "Shifts:\n- Monday: Alice, Bob\n- Tuesday: Carol, Dave\n- Wednesday: Alice, Bob\n- Thursday: Carol, Dave\n-",
+    "count": "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,",
     "quote": (
         "Text: The committee met on Tuesday to review the budget. After a long discussion, the members "
         "agreed to postpone the vote until the next meeting, when the final figures will be available.\n"
