@@ -34,6 +34,10 @@ ORACLE_TAGS = ("smollm2-135m", "gemma3-270m")
 # Random-weight F32 models with a real vocabulary, and llama.cpp's outputs for them.
 TINY_ORACLE_DIR = ORACLE_DIR / "tiny"
 TINY_TAGS = ("tiny-qwen2", "tiny-qwen3")
+# Both test models continue this text by repeating it: speculative decoding's drafts are kept.
+REPEAT_TEXT = (
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday, Thursday, Friday. Monday,"
+)
 
 
 @cache

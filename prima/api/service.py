@@ -28,6 +28,7 @@ from prima.engine.generate import (
 )
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
+from prima.engine.speculative import DraftConfig
 from prima.errors import GenerationCancelled, PrimaError
 from prima.model.files import ModelFiles
 
@@ -137,6 +138,7 @@ class ServeDefaults:
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
     queue_timeout_s: float = 600.0
+    draft: DraftConfig = DraftConfig()
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,7 @@ class CompletionService:
                 prep.sampler,
                 tuple(sorted(tok.stop_ids)),
                 n_ctx=self.n_ctx,
+                draft=self.defaults.draft,
             )
             events = _watched(self.generator.generate(request), stop)
             for event in stream_text(

@@ -17,6 +17,8 @@ Each call to run_window appends the tokens at `positions` to `kv` (positions con
 decode adds one token at a time. Backends state how close they are to llama.cpp
 (`logit_tolerance`) and whether running layers in several windows gives the same bits as one
 window (`windows_bit_identical`); tests/backends/test_conformance.py holds every backend to both.
+Speculative decoding verifies draft tokens in batches of at most `batch_identical_tokens`, the
+batch size up to which each token's row has the bits it has when the token runs alone.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class Backend(Protocol):
     # Largest |logit - llama.cpp's f32 logit| this backend promises on F32 weights.
     logit_tolerance: float
     windows_bit_identical: bool
+    # Up to this many tokens per run_window (and per logits call), each token's row is bit for
+    # bit what it is computed alone: a batch of draft tokens then verifies exactly as plain
+    # decoding would decide. 1 = no such promise.
+    batch_identical_tokens: int
     # Computes on a device beside the host CPU (an NPU): a plan's accel_layers go to it.
     accelerator: bool
 

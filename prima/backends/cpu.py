@@ -93,6 +93,8 @@ class CpuBackend:
         self.mode = mode
         # Blocks of up to this many tokens run as one compiled call; 0 turns the fast path off.
         self.fused_max_tokens = kernels.FUSED_MAX_N if kernels.HAVE_NUMBA else 0
+        # The fused kernels compute each row on its own; BLAS tiles (float weights, prefill) do not.
+        self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
 
     def load_window(self, layers: range) -> CpuWindow:
         self.weights.validate(layers)
@@ -129,6 +131,19 @@ class CpuBackend:
 
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         return self.ops.matmul(w, x)
+
+    def _all_fused(self) -> bool:
+        """Whether every projection of every layer and the output head has a fused kernel
+        (read from the tensor types alone: no layer need be loaded, or even present)."""
+        from prima.backends.cpu_decode import PROJECTIONS
+        from prima.kernels import drivers
+
+        if not self.fused_max_tokens:
+            return False
+        tensors = self.weights.gguf.tensors
+        names = [f"blk.{i}.{p}.weight" for i in range(self.config.n_layers) for p in PROJECTIONS]
+        types = [tensors[n].qtype for n in names if n in tensors] + [self.weights.output.qtype]
+        return all(int(t) in drivers.QUANTIZED_IDS for t in types)
 
     def _fused_block(self, params: BlockParams) -> FusedBlock | None:
         """The one-call form of a block, or None (no numba, or a projection in a float format)."""

@@ -27,7 +27,7 @@ from prima.cli.cmd_run import (
     sampler_from_args,
     warn_if_no_chat_template,
 )
-from prima.cli.engine_options import Session, add_model_args, open_session
+from prima.cli.engine_options import Session, add_model_args, draft_from_args, open_session
 from prima.errors import InputError
 from prima.net.credentials import is_loopback
 from prima.scheduler.profile import ModelProfile
@@ -82,7 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     defaults = ServeDefaults(
-        sampler=sampler_from_args(args), max_tokens=args.n_predict, stop=tuple(args.stop)
+        sampler=sampler_from_args(args),
+        max_tokens=args.n_predict,
+        stop=tuple(args.stop),
+        draft=draft_from_args(args),
     )
     template = chat_template_from_args(args)
     session = open_session(args)

@@ -27,6 +27,7 @@ from prima.cli.arg_types import (
     window_sizes,
 )
 from prima.cli.progress import FetchBar, stage
+from prima.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_METHODS, MAX_DRAFT_TOKENS, DraftConfig
 from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PlanError
@@ -76,7 +77,31 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="float32 activations at decode (default: int8 activations, as llama.cpp; faster, logits within ~1e-3)",
     )
+    add_draft_args(parser)
     add_ring_args(parser)
+
+
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding (same output, fewer passes on repetitive text)")
+    g.add_argument(
+        "--draft",
+        default="none",
+        choices=DRAFT_METHODS,
+        help="draft tokens to check in one pass: lookup = repeat what followed the last few tokens "
+        "earlier in the context (default none)",
+    )
+    g.add_argument(
+        "--draft-max",
+        type=positive_int,
+        default=DEFAULT_DRAFT_MAX,
+        metavar="K",
+        help=f"draft tokens per pass, at most {MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_MAX})",
+    )
+
+
+def draft_from_args(args: argparse.Namespace) -> DraftConfig:
+    """The --draft and --draft-max flags (plain decoding for commands without them)."""
+    return DraftConfig(getattr(args, "draft", "none"), getattr(args, "draft_max", DEFAULT_DRAFT_MAX))
 
 
 def add_ring_args(parser: argparse.ArgumentParser) -> None:
@@ -183,6 +208,7 @@ class Session:
     n_ctx: int
     closers: list[Callable[[], None]] = field(default_factory=list)
     ring: Ring | None = None
+    draft: DraftConfig = field(default_factory=DraftConfig)
 
     def request(
         self,
@@ -202,6 +228,7 @@ class Session:
             tuple(sorted(self.loaded.tokenizer.stop_ids)),
             n_ctx=self.n_ctx,
             want_prompt_logits=want_prompt_logits,
+            draft=self.draft,
         )
 
     def stream(
@@ -242,7 +269,15 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def open_session(args: argparse.Namespace) -> Session:
-    """This device, or a ring: started here (--local-ring), named (--nodes) or discovered."""
+    """This device, or a ring: started here (--local-ring), named (--nodes) or discovered;
+    its requests carry the --draft flags."""
+    draft = draft_from_args(args)  # checked before the model is resolved
+    session = _open_session(args)
+    session.draft = draft
+    return session
+
+
+def _open_session(args: argparse.Namespace) -> Session:
     from prima.coordinator.failover import FailoverRing, RingSpec
     from prima.coordinator.local_ring import LocalRing
     from prima.model.files import open_model

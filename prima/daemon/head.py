@@ -76,23 +76,41 @@ class RingEngine:
         self.n_past = 0
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        last = self._round_trip(token_ids, self.ubatch, all_rows=False)[-1]
+        return self.model.output_logits(last.hidden[-1:])[0]
+
+    def forward_all(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Logits (n, vocab) of every token, in one trip round the ring for a few tokens: the
+        micro-batches are as small as keeps each row what `forward` gives the token alone."""
+        batch = self.model.backend.batch_identical_tokens
+        acts = self._round_trip(token_ids, batch, all_rows=True)
+        return np.concatenate([self.model.output_logits(a.hidden) for a in acts])
+
+    def rewind(self, n_past: int) -> None:
+        """Forget positions from `n_past` on: the next batch writes there, which truncates every
+        node's cache (positions travel with the activations)."""
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot rewind to {n_past}: the ring holds {self.n_past} positions")
+        self.n_past = n_past
+
+    def _round_trip(
+        self, token_ids: list[int] | np.ndarray, ubatch: int, *, all_rows: bool
+    ) -> list[Activation]:
+        """Inject the tokens in micro-batches of `ubatch` (pipelined round the ring) and wait
+        for each to come back."""
         ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         n_batches = 0
-        for s in range(0, ids.size, self.ubatch):
-            chunk = ids[s : s + self.ubatch]
+        for s in range(0, ids.size, ubatch):
+            chunk = ids[s : s + ubatch]
             positions = np.arange(self.n_past, self.n_past + chunk.size, dtype=np.int64)
-            act = Activation(
-                self.session_id, self.plan.epoch, 0, positions, self.model.embed(chunk), self._seq
+            hidden = self.model.embed(chunk)
+            self.link.inject(
+                Activation(self.session_id, self.plan.epoch, 0, positions, hidden, self._seq, all_rows)
             )
-            self.link.inject(act)
             self._seq += 1
             self.n_past += chunk.size
             n_batches += 1
-        last = None
-        for _ in range(n_batches):
-            last = self.link.receive(self.session_id)
-        assert last is not None
-        return self.model.output_logits(last.hidden[-1:])[0]
+        return [self.link.receive(self.session_id) for _ in range(n_batches)]
 
     def close(self) -> None:
         self.link.close_ring_session(self.session_id)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from prima.engine.sampling import Sampler, SamplerConfig
+from prima.engine.speculative import DraftConfig, drafter
 from prima.errors import ContextFullError, InputError
 
 
@@ -23,6 +24,17 @@ class Engine(Protocol):
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
 
     def reset(self) -> None: ...
+
+
+@runtime_checkable
+class VerifyingEngine(Engine, Protocol):
+    """An engine that can check draft tokens (speculative decoding): `forward_all` returns the
+    logits of every token (n, vocab), each bit for bit what `forward` would give token by token;
+    `rewind(n_past)` forgets every position from `n_past` on (the rejected drafts)."""
+
+    def forward_all(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
+
+    def rewind(self, n_past: int) -> None: ...
 
 
 class TextDecoder(Protocol):
@@ -37,6 +49,8 @@ class Timings:
     prompt_ms: float = 0.0
     generated_tokens: int = 0
     generate_ms: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
+    accepted_tokens: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -62,6 +76,8 @@ class Timings:
             "generate_ms": round(self.generate_ms, 3),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
             "ms_per_token": round(self.ms_per_token, 3),
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
         }
 
 
@@ -81,7 +97,8 @@ class GenerateRequest:
     continue, how far, how to sample, where to stop. `want_prompt_logits` asks for the prompt's
     last-token logits once, with the end of the generation (`prima run --logits-out`).
     `first_step` > 0 resumes a generation whose first `first_step` tokens end the prompt (after
-    a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's."""
+    a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's.
+    `draft` turns on speculative decoding (the output is the same; only its speed changes)."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -91,16 +108,20 @@ class GenerateRequest:
     ubatch: int = 0  # prompt micro-batch size in tokens; 0 = the engine's default
     want_prompt_logits: bool = False
     first_step: int = 0
+    draft: DraftConfig = field(default_factory=DraftConfig)
 
 
 @dataclass(frozen=True)
 class GenerationDone:
-    """The last event of a generation: why it stopped, and the sampling side's timings."""
+    """The last event of a generation: why it stopped, the sampling side's timings, and how
+    many draft tokens were checked and kept (speculative decoding)."""
 
     stop_reason: str  # "eos" or "length"; stop strings are matched where the text is decoded
     prompt_ms: float
     generate_ms: float
     prompt_logits: np.ndarray | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 TokenEvent = int | GenerationDone
@@ -119,9 +140,21 @@ def sample_tokens(
     engine: Engine, request: GenerateRequest, clock: Callable[[], float] = time.perf_counter
 ) -> Iterator[TokenEvent]:
     """The generation loop: prefill the prompt, then sample and decode until a stop id or the
-    token budget. The one place tokens are sampled, on whatever engine runs the layers."""
+    token budget. The one place tokens are sampled, on whatever engine runs the layers.
+
+    With a draft (request.draft), each pass feeds the last token and up to k draft tokens and
+    gets logits for all of them (engine.forward_all). Every position is still sampled from its
+    own logits, with its own step's randomness, as plain decoding samples it; a draft token is
+    kept while it equals that sample, and the first sample that differs is the next token. So
+    the output is plain decoding's, greedy or seeded, token for token. For temperature > 0 this
+    is the standard speculative rule for a draft that proposes one token with certainty (accept
+    with probability p(draft), else draw from p without it), with the randomness of plain
+    decoding's draws."""
     prompt, max_tokens = check_prompt(request.prompt_ids, request.max_tokens, engine.n_ctx)
     sample = Sampler(request.sampler, request.first_step)
+    drafts_from = drafter(request.draft)
+    if drafts_from is not None and not isinstance(engine, VerifyingEngine):
+        raise InputError(f"{type(engine).__name__} cannot check draft tokens; run without --draft")
     stops = set(request.stop_ids)
     history = list(prompt)
     engine.reset()
@@ -130,16 +163,36 @@ def sample_tokens(
     prompt_logits = logits if request.want_prompt_logits else None
     t1 = clock()
     stop_reason = "length"
-    for step in range(max_tokens):
-        token = sample.sample(logits, history)
+    drafted = accepted = 0
+    token = sample.sample(logits, history) if max_tokens else -1
+    while max_tokens:
         if token in stops:
             stop_reason = "eos"
             break
         history.append(token)
         yield token
-        if step + 1 < max_tokens:
-            logits = engine.forward([token])
-    yield GenerationDone(stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits)
+        left = max_tokens - (len(history) - len(prompt))
+        if not left:
+            break
+        drafts = drafts_from.propose(history, min(request.draft.max_tokens, left - 1)) if drafts_from else []
+        if not drafts:
+            token = sample.sample(engine.forward([token]), history)
+            continue
+        verifier: VerifyingEngine = engine  # type: ignore[assignment]  # checked above
+        rows = verifier.forward_all([token, *drafts])
+        drafted += len(drafts)
+        for row, draft in zip(rows, [*drafts, None], strict=True):
+            token = sample.sample(row, history)
+            if token != draft or token in stops:
+                break
+            history.append(token)
+            accepted += 1
+            yield token
+        # Positions hold the context's tokens up to here; the rest were rejected drafts.
+        verifier.rewind(len(history))
+    yield GenerationDone(
+        stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits, drafted, accepted
+    )
 
 
 class LocalGenerator:
@@ -180,6 +233,8 @@ def stream_text(
             if isinstance(event, GenerationDone):
                 result.stop_reason = event.stop_reason
                 result.prompt_logits = event.prompt_logits
+                result.timings.draft_tokens = event.draft_tokens
+                result.timings.accepted_tokens = event.accepted_tokens
                 break
             result.token_ids.append(int(event))
             piece = text.feed(int(event))

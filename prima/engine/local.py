@@ -13,7 +13,14 @@ from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 
-from prima.engine.generate import Engine, GenerateRequest, TokenEvent, forward_ids, sample_tokens
+from prima.engine.generate import (
+    Engine,
+    GenerateRequest,
+    TokenEvent,
+    VerifyingEngine,
+    forward_ids,
+    sample_tokens,
+)
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
 from prima.forward.transformer import Transformer
@@ -56,28 +63,44 @@ class LocalEngine:
         self.n_past = 0
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        return self.model.output_logits(self._run(token_ids, self.ubatch)[-1][-1:])[0]
+
+    def forward_all(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Logits (n, vocab) of every token, computed in batches small enough that each row is
+        what `forward` gives the token alone (speculative decoding checks drafts with this)."""
+        batch = self.model.backend.batch_identical_tokens
+        return np.concatenate([self.model.output_logits(h) for h in self._run(token_ids, batch)])
+
+    def rewind(self, n_past: int) -> None:
+        """Forget every position from `n_past` on (rejected draft tokens)."""
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot rewind to {n_past}: the cache holds {self.n_past} positions")
+        self.cache.truncate(n_past)
+        self.n_past = n_past
+
+    def _run(self, token_ids: list[int] | np.ndarray, ubatch: int) -> list[np.ndarray]:
+        """Append the tokens to the cache in micro-batches of `ubatch`; each one's hidden states."""
         ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         m = self.model
-        starts = range(0, ids.size, self.ubatch)
-        chunks = [ids[s : s + self.ubatch] for s in starts]
+        starts = range(0, ids.size, ubatch)
+        chunks = [ids[s : s + ubatch] for s in starts]
         positions = [
             np.arange(self.n_past + s, self.n_past + s + c.size) for s, c in zip(starts, chunks, strict=True)
         ]
+        hs = [m.embed(chunk) for chunk in chunks]
         if self.streamer is None:
-            for chunk, pos in zip(chunks, positions, strict=True):
-                h = m.forward_layers(m.embed(chunk), pos, 0, m.config.n_layers, self.cache)
+            for i, pos in enumerate(positions):
+                hs[i] = m.forward_layers(hs[i], pos, 0, m.config.n_layers, self.cache)
         else:
             # Layer-major, so each streamed layer is read once for the whole prompt; every layer
             # still sees the micro-batches in order, so its cache is written front to back.
-            hs = [m.embed(chunk) for chunk in chunks]
             for layer in range(m.config.n_layers):
                 self.streamer.before_layer(layer)
                 for i, pos in enumerate(positions):
                     hs[i] = m.forward_layers(hs[i], pos, layer, layer + 1, self.cache)
                 self.streamer.after_layer(layer)
-            h = hs[-1]
         self.n_past += ids.size
-        return m.output_logits(h[-1:])[0]
+        return hs
 
     def close(self) -> None:
         if self.streamer is not None:
@@ -149,6 +172,18 @@ class _TakingTurns:
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         with self.turns.turn():
             return self.engine.forward(token_ids)
+
+    def forward_all(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        with self.turns.turn():
+            return self._verifying().forward_all(token_ids)
+
+    def rewind(self, n_past: int) -> None:
+        self._verifying().rewind(n_past)
+
+    def _verifying(self) -> VerifyingEngine:
+        if not isinstance(self.engine, VerifyingEngine):
+            raise InputError(f"{type(self.engine).__name__} cannot check draft tokens; run without --draft")
+        return self.engine
 
 
 class LocalGeneratorPool:

@@ -18,6 +18,7 @@ import numpy as np
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.engine.sampling import SamplerConfig
+from prima.engine.speculative import DEFAULT_DRAFT_MAX, DraftConfig
 from prima.errors import InputError, PlanError, ProtocolError
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
@@ -132,7 +133,8 @@ def _q8_dequantize(q: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
 # -- activations ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Activation:
-    """Hidden states (n, d_model) of tokens at `positions`, due to compute hop `hop_index` next."""
+    """Hidden states (n, d_model) of tokens at `positions`, due to compute hop `hop_index` next.
+    `all_rows`: the head needs every row back (draft checks), not only the last (prefill)."""
 
     session_id: str
     plan_epoch: int
@@ -140,6 +142,7 @@ class Activation:
     positions: np.ndarray
     hidden: np.ndarray
     batch_seq: int = 0
+    all_rows: bool = False
 
 
 def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.Activation:
@@ -150,6 +153,7 @@ def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.A
         positions=[int(p) for p in act.positions],
         hidden=encode_tensor(act.hidden, dtype),
         batch_seq=act.batch_seq,
+        all_rows=act.all_rows,
     )
 
 
@@ -172,7 +176,9 @@ def decode_activation(msg: pb.Activation, *, d_model: int, max_tokens: int) -> A
     if positions[0] < 0 or np.any(np.diff(positions) != 1):
         raise ProtocolError("positions must be consecutive and non-negative")
     hidden = decode_tensor(msg.hidden, max_bytes=max_tokens * d_model * 4)
-    return Activation(msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq)
+    return Activation(
+        msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq, msg.all_rows
+    )
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -420,6 +426,8 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         ubatch=req.ubatch,
         want_prompt_logits=req.want_prompt_logits,
         first_step=req.first_step,
+        draft=req.draft.method,
+        draft_max=req.draft.max_tokens,
     )
 
 
@@ -437,6 +445,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> 
         ubatch=msg.ubatch,
         want_prompt_logits=msg.want_prompt_logits,
         first_step=msg.first_step,
+        draft=DraftConfig(msg.draft or "none", msg.draft_max or DEFAULT_DRAFT_MAX),
     )
 
 
@@ -444,7 +453,12 @@ def token_event_to_proto(event: TokenEvent) -> pb.GenerateReply:
     if not isinstance(event, GenerationDone):
         return pb.GenerateReply(token_id=int(event))
     reply = pb.GenerateReply(
-        done=True, stop_reason=event.stop_reason, prompt_ms=event.prompt_ms, generate_ms=event.generate_ms
+        done=True,
+        stop_reason=event.stop_reason,
+        prompt_ms=event.prompt_ms,
+        generate_ms=event.generate_ms,
+        draft_tokens=event.draft_tokens,
+        accepted_tokens=event.accepted_tokens,
     )
     if event.prompt_logits is not None:
         reply.prompt_logits.CopyFrom(encode_tensor(np.asarray(event.prompt_logits, dtype=np.float32)))
@@ -455,4 +469,6 @@ def token_event_from_proto(msg: pb.GenerateReply) -> TokenEvent:
     if not msg.done:
         return int(msg.token_id)
     logits = decode_tensor(msg.prompt_logits) if msg.HasField("prompt_logits") else None
-    return GenerationDone(msg.stop_reason, msg.prompt_ms, msg.generate_ms, logits)
+    return GenerationDone(
+        msg.stop_reason, msg.prompt_ms, msg.generate_ms, logits, msg.draft_tokens, msg.accepted_tokens
+    )

@@ -3,6 +3,8 @@ gguf-py's dequantization."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -72,3 +74,14 @@ def test_the_backends_matmul_runs_in_its_mode(weights: ModelWeights) -> None:
     np.testing.assert_array_equal(exact, CpuOps(mode="exact").matmul(w, x))
     np.testing.assert_array_equal(q8, CpuOps(mode="q8").matmul(w, x))
     assert not np.array_equal(q8, exact)
+
+
+def test_batches_keep_single_token_bits_only_on_fused_kernels(
+    weights: ModelWeights, smollm2_path: Path
+) -> None:
+    """Quantized projections and head: up to FUSED_MAX_N rows computed independently (speculative
+    decoding checks drafts in such batches; tests/engine/test_speculative.py holds it to it).
+    F32 weights go through BLAS tiles, which promise nothing per row."""
+    assert CpuBackend(weights).batch_identical_tokens == 1
+    quantized = CpuBackend(open_model(smollm2_path).weights)
+    assert quantized.batch_identical_tokens == quantized.fused_max_tokens > 1

@@ -194,3 +194,19 @@ def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
     # Ring order puts the head (node 0) last in each round.
     assert [n["windows"] for n in doc["plan"]["nodes"]] == [[[5, 15], [20, 30]], [[0, 5], [15, 20]]]
     assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:6]
+
+
+def test_draft_lookup_gives_the_same_tokens_and_reports_its_counts(
+    tiny_capital: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompt = tiny_capital
+    out, _ = _run_tiny(model, capsys, "-p", prompt["text"], "-n", "8", "--json", "--draft", "lookup")
+    doc = json.loads(out)
+    assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:8]
+    timings = doc["timings"]
+    assert 0 < timings["accepted_tokens"] <= timings["draft_tokens"]  # the tiny model repeats itself
+
+
+def test_too_many_draft_tokens_is_an_error_naming_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--local", "-m", "no-such-model.gguf", "-p", "x", "--draft-max", "99"]) == 1
+    assert "--draft-max must be between 1 and 16, got 99" in capsys.readouterr().err

@@ -5,6 +5,7 @@ is started per module and re-planned (LoadPlan with a new epoch) for each case."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,13 @@ import pytest
 
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerationDone
+from prima.engine.prompt import prompt_ids
+from prima.engine.speculative import DraftConfig
 from prima.forward.loader import load_model
+from tests.conftest import REPEAT_TEXT
 
-from .conftest import reference_tokens, ring_tokens, start_ring
+from .conftest import reference_tokens, ring_request, ring_tokens, start_ring
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +98,40 @@ def test_info_reports_plan_and_residency(smollm2_ring: LocalRing) -> None:
             assert info.residency.resident_bytes <= info.residency.owned_bytes + 4096 * len(node.windows)
     finally:
         ring.close()
+
+
+def _check_drafts(
+    local_ring: LocalRing, model_path: Path, tag: str, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    """Speculative decoding on 3 nodes: the head sends the last token and its drafts round the
+    ring as one micro-batch and gets every row back; the tokens are the single device's."""
+    tokenizer = load_model(model_path, layers=range(0)).tokenizer
+    stops = sorted(tokenizer.stop_ids)
+    prompts = [p["prompt_token_ids"] for p in oracle(tag)["prompts"]]
+    ring = Ring.connect(local_ring.addresses[:3], rounds=1)
+    accepted = 0
+    try:
+        for ids in [*prompts, prompt_ids(tokenizer, REPEAT_TEXT)]:
+            request = replace(ring_request(ids, 16, stops), draft=DraftConfig("lookup", 3))
+            events = list(ring.generate(request))
+            done = events[-1]
+            assert isinstance(done, GenerationDone)
+            got = [t for t in events if isinstance(t, int)]
+            assert got == reference_tokens(model_path, ids, 16), f"prompt {ids[:8]}..."
+            assert done.accepted_tokens <= done.draft_tokens
+            accepted += done.accepted_tokens
+    finally:
+        ring.close()
+    assert accepted > 0
+
+
+def test_smollm2_drafts_on_a_ring_equal_single_device(
+    smollm2_ring: LocalRing, smollm2_path: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    _check_drafts(smollm2_ring, smollm2_path, "smollm2-135m", oracle)
+
+
+def test_gemma3_drafts_on_a_ring_equal_single_device(
+    gemma3_ring: LocalRing, gemma3_path: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    _check_drafts(gemma3_ring, gemma3_path, "gemma3-270m", oracle)

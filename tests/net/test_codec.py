@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prima.engine.generate import GenerateRequest
+from prima.engine.generate import GenerateRequest, GenerationDone
 from prima.engine.sampling import SamplerConfig
-from prima.errors import ProtocolError
+from prima.engine.speculative import DraftConfig
+from prima.errors import InputError, ProtocolError
 from prima.net import codec
 from prima.net.codec import Activation, WireDType
 from prima.net.proto import prima_pb2 as pb
@@ -50,9 +51,10 @@ def test_bf16_rounds_to_nearest_even() -> None:
 
 
 def test_activation_roundtrip() -> None:
-    act = Activation("s1", 3, 2, np.arange(10, 15), _hidden(), batch_seq=4)
+    act = Activation("s1", 3, 2, np.arange(10, 15), _hidden(), batch_seq=4, all_rows=True)
     back = codec.decode_activation(codec.encode_activation(act), d_model=64, max_tokens=64)
     assert (back.session_id, back.plan_epoch, back.hop_index, back.batch_seq) == ("s1", 3, 2, 4)
+    assert back.all_rows
     assert list(back.positions) == list(range(10, 15))
     assert back.hidden.tobytes() == act.hidden.tobytes()
 
@@ -129,3 +131,17 @@ def test_generate_request_round_trips_a_resumed_generation() -> None:
     req = GenerateRequest((1, 2, 3), 5, SamplerConfig(temperature=0.5, seed=3), (0,), n_ctx=64, first_step=2)
     back = codec.generate_request_from_proto(codec.generate_request_to_proto(req), vocab_size=10)
     assert back == req
+
+
+def test_generate_request_and_done_carry_the_draft() -> None:
+    req = GenerateRequest((1, 2, 3), 5, SamplerConfig(), (0,), n_ctx=64, draft=DraftConfig("lookup", 5))
+    assert codec.generate_request_from_proto(codec.generate_request_to_proto(req), vocab_size=10) == req
+    done = GenerationDone("eos", 1.5, 2.5, draft_tokens=7, accepted_tokens=3)
+    assert codec.token_event_from_proto(codec.token_event_to_proto(done)) == done
+
+
+def test_a_bad_draft_from_a_peer_is_an_input_error() -> None:
+    msg = codec.generate_request_to_proto(GenerateRequest((1,), 5, SamplerConfig()))
+    msg.draft = "oracle"
+    with pytest.raises(InputError, match="unknown draft method 'oracle'"):
+        codec.generate_request_from_proto(msg, vocab_size=10)

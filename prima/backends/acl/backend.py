@@ -102,6 +102,7 @@ class AclBackend:
     mode = "fp16"
     accelerator = True
     windows_bit_identical = False  # each window is its own compiled graph
+    batch_identical_tokens = 1  # each gear is its own compiled graph too
     logit_tolerance = 0.05  # |logit - llama.cpp f32| on the tiny F32 models (fp16 projections)
 
     def __init__(

@@ -1,0 +1,109 @@
+"""Speed-up of speculative decoding (prompt lookup) over plain decoding, same run: on this
+device and on a local ring of 3 primad, for repetitive text (code, a list, quoting the prompt)
+and for free text.
+
+    python bench/bench_speculative.py [--model smollm2-135m] [-n 64] [--threads 1] [--draft-max 3]
+                                      [--skip-ring]
+
+Prints, per setup and text: ms per generated token plain and with drafts, the ratio
+(plain / drafts: above 1 is a speed-up) and how many drafted tokens were accepted. Greedy, so
+both runs must give the same tokens (checked). Run it on a quiet machine."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerateRequest, GenerationResult, Generator, collect, stream_text
+from prima.engine.local import local_generator
+from prima.engine.prompt import prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.engine.speculative import DraftConfig
+from prima.forward.loader import LoadedModel, load_model
+
+TEXTS = {
+    "code": (
+        "def parse_line(line):\n    key, _, value = line.partition('=')\n    key = key.strip()\n"
+        "    value = value.strip()\n    if not key:\n        raise ValueError(line)\n    return key, value\n\n"
+        "# The same function with type hints:\ndef parse_line(line: str) -> tuple[str, str]:\n"
+    ),
+    "list": "Shifts:\n- Monday: Alice, Bob\n- Tuesday: Carol, Dave\n- Wednesday: Alice, Bob\n- Thursday: Carol, Dave\n-",
+    "count": "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,",
+    "quote": (
+        "Text: The committee met on Tuesday to review the budget. After a long discussion, the members "
+        "agreed to postpone the vote until the next meeting, when the final figures will be available.\n"
+        "Repeat the text exactly.\nRepeated: The committee met on Tuesday"
+    ),
+    "free": "Once upon a time, in a small village by the sea, there lived",
+}
+
+
+def decode(generator: Generator, request: GenerateRequest) -> GenerationResult:
+    events: Iterator[object] = generator.generate(request)  # type: ignore[assignment]
+    return collect(stream_text(events, request.prompt_ids))  # type: ignore[arg-type]
+
+
+def compare(name: str, generator: Generator, files: LoadedModel, n: int, draft: DraftConfig) -> None:
+    stops = tuple(sorted(files.tokenizer.stop_ids))
+    for text_name, text in TEXTS.items():
+        ids = tuple(prompt_ids(files.tokenizer, text))
+        plain_req = GenerateRequest(ids, n, SamplerConfig(), stops, n_ctx=1024)
+        decode(generator, replace(plain_req, max_tokens=4))  # warm up (kernels, windows)
+        plain = decode(generator, plain_req)
+        spec = decode(generator, replace(plain_req, draft=draft))
+        if spec.token_ids != plain.token_ids:
+            raise AssertionError(f"{name} {text_name}: drafts changed the greedy tokens")
+        p, s = plain.timings, spec.timings
+        ratio = p.ms_per_token / s.ms_per_token if s.ms_per_token else 0.0
+        print(
+            f"{name:8s} {text_name:6s} {p.generated_tokens:4d} tok  plain {p.ms_per_token:7.2f} ms/tok  "
+            f"lookup {s.ms_per_token:7.2f} ms/tok  x{ratio:5.2f}  accepted {s.accepted_tokens}/{s.draft_tokens}"
+        )
+
+
+def cpu_name() -> str:
+    """The CPU's model name (numbers mean little without it)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("-n", type=int, default=64, help="tokens to generate per text")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--skip-ring", action="store_true", help="only this device")
+    args = ap.parse_args()
+    draft = DraftConfig("lookup", args.draft_max)
+    print(f"# {args.model}, {args.threads} thread(s), --draft-max {args.draft_max}, {cpu_name()}")
+    loaded = load_model(args.model, threads=args.threads)
+    single = local_generator(loaded, n_ctx=1024)
+    try:
+        compare("single", single, loaded, args.n, draft)
+    finally:
+        single.close()
+    if args.skip_ring:
+        return
+    local = LocalRing.start(3, loaded.path, threads=args.threads)
+    try:
+        ring = Ring.connect(local.addresses, rounds=1)
+        try:
+            compare("ring-3", ring, loaded, args.n, draft)
+        finally:
+            ring.close()
+    finally:
+        local.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Draft tokens for speculative decoding: guesses at the next few tokens, cheap to make, that the
+model then checks all at once (one forward pass of the last token and the drafts instead of one
+pass per token; on a ring, one trip round it).
+
+The draft here is prompt lookup: when the last few tokens of the context (prompt and generated
+so far) occurred earlier in it, guess that what followed then follows again. It costs no second
+model and pays off on repetitive text: code, lists, answers that quote the prompt.
+
+Drafts never change the output: generate.sample_tokens samples every position from the model's
+own logits, exactly as plain decoding would, and keeps a draft token only where the sample
+equals it (see there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prima.errors import InputError
+
+DRAFT_METHODS: tuple[str, ...] = ("none", "lookup")
+DEFAULT_DRAFT_MAX = 3  # the last token + 3 drafts = 4 rows: one batch of the CPU's fused kernels
+MAX_DRAFT_TOKENS = 16  # more is never accepted often enough to pay for its rows
+# Longest and shortest n-gram looked up; longer matches are tried first (they guess better).
+NGRAM_MAX = 3
+NGRAM_MIN = 2
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """How a generation drafts: `method` "none" (plain decoding) or "lookup" (prompt lookup),
+    proposing up to `max_tokens` tokens per verification pass."""
+
+    method: str = "none"
+    max_tokens: int = DEFAULT_DRAFT_MAX
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFT_METHODS:
+            raise InputError(
+                f"unknown draft method {self.method!r}; choose one of {', '.join(DRAFT_METHODS)}"
+            )
+        if not 1 <= self.max_tokens <= MAX_DRAFT_TOKENS:
+            raise InputError(f"--draft-max must be between 1 and {MAX_DRAFT_TOKENS}, got {self.max_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+class PromptLookup:
+    """Drafts by n-gram lookup in the context. The context only grows (rejected drafts never
+    enter it), so an index of where each n-gram was last followed is kept up to date in O(1)
+    per new token."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {ngram_min}..{ngram_max}")
+        self.sizes = range(ngram_max, ngram_min - 1, -1)  # longest first
+        self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
+        self._indexed = 0  # tokens of the context indexed so far
+
+    def propose(self, context: Sequence[int], n_tokens: int) -> list[int]:
+        """Up to `n_tokens` tokens that followed the latest earlier occurrence of the longest
+        matching suffix of `context`; [] when no suffix occurred before."""
+        self._index(context)
+        if n_tokens <= 0:
+            return []
+        for n in self.sizes:
+            if len(context) <= n:
+                continue
+            start = self._follows.get(tuple(context[-n:]))
+            if start is not None:
+                return [int(t) for t in context[start : start + n_tokens]]
+        return []
+
+    def _index(self, context: Sequence[int]) -> None:
+        # Token i is indexed as the follower of the n-grams ending at i - 1. The context's own
+        # suffix is thus indexed only once a token follows it: a lookup finds an earlier match.
+        for i in range(max(self._indexed, 1), len(context)):
+            for n in self.sizes:
+                if i >= n:
+                    self._follows[tuple(context[i - n : i])] = i
+        self._indexed = max(self._indexed, len(context))
+
+
+def drafter(config: DraftConfig) -> PromptLookup | None:
+    """The drafter of a generation, or None for plain decoding."""
+    return PromptLookup() if config.method == "lookup" else None
