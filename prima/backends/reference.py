@@ -134,10 +134,15 @@ def block(
     return x
 
 
+def final_norm(weights: ModelWeights, h: np.ndarray) -> np.ndarray:
+    """Hidden states (n, d) after the last layer -> the output head's input (n, d): the rows
+    embeddings are pooled from (llama.cpp's `result_norm`)."""
+    return ops.rms_norm(h, weights.output_norm, weights.config.norm_eps)
+
+
 def output_logits(weights: ModelWeights, ops_: Ops, h: np.ndarray) -> np.ndarray:
     """Hidden states (n, d) -> logits (n, vocab) float32: the final norm and the output head."""
-    hn = ops.rms_norm(h, weights.output_norm, weights.config.norm_eps)
-    return ops_.matmul(weights.output, hn)
+    return ops_.matmul(weights.output, final_norm(weights, h))
 
 
 def _project(ops_: Ops, groups: tuple[tuple[QTensor, ...], ...], x: np.ndarray) -> np.ndarray:

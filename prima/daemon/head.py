@@ -21,7 +21,7 @@ import numpy as np
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, forward_ids, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
-from prima.errors import InputError, NodeError
+from prima.errors import InputError, NodeError, ProtocolError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
@@ -76,23 +76,42 @@ class RingEngine:
         self.n_past = 0
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        last = self._round_trip(token_ids, all_rows=False)[-1]
+        return self.model.output_logits(last.hidden[-1:])[0]
+
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        ids = forward_ids(token_ids, self.n_past, self.n_ctx)
+        back = self._round_trip(ids, all_rows=True)
+        rows = sum(len(a.positions) for a in back)
+        if rows != ids.size:
+            raise ProtocolError(
+                f"the ring returned {rows} hidden rows for {ids.size} tokens; "
+                "a node runs an older primad: update every node"
+            )
+        return self.model.output_norm(np.concatenate([a.hidden for a in back]))
+
+    def _round_trip(self, token_ids: list[int] | np.ndarray, all_rows: bool) -> list[Activation]:
+        """Send the tokens round the ring in micro-batches; what comes back, in order (each
+        with only its last row unless `all_rows`)."""
         ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         n_batches = 0
         for s in range(0, ids.size, self.ubatch):
             chunk = ids[s : s + self.ubatch]
             positions = np.arange(self.n_past, self.n_past + chunk.size, dtype=np.int64)
             act = Activation(
-                self.session_id, self.plan.epoch, 0, positions, self.model.embed(chunk), self._seq
+                self.session_id,
+                self.plan.epoch,
+                0,
+                positions,
+                self.model.embed(chunk),
+                self._seq,
+                all_rows,
             )
             self.link.inject(act)
             self._seq += 1
             self.n_past += chunk.size
             n_batches += 1
-        last = None
-        for _ in range(n_batches):
-            last = self.link.receive(self.session_id)
-        assert last is not None
-        return self.model.output_logits(last.hidden[-1:])[0]
+        return [self.link.receive(self.session_id) for _ in range(n_batches)]
 
     def close(self) -> None:
         self.link.close_ring_session(self.session_id)

@@ -154,7 +154,7 @@ class Worker:
             else:
                 self._work.put(act)
             return
-        if done:
+        if done and not act.all_rows:
             # Only the last token's hidden state is needed for the logits.
             act = dataclasses.replace(act, positions=act.positions[-1:], hidden=act.hidden[-1:])
         with self._relay_lock:

@@ -22,6 +22,11 @@ class Engine(Protocol):
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
 
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Like `forward`, but every token's final normed hidden state (n, d_model), the
+        input of the output head: what embeddings are pooled from."""
+        ...
+
     def reset(self) -> None: ...
 
 
@@ -81,7 +86,9 @@ class GenerateRequest:
     continue, how far, how to sample, where to stop. `want_prompt_logits` asks for the prompt's
     last-token logits once, with the end of the generation (`prima run --logits-out`).
     `first_step` > 0 resumes a generation whose first `first_step` tokens end the prompt (after
-    a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's."""
+    a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's.
+    `want_hidden_states` runs the prompt only (max_tokens must be 0) and returns every prompt
+    token's final normed hidden state with the GenerationDone: the rows embeddings pool."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -91,6 +98,7 @@ class GenerateRequest:
     ubatch: int = 0  # prompt micro-batch size in tokens; 0 = the engine's default
     want_prompt_logits: bool = False
     first_step: int = 0
+    want_hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class GenerationDone:
     prompt_ms: float
     generate_ms: float
     prompt_logits: np.ndarray | None = None
+    hidden_states: np.ndarray | None = None  # (n_prompt, d_model), when asked for
 
 
 TokenEvent = int | GenerationDone
@@ -121,6 +130,9 @@ def sample_tokens(
     """The generation loop: prefill the prompt, then sample and decode until a stop id or the
     token budget. The one place tokens are sampled, on whatever engine runs the layers."""
     prompt, max_tokens = check_prompt(request.prompt_ids, request.max_tokens, engine.n_ctx)
+    if request.want_hidden_states:
+        yield prompt_hidden_states(engine, prompt, max_tokens, clock)
+        return
     sample = Sampler(request.sampler, request.first_step)
     stops = set(request.stop_ids)
     history = list(prompt)
@@ -140,6 +152,18 @@ def sample_tokens(
         if step + 1 < max_tokens:
             logits = engine.forward([token])
     yield GenerationDone(stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits)
+
+
+def prompt_hidden_states(
+    engine: Engine, prompt: list[int], max_tokens: int, clock: Callable[[], float] = time.perf_counter
+) -> GenerationDone:
+    """The prompt run for its hidden states (an embedding): nothing is sampled."""
+    if max_tokens:
+        raise InputError("a request for hidden states generates nothing: set max_tokens to 0")
+    engine.reset()
+    t0 = clock()
+    hidden = engine.hidden_states(prompt)
+    return GenerationDone("length", (clock() - t0) * 1000, 0.0, hidden_states=hidden)
 
 
 class LocalGenerator:

@@ -56,6 +56,13 @@ class LocalEngine:
         self.n_past = 0
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        return self.model.output_logits(self._run(token_ids)[-1][-1:])[0]
+
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        return self.model.output_norm(np.concatenate(self._run(token_ids)))
+
+    def _run(self, token_ids: list[int] | np.ndarray) -> list[np.ndarray]:
+        """Append the tokens to the cache; the last layer's hidden states, per micro-batch."""
         ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         m = self.model
         starts = range(0, ids.size, self.ubatch)
@@ -63,21 +70,20 @@ class LocalEngine:
         positions = [
             np.arange(self.n_past + s, self.n_past + s + c.size) for s, c in zip(starts, chunks, strict=True)
         ]
+        hs = [m.embed(chunk) for chunk in chunks]
         if self.streamer is None:
-            for chunk, pos in zip(chunks, positions, strict=True):
-                h = m.forward_layers(m.embed(chunk), pos, 0, m.config.n_layers, self.cache)
+            for i, pos in enumerate(positions):
+                hs[i] = m.forward_layers(hs[i], pos, 0, m.config.n_layers, self.cache)
         else:
             # Layer-major, so each streamed layer is read once for the whole prompt; every layer
             # still sees the micro-batches in order, so its cache is written front to back.
-            hs = [m.embed(chunk) for chunk in chunks]
             for layer in range(m.config.n_layers):
                 self.streamer.before_layer(layer)
                 for i, pos in enumerate(positions):
                     hs[i] = m.forward_layers(hs[i], pos, layer, layer + 1, self.cache)
                 self.streamer.after_layer(layer)
-            h = hs[-1]
         self.n_past += ids.size
-        return m.output_logits(h[-1:])[0]
+        return hs
 
     def close(self) -> None:
         if self.streamer is not None:
@@ -149,6 +155,10 @@ class _TakingTurns:
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         with self.turns.turn():
             return self.engine.forward(token_ids)
+
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        with self.turns.turn():
+            return self.engine.hidden_states(token_ids)
 
 
 class LocalGeneratorPool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from prima.backends.base import Backend, KVState, WindowHandle
+from prima.backends.reference import final_norm
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
 
@@ -54,6 +55,11 @@ class Transformer:
     def output_logits(self, h: np.ndarray) -> np.ndarray:
         """Hidden states (n, d) -> logits (n, vocab) float32 through the final norm and head."""
         return self.backend.logits(h)
+
+    def output_norm(self, h: np.ndarray) -> np.ndarray:
+        """Hidden states (n, d) -> the final norm's output (n, d), the output head's input; on
+        the host, as it is cheap and every backend's head starts with it."""
+        return final_norm(self.weights, h)
 
     def new_cache(self, n_ctx: int, layers: range | None = None) -> KVState:
         return self.backend.new_kv(n_ctx, layers if layers is not None else range(self.config.n_layers))

@@ -139,6 +139,7 @@ class Activation:
     positions: np.ndarray
     hidden: np.ndarray
     batch_seq: int = 0
+    all_rows: bool = False  # back at the head with every row, not only the last (embeddings)
 
 
 def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.Activation:
@@ -149,6 +150,7 @@ def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.A
         positions=[int(p) for p in act.positions],
         hidden=encode_tensor(act.hidden, dtype),
         batch_seq=act.batch_seq,
+        all_rows=act.all_rows,
     )
 
 
@@ -171,7 +173,9 @@ def decode_activation(msg: pb.Activation, *, d_model: int, max_tokens: int) -> A
     if positions[0] < 0 or np.any(np.diff(positions) != 1):
         raise ProtocolError("positions must be consecutive and non-negative")
     hidden = decode_tensor(msg.hidden, max_bytes=max_tokens * d_model * 4)
-    return Activation(msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq)
+    return Activation(
+        msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq, msg.all_rows
+    )
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -368,6 +372,7 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         ubatch=req.ubatch,
         want_prompt_logits=req.want_prompt_logits,
         first_step=req.first_step,
+        want_hidden_states=req.want_hidden_states,
     )
 
 
@@ -385,6 +390,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> 
         ubatch=msg.ubatch,
         want_prompt_logits=msg.want_prompt_logits,
         first_step=msg.first_step,
+        want_hidden_states=msg.want_hidden_states,
     )
 
 
@@ -396,6 +402,8 @@ def token_event_to_proto(event: TokenEvent) -> pb.GenerateReply:
     )
     if event.prompt_logits is not None:
         reply.prompt_logits.CopyFrom(encode_tensor(np.asarray(event.prompt_logits, dtype=np.float32)))
+    if event.hidden_states is not None:
+        reply.hidden_states.CopyFrom(encode_tensor(np.asarray(event.hidden_states, dtype=np.float32)))
     return reply
 
 
@@ -403,4 +411,7 @@ def token_event_from_proto(msg: pb.GenerateReply) -> TokenEvent:
     if not msg.done:
         return int(msg.token_id)
     logits = decode_tensor(msg.prompt_logits) if msg.HasField("prompt_logits") else None
-    return GenerationDone(msg.stop_reason, msg.prompt_ms, msg.generate_ms, logits)
+    hidden = decode_tensor(msg.hidden_states) if msg.HasField("hidden_states") else None
+    if hidden is not None and hidden.ndim != 2:
+        raise ProtocolError(f"hidden states have shape {hidden.shape}; expected (n_tokens, d_model)")
+    return GenerationDone(msg.stop_reason, msg.prompt_ms, msg.generate_ms, logits, hidden)

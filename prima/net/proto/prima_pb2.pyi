@@ -34,20 +34,22 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("session_id", "plan_epoch", "hop_index", "positions", "hidden", "batch_seq")
+    __slots__ = ("session_id", "plan_epoch", "hop_index", "positions", "hidden", "batch_seq", "all_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOP_INDEX_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ALL_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     plan_epoch: int
     hop_index: int
     positions: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     batch_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., hop_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., batch_seq: _Optional[int] = ...) -> None: ...
+    all_rows: bool
+    def __init__(self, session_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., hop_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., batch_seq: _Optional[int] = ..., all_rows: _Optional[bool] = ...) -> None: ...
 
 class Window(_message.Message):
     __slots__ = ("start", "end")
@@ -206,7 +208,7 @@ class SamplerSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repeat_last_n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step")
+    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step", "want_hidden_states")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,7 @@ class GenerateRequest(_message.Message):
     UBATCH_FIELD_NUMBER: _ClassVar[int]
     WANT_PROMPT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    WANT_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampler: SamplerSettings
@@ -223,23 +226,26 @@ class GenerateRequest(_message.Message):
     ubatch: int
     want_prompt_logits: bool
     first_step: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ...) -> None: ...
+    want_hidden_states: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ..., want_hidden_states: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits")
+    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits", "hidden_states")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     done: bool
     stop_reason: str
     prompt_ms: float
     generate_ms: float
     prompt_logits: Tensor
-    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    hidden_states: Tensor
+    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("peer_address", "refresh")
