@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prima.engine.generate import GenerateRequest
+from prima.engine.generate import GenerateRequest, GenerationDone
 from prima.engine.sampling import SamplerConfig
 from prima.errors import ProtocolError
 from prima.net import codec
@@ -50,9 +50,10 @@ def test_bf16_rounds_to_nearest_even() -> None:
 
 
 def test_activation_roundtrip() -> None:
-    act = Activation("s1", 3, 2, np.arange(10, 15), _hidden(), batch_seq=4)
+    act = Activation("s1", 3, 2, np.arange(10, 15), _hidden(), batch_seq=4, all_rows=True)
     back = codec.decode_activation(codec.encode_activation(act), d_model=64, max_tokens=64)
     assert (back.session_id, back.plan_epoch, back.hop_index, back.batch_seq) == ("s1", 3, 2, 4)
+    assert back.all_rows
     assert list(back.positions) == list(range(10, 15))
     assert back.hidden.tobytes() == act.hidden.tobytes()
 
@@ -129,3 +130,18 @@ def test_generate_request_round_trips_a_resumed_generation() -> None:
     req = GenerateRequest((1, 2, 3), 5, SamplerConfig(temperature=0.5, seed=3), (0,), n_ctx=64, first_step=2)
     back = codec.generate_request_from_proto(codec.generate_request_to_proto(req), vocab_size=10)
     assert back == req
+
+
+def test_a_request_for_hidden_states_gets_them_with_its_last_reply() -> None:
+    req = GenerateRequest((1, 2, 3), 0, n_ctx=64, want_hidden_states=True)
+    assert codec.generate_request_from_proto(codec.generate_request_to_proto(req), vocab_size=10) == req
+    hidden = _hidden()
+    done = codec.token_event_from_proto(
+        codec.token_event_to_proto(GenerationDone("length", 1.0, 0.0, None, hidden))
+    )
+    assert isinstance(done, GenerationDone)
+    assert done.hidden_states is not None
+    assert done.hidden_states.tobytes() == hidden.tobytes()
+    flat = codec.token_event_to_proto(GenerationDone("length", 1.0, 0.0, None, hidden[0]))
+    with pytest.raises(ProtocolError, match="n_tokens, d_model"):
+        codec.token_event_from_proto(flat)
