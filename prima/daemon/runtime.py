@@ -118,6 +118,7 @@ class NodeRuntime:
             windows=layout.plan.nodes[layout.me].windows if layout else (),
             residency=layout.windows.residency() if layout else None,
             sessions=len(self._sessions),
+            hop_times=self.worker.hop_times.snapshot(layout.plan.epoch) if layout else (),
         )
 
     def manifest(self) -> Manifest:

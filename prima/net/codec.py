@@ -216,6 +216,17 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
 
 # -- node status ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class HopTiming:
+    """One hop of the plan as its node measured it: decode steps through it, and the total
+    milliseconds they spent in its layers and being handed to the next node."""
+
+    hop_index: int
+    steps: int = 0
+    compute_ms: float = 0.0
+    relay_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     """What a daemon says about itself (the Info RPC)."""
 
@@ -231,6 +242,7 @@ class NodeStatus:
     windows: tuple[Window, ...] = ()
     residency: Residency | None = None
     sessions: int = 0
+    hop_times: tuple[HopTiming, ...] = ()
 
 
 def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
@@ -246,6 +258,10 @@ def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
         plan_epoch=s.plan_epoch,
         windows=[pb.Window(start=w.start, end=w.end) for w in s.windows],
         sessions=s.sessions,
+        hop_times=[
+            pb.HopTiming(hop_index=h.hop_index, steps=h.steps, compute_ms=h.compute_ms, relay_ms=h.relay_ms)
+            for h in s.hop_times
+        ],
     )
     if s.residency is not None:
         r = s.residency
@@ -299,6 +315,7 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
         windows=tuple(Window(w.start, w.end) for w in msg.windows),
         residency=residency,
         sessions=msg.sessions,
+        hop_times=tuple(HopTiming(h.hop_index, h.steps, h.compute_ms, h.relay_ms) for h in msg.hop_times),
     )
 
 

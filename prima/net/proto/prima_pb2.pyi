@@ -114,7 +114,7 @@ class Residency(_message.Message):
     def __init__(self, owned_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., releases: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., pinned_layers: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions")
+    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions", "hop_times")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class NodeInfo(_message.Message):
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HOP_TIMES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     model_name: str
@@ -139,7 +140,20 @@ class NodeInfo(_message.Message):
     windows: _containers.RepeatedCompositeFieldContainer[Window]
     residency: Residency
     sessions: int
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ...) -> None: ...
+    hop_times: _containers.RepeatedCompositeFieldContainer[HopTiming]
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ..., hop_times: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ...) -> None: ...
+
+class HopTiming(_message.Message):
+    __slots__ = ("hop_index", "steps", "compute_ms", "relay_ms")
+    HOP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    hop_index: int
+    steps: int
+    compute_ms: float
+    relay_ms: float
+    def __init__(self, hop_index: _Optional[int] = ..., steps: _Optional[int] = ..., compute_ms: _Optional[float] = ..., relay_ms: _Optional[float] = ...) -> None: ...
 
 class LoadPlanRequest(_message.Message):
     __slots__ = ("plan", "node_id", "wire_dtype")
