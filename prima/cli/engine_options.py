@@ -25,7 +25,7 @@ from prima.cli.arg_types import (
     positive_int,
     window_sizes,
 )
-from prima.cli.progress import stage
+from prima.cli.progress import StepBar, stage
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -265,7 +265,8 @@ def open_session(args: argparse.Namespace) -> Session:
             _check_windows(args, [f"node{i}" for i in range(local_ring)], loaded.weights.config.n_layers)
             # Compiled here once, before the daemons start: they then load the kernels from the
             # cache instead of compiling side by side while the coordinator's calls time out.
-            ensure_compiled(loaded.path, on_stage=stage)
+            with StepBar("compiling") as bar:
+                ensure_compiled(loaded.path, on_stage=stage, on_progress=bar)
             stage(f"starting {local_ring} primad daemon(s) on 127.0.0.1")
             exact = ("--exact",) if _mode(args) == "exact" else ()
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
@@ -303,7 +304,8 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
     from prima.engine.local import local_generator
     from prima.forward.loader import load_model
 
-    ensure_compiled(path, on_stage=stage)
+    with StepBar("compiling") as bar:
+        ensure_compiled(path, on_stage=stage, on_progress=bar)
     loaded = load_model(path, backend=args.backend, threads=args.threads, mode=_mode(args))
     generator = local_generator(loaded, args.ctx, parallel=getattr(args, "parallel", 1))
     return Session(loaded, generator, generator.n_ctx, [generator.close])
