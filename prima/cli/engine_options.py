@@ -328,14 +328,16 @@ def connect_ring(
     halda = halda_options(args, loaded, pick_head=pick_head)
     if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
-    return Ring.connect(
-        addresses,
-        window_sizes=args.windows,
-        rounds=args.rounds or 1,
-        wire_dtype=WireDType.parse(args.wire_dtype),
-        halda=halda,
-        skip_untrusted=skip_untrusted,
-    )
+    with StepBar("planning") as bar:
+        return Ring.connect(
+            addresses,
+            window_sizes=args.windows,
+            rounds=args.rounds or 1,
+            wire_dtype=WireDType.parse(args.wire_dtype),
+            halda=halda,
+            skip_untrusted=skip_untrusted,
+            on_progress=bar,
+        )
 
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:

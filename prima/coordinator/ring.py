@@ -5,7 +5,7 @@ It tokenizes and detokenizes; the layers never run here."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError, UntrustedNodeError
@@ -15,6 +15,8 @@ from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
 from .planner import HaldaOptions, plan_ring
+
+OnProgress = Callable[[int, int, str], None]  # (steps done, steps in all, the step now)
 
 log = logging.getLogger("prima.coordinator")
 
@@ -43,12 +45,14 @@ class Ring:
         timeout_s: float = 10.0,
         halda: HaldaOptions | None = None,
         skip_untrusted: bool = False,
+        on_progress: OnProgress | None = None,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
         `window_sizes`), else `window_sizes` (an even split if None) over `rounds`. Nodes that
         Halda leaves out are not part of the ring. With `skip_untrusted` (addresses found over
-        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too."""
+        mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too.
+        `on_progress` hears each node profiled (with Halda), then each node loading the plan."""
         if not addresses:
             raise PlanError("no nodes given; pass --nodes host:port,... or --local-ring N")
         clients, infos = connect_nodes(addresses, timeout_s=timeout_s, skip_untrusted=skip_untrusted)
@@ -56,7 +60,7 @@ class Ring:
         try:
             epoch = max(info.plan_epoch for info in infos) + 1
             if halda is not None and not window_sizes:
-                view = plan_ring(clients, halda, epoch=epoch)
+                view = plan_ring(clients, halda, epoch=epoch, on_progress=on_progress)
                 by_address = {c.address: c for c in clients}
                 members = [by_address[n.address] for n in view.plan.nodes]
                 for c in clients:
@@ -64,10 +68,16 @@ class Ring:
                         c.close()
                 clients = members
                 ring = cls(clients, view.plan, view.devices)
-                ring.load_plan(view.plan, wire_dtype)
+                ring.load_plan(view.plan, wire_dtype, on_progress)
                 return ring
             ring = cls(clients, _placeholder_plan(infos, addresses))
-            ring.load(window_sizes=window_sizes, rounds=rounds, wire_dtype=wire_dtype, infos=infos)
+            ring.load(
+                window_sizes=window_sizes,
+                rounds=rounds,
+                wire_dtype=wire_dtype,
+                infos=infos,
+                on_progress=on_progress,
+            )
             return ring
         except BaseException:
             for c in clients:
@@ -81,6 +91,7 @@ class Ring:
         rounds: int = 1,
         wire_dtype: WireDType = WireDType.F32,
         infos: Sequence[NodeStatus] | None = None,
+        on_progress: OnProgress | None = None,
     ) -> Plan:
         """Load a new plan on every node (a higher epoch ends the previous plan's sessions)."""
         infos = list(infos) if infos is not None else [c.info() for c in self.clients]
@@ -89,15 +100,23 @@ class Ring:
         nodes = [(info.node_id, c.address) for c, info in zip(self.clients, infos, strict=True)]
         epoch = max(info.plan_epoch for info in infos) + 1
         plan = plan_from_window_sizes(nodes, sizes, rounds, n_layers, epoch=epoch)
-        self.load_plan(plan, wire_dtype)
+        self.load_plan(plan, wire_dtype, on_progress)
         return plan
 
-    def load_plan(self, plan: Plan, wire_dtype: WireDType = WireDType.F32) -> None:
-        """Send `plan` (whose nodes are this ring's clients, in order) to every node."""
+    def load_plan(
+        self, plan: Plan, wire_dtype: WireDType = WireDType.F32, on_progress: OnProgress | None = None
+    ) -> None:
+        """Send `plan` (whose nodes are this ring's clients, in order) to every node; a node
+        answers once its windows are mapped and checked. `on_progress` hears each node's turn."""
         assert [n.address for n in plan.nodes] == [c.address for c in self.clients]
         # Followers first, head last: once the head has the plan every node can take its traffic.
-        for i in [*range(1, len(self.clients)), 0]:
+        order = [*range(1, len(self.clients)), 0]
+        for done, i in enumerate(order):
+            if on_progress:
+                on_progress(done, len(order), f"loading the plan on {plan.nodes[i].node_id}")
             self.clients[i].load_plan(plan, plan.nodes[i].node_id, wire_dtype)
+        if on_progress:
+            on_progress(len(order), len(order), "done")
         self.plan = plan
         log.info("%s", plan.describe())
 

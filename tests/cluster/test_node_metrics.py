@@ -40,7 +40,8 @@ def test_daemon_metrics_move_during_a_generation(smollm2_path: Path, ring_logs: 
         ports = [n.metrics_port for n in local.nodes]
         assert all(isinstance(p, int) and p > 0 for p in ports)
         before = [_scrape(p) for p in ports]  # type: ignore[arg-type]
-        ring = Ring.connect(local.addresses)
+        steps: list[tuple[int, int, str]] = []
+        ring = Ring.connect(local.addresses, on_progress=lambda *s, out=steps: out.append(s))
         tokens: list[int] = []
         during: list[dict[str, float]] = []
         try:
@@ -55,6 +56,8 @@ def test_daemon_metrics_move_during_a_generation(smollm2_path: Path, ring_logs: 
         finally:
             ring.close()
     assert len(tokens) == 4
+    # Loading the plan showed each node's turn, followers first, then the end.
+    assert steps == [(0, 2, "loading the plan on node1"), (1, 2, "loading the plan on node0"), (2, 2, "done")]
     for b, d, a in zip(before, during, after, strict=True):
         assert "prima_node_owned_weight_bytes" not in b  # no plan yet
         assert d["prima_node_compute_seconds_count"] > b.get("prima_node_compute_seconds_count", 0)
