@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 
+from prima.engine.batching import DecodeBatcher
 from prima.engine.generate import Engine, GenerateRequest, TokenEvent, forward_ids, sample_tokens
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
@@ -142,17 +143,22 @@ class TurnTaking:
 
 
 class _TakingTurns:
-    """An engine whose forward passes wait for their turn (TurnTaking)."""
+    """An engine whose forward passes wait for their turn (TurnTaking); with a batcher, its
+    decode steps go through it, batched with other sessions' (prima.engine.batching)."""
 
-    def __init__(self, engine: Engine, turns: TurnTaking) -> None:
+    def __init__(self, engine: Engine, turns: TurnTaking, batcher: DecodeBatcher | None = None) -> None:
         self.engine = engine
         self.turns = turns
+        self.batcher = batcher if isinstance(engine, LocalEngine) else None
         self.n_ctx = engine.n_ctx
 
     def reset(self) -> None:
         self.engine.reset()
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        if self.batcher is not None and len(token_ids) == 1:
+            assert isinstance(self.engine, LocalEngine)
+            return self.batcher.step(self.engine, int(token_ids[0]))
         with self.turns.turn():
             return self.engine.forward(token_ids)
 
@@ -164,10 +170,13 @@ class _TakingTurns:
 class LocalGeneratorPool:
     """A Generator over up to `size` engines on this device, made as they are needed: requests
     running at once (`prima serve --parallel`) each get an engine with its own KV cache, all
-    sharing the model's weights, and take turns one forward pass at a time. A caller must not
-    run more than `size` requests at once (the API's queue sees to it)."""
+    sharing the model's weights, and take turns one forward pass at a time; with `batch`,
+    the decode steps waiting at a turn run as one batch (continuous batching). A caller must
+    not run more than `size` requests at once (the API's queue sees to it)."""
 
-    def __init__(self, first: Engine, make_engine: Callable[[], Engine], size: int = 1) -> None:
+    def __init__(
+        self, first: Engine, make_engine: Callable[[], Engine], size: int = 1, batch: bool = False
+    ) -> None:
         if size < 1:
             raise InputError(f"the engine pool needs at least one engine, got {size}")
         self.n_ctx = first.n_ctx
@@ -177,11 +186,12 @@ class LocalGeneratorPool:
         self._all: list[Engine] = [first]
         self._lock = threading.Lock()
         self._turns = TurnTaking()
+        self.batcher = DecodeBatcher(self._turns) if batch else None
 
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
         engine = self._take()
         try:
-            yield from sample_tokens(_TakingTurns(engine, self._turns), request)
+            yield from sample_tokens(_TakingTurns(engine, self._turns, self.batcher), request)
         finally:
             with self._lock:
                 self._free.append(engine)
@@ -216,4 +226,5 @@ def local_generator(loaded: LoadedModel, n_ctx: int, parallel: int = 1) -> Local
     if first.streamer is not None and parallel > 1:
         log.info("the layers stream from disk: requests run one at a time")
         parallel = 1
-    return LocalGeneratorPool(first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel)
+    batch = parallel > 1 and loaded.model.decode_batch_rows > 1
+    return LocalGeneratorPool(first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel, batch)

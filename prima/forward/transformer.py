@@ -8,6 +8,8 @@ engine, the daemon's worker and the tests all drive any backend the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from prima.backends.base import Backend, KVState, WindowHandle
@@ -51,6 +53,26 @@ class Transformer:
     ) -> np.ndarray:
         """Run layers [start, end) on hidden states h (n, d) of tokens at `positions` (n,)."""
         return self.backend.run_window(self.window(range(start, end)), h, positions, cache)
+
+    @property
+    def decode_batch_rows(self) -> int:
+        """Sessions' decode steps one `forward_sessions` pass may carry, each computed exactly
+        as it would be alone; 1 when the backend cannot batch sessions."""
+        if not hasattr(self.backend, "run_window_sessions"):
+            return 1
+        return max(1, int(getattr(self.backend, "decode_batch_rows", 1)))
+
+    def forward_sessions(
+        self,
+        h: np.ndarray,
+        positions: np.ndarray,
+        start: int,
+        end: int,
+        sessions: Sequence[tuple[KVState, int]],
+    ) -> np.ndarray:
+        """`forward_layers` over the rows of several sessions, each with its cache and row
+        count, in row order: one read of the weights for all (continuous batching)."""
+        return self.backend.run_window_sessions(self.window(range(start, end)), h, positions, sessions)  # type: ignore[attr-defined]
 
     def output_logits(self, h: np.ndarray) -> np.ndarray:
         """Hidden states (n, d) -> logits (n, vocab) float32 through the final norm and head."""
