@@ -43,6 +43,15 @@ NODE_RELAY_SEND = Histogram(
     "Time to hand an activation to the next node's relay stream",
     buckets=_LATENCY_BUCKETS,
 )
+NODE_HOP_STEPS = Counter(
+    "prima_node_hop_steps", "Decode steps (one-token activations) through each hop of this node", ["hop"]
+)
+NODE_HOP_COMPUTE = Counter(
+    "prima_node_hop_compute_seconds", "Time decode steps spent in each hop's layers", ["hop"]
+)
+NODE_HOP_RELAY = Counter(
+    "prima_node_hop_relay_seconds", "Time to hand each hop's decode steps to the next node", ["hop"]
+)
 NODE_QUEUE_DEPTH = Gauge("prima_node_queue_depth", "Activations waiting for this node's compute thread")
 NODE_SESSIONS = Gauge("prima_node_sessions", "Sessions open on this node")
 NODE_ERRORS = Counter("prima_node_errors", "Sessions this node had to fail, by kind", ["kind"])

@@ -77,3 +77,25 @@ class LlamaF32:
 
     def close(self) -> None:
         self._llm.close()
+
+
+def llama_embeddings(path: Path, texts: Sequence[str], pooling: str, n_ctx: int = 512) -> np.ndarray:
+    """llama.cpp's unit-length embeddings (n_texts, d_model) of `texts`, pooled `mean` or
+    `last` over the final normed hidden states, F32 KV cache, BOS where the vocabulary says."""
+    llama_cpp = require_llama_cpp()
+    kinds = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        embedding=True,
+        pooling_type=kinds[pooling],
+        n_ctx=n_ctx,
+        n_threads=2,
+        type_k=GGML_TYPE_F32,
+        type_v=GGML_TYPE_F32,
+        flash_attn=False,
+        verbose=False,
+    )
+    try:
+        return np.array([llm.embed(t, normalize=True) for t in texts], dtype=np.float32)
+    finally:
+        llm.close()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prima.errors import NodeError, ProtocolError
-from prima.net.codec import PROTOCOL_VERSION, NodeStatus
+from prima.net.codec import PROTOCOL_VERSION, HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, Window, plan_from_window_sizes
 from prima.scheduler.cost_model import device_time, ring_costs
 from prima.scheduler.profile import DeviceProfile, ModelProfile
@@ -161,12 +161,24 @@ class NodeView:
 
 @dataclass(frozen=True)
 class HopView:
-    """One step of a forward pass, in ring order, with its predicted ms (layers + the send)."""
+    """One step of a forward pass, in ring order, with its predicted ms (layers + the send)
+    and what its node measured per decode step since the plan loaded: ms in the hop's layers,
+    ms handing the result on, over `measured_steps` steps (None before the first)."""
 
     node_id: str
     round: int
     window: Window
     predicted_ms: float | None
+    measured_steps: int = 0
+    compute_ms: float | None = None
+    relay_ms: float | None = None
+
+    def with_measured(self, t: HopTiming | None) -> HopView:
+        if t is None or t.steps == 0:
+            return self
+        return dataclasses.replace(
+            self, measured_steps=t.steps, compute_ms=t.compute_ms / t.steps, relay_ms=t.relay_ms / t.steps
+        )
 
 
 @dataclass(frozen=True)
@@ -340,13 +352,14 @@ class ClusterMonitor:
                     wait_ms_per_token=rates.wait_ms if rates else None,
                 )
             )
+        measured = {t.hop_index: t for r in reading.nodes if r.status is not None for t in r.status.hop_times}
         hops = []
-        for h in plan.hops():
+        for i, h in enumerate(plan.hops()):
             node_id = plan.nodes[h.node_index].node_id
             cost = predicted.get(node_id)
             accel = plan.nodes[h.node_index].accel_layers
             hop_ms = None if cost is None else cost.hop_ms(h.window, min(accel, h.window.n_layers))
-            hops.append(HopView(node_id, h.round_index, h.window, hop_ms))
+            hops.append(HopView(node_id, h.round_index, h.window, hop_ms).with_measured(measured.get(i)))
         return ClusterView(
             model=self.model_id,
             mode="local" if reading.local else "ring",

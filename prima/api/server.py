@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prima.api.cluster_view import ClusterMonitor
+from prima.api.embeddings import embeddings_response, parse_embeddings_request
 from prima.api.openai_schema import (
     GenerationRequest,
     ModelNotFoundError,
@@ -68,6 +69,7 @@ POST_ROUTES: dict[str, Callable[[Any], GenerationRequest]] = {
     "/v1/chat/completions": parse_chat_request,
     "/v1/completions": parse_completion_request,
 }
+EMBEDDINGS_ROUTE = "/v1/embeddings"
 GET_ROUTES = ("/", "/health", "/v1/models", "/v1/cluster", "/metrics")
 
 
@@ -320,12 +322,15 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._send_bytes(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
         elif (page := asset(path)) is not None:
             self._send_bytes(HTTPStatus.OK, page.data, page.content_type, SECURITY_HEADERS)
-        elif path in POST_ROUTES:
+        elif path in POST_ROUTES or path == EMBEDDINGS_ROUTE:
             self._method_not_allowed(path)
         else:
             self._not_found(path)
 
     def _handle_post(self, path: str) -> None:
+        if path == EMBEDDINGS_ROUTE:
+            self._embeddings()
+            return
         parse = POST_ROUTES.get(path)
         if parse is None:
             self._read_body(self._content_length())  # read and drop it so keep-alive stays in sync
@@ -344,8 +349,17 @@ class ApiHandler(BaseHTTPRequestHandler):
         finally:
             events.close()  # releases the engine if we stopped early
 
+    def _embeddings(self) -> None:
+        req = parse_embeddings_request(self._read_json())
+        service = self.server.service
+        result = service.embed(service.prepare_embeddings(req), req.pooling, self._client_gone)
+        body = embeddings_response(
+            service.model_id, result.vectors, result.prompt_tokens, req.encoding_format
+        )
+        self._send_json(HTTPStatus.OK, body)
+
     def _method_not_allowed(self, path: str) -> NoReturn:
-        allowed = "POST" if path in POST_ROUTES else "GET"
+        allowed = "POST" if path in POST_ROUTES or path == EMBEDDINGS_ROUTE else "GET"
         raise HttpError(
             HTTPStatus.METHOD_NOT_ALLOWED,
             f"{self.command} is not allowed on {path}; use {allowed}",
@@ -353,7 +367,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         )
 
     def _not_found(self, path: str) -> NoReturn:
-        known = ", ".join([*(f"GET {p}" for p in GET_ROUTES), *(f"POST {p}" for p in POST_ROUTES)])
+        posts = [*POST_ROUTES, EMBEDDINGS_ROUTE]
+        known = ", ".join([*(f"GET {p}" for p in GET_ROUTES), *(f"POST {p}" for p in posts)])
         raise HttpError(
             HTTPStatus.NOT_FOUND, f"no endpoint {self.command} {path}; this server has {known}", "not_found"
         )

@@ -1,5 +1,5 @@
-"""Turn a parsed request into a generation on the one Generator (this device or a ring), one
-request at a time.
+"""Turn a parsed request into a generation (or an embedding) on the one Generator (this device
+or a ring), up to `--parallel` requests at a time.
 
 Generations are serialized through a FIFO queue. A request whose client has gone (or a server
 that is shutting down) stops at the next token: before each token the service asks
@@ -16,7 +16,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from prima import metrics
+from prima.api.embeddings import EmbeddingsRequest, Pooling, pool
 from prima.api.openai_schema import GenerationRequest, ModelNotFoundError, RequestError
 from prima.engine.generate import (
     GenerateRequest,
@@ -29,7 +32,7 @@ from prima.engine.generate import (
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.engine.speculative import DraftConfig
-from prima.errors import GenerationCancelled, PrimaError
+from prima.errors import GenerationCancelled, PrimaError, ProtocolError
 from prima.model.files import ModelFiles
 
 log = logging.getLogger("prima.api")
@@ -228,17 +231,8 @@ class CompletionService:
         def stop() -> bool:
             return self.closing or cancelled()
 
-        if self.closing:
-            raise GenerationCancelled("the server is stopping")
         t0 = time.perf_counter()
-        metrics.QUEUE_DEPTH.inc()
-        try:
-            self.queue.acquire(stop, self.defaults.queue_timeout_s)
-        except PrimaError as exc:
-            metrics.REQUESTS.labels(type(exc).__name__).inc()
-            raise
-        finally:
-            metrics.QUEUE_DEPTH.dec()
+        self._acquire(stop)
         released = False
         first = True
         outcome = "cancelled"
@@ -275,6 +269,102 @@ class CompletionService:
             metrics.REQUESTS.labels(outcome).inc()
             if not released:
                 self.queue.release()
+
+    def prepare_embeddings(self, req: EmbeddingsRequest) -> list[list[int]]:
+        """The token ids of each input, checked before the request queues."""
+        if req.model is not None and req.model != self.model_id:
+            raise ModelNotFoundError(req.model, self.model_id)
+        tok = self.loaded.tokenizer
+        d_model = self.loaded.weights.config.d_model
+        if req.dimensions is not None and req.dimensions != d_model:
+            raise RequestError(
+                f"'dimensions' {req.dimensions} is not available: this model's embeddings have "
+                f"{d_model}; leave 'dimensions' out",
+                "dimensions",
+            )
+        prompts = []
+        for i, item in enumerate(req.inputs):
+            ids = prompt_ids(tok, item) if isinstance(item, str) else list(item)
+            bad = [t for t in ids if t >= tok.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"'input[{i}]' has token ids outside the vocabulary of {tok.vocab_size}: {bad[:5]}",
+                    "input",
+                )
+            if len(ids) >= self.n_ctx:
+                raise RequestError(
+                    f"'input[{i}]' has {len(ids)} tokens but the context holds {self.n_ctx}; "
+                    "shorten it or restart the server with a larger --ctx",
+                    "input",
+                )
+            prompts.append(ids)
+        return prompts
+
+    def embed(self, prompts: Sequence[list[int]], pooling: Pooling, cancelled: Cancelled) -> Embeddings:
+        """Wait for the generator, then run each prompt for its hidden states and pool them
+        (prima.api.embeddings); one place in the queue serves every input of the request."""
+
+        def stop() -> bool:
+            return self.closing or cancelled()
+
+        self._acquire(stop)
+        outcome = "cancelled"
+        try:
+            vectors = []
+            for ids in prompts:
+                if stop():
+                    raise GenerationCancelled(
+                        "embedding cancelled: the client disconnected or the server is stopping"
+                    )
+                request = GenerateRequest(tuple(ids), 0, n_ctx=self.n_ctx, want_hidden_states=True)
+                done = _last_event(self.generator.generate(request))
+                if done.hidden_states is None:
+                    raise ProtocolError("the generator returned no hidden states for an embedding request")
+                vectors.append(pool(done.hidden_states, pooling))
+            outcome = "ok"
+            n_tokens = sum(len(ids) for ids in prompts)
+            metrics.PROMPT_TOKENS.inc(n_tokens)
+            return Embeddings(vectors, n_tokens)
+        except PrimaError as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            metrics.REQUESTS.labels(outcome).inc()
+            self.queue.release()
+
+    def _acquire(self, stop: Cancelled) -> None:
+        """A place in the queue (counted in the queue-depth gauge while waiting for it)."""
+        if self.closing:
+            raise GenerationCancelled("the server is stopping")
+        metrics.QUEUE_DEPTH.inc()
+        try:
+            self.queue.acquire(stop, self.defaults.queue_timeout_s)
+        except PrimaError as exc:
+            metrics.REQUESTS.labels(type(exc).__name__).inc()
+            raise
+        finally:
+            metrics.QUEUE_DEPTH.dec()
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """One unit vector per input, and the tokens they took."""
+
+    vectors: list[np.ndarray]
+    prompt_tokens: int
+
+
+def _last_event(events: Iterator[TokenEvent]) -> GenerationDone:
+    """The GenerationDone that ends `events` (a prompt-only request yields nothing before it)."""
+    try:
+        for event in events:
+            if isinstance(event, GenerationDone):
+                return event
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+    raise ProtocolError("the generation ended without its last event")
 
 
 def _merge_sampler(base: SamplerConfig, req: GenerationRequest) -> SamplerConfig:

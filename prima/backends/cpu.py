@@ -123,6 +123,28 @@ class CpuBackend:
                 h = reference.block(self.config, params, self.ops, h, positions, kv)
         return h
 
+    @property
+    def decode_batch_rows(self) -> int:
+        """Rows a decode pass may carry with each row's arithmetic that of a pass alone: up to
+        here the matmuls run the fused per-row kernels; above, dequantized tiles and BLAS
+        compute in another order (and without int8 activations)."""
+        return self.fused_max_tokens
+
+    def run_window_sessions(
+        self,
+        window: CpuWindow,
+        hidden: np.ndarray,
+        positions: np.ndarray,
+        sessions: Sequence[tuple[KVCache, int]],
+    ) -> np.ndarray:
+        """`run_window` over the rows of several sessions, each with its cache and row count
+        (in row order): the weights are read once for all of them (continuous batching)."""
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        for params in window.blocks:
+            h = reference.block_sessions(self.config, params, self.ops, h, positions, sessions)
+        return h
+
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return reference.embed(self.weights, self.ops, token_ids)
 

@@ -100,6 +100,21 @@ def block(
 ) -> np.ndarray:
     """One transformer block on hidden states x (n, d) of the tokens at `positions` (n,); their
     keys and values are written into `cache`, whose earlier positions the tokens attend to."""
+    return block_sessions(cfg, p, ops_, x, positions, ((cache, len(positions)),))
+
+
+def block_sessions(
+    cfg: ModelConfig,
+    p: BlockParams,
+    ops_: Ops,
+    x: np.ndarray,
+    positions: np.ndarray,
+    sessions: Sequence[tuple[KVCache, int]],
+) -> np.ndarray:
+    """`block` over rows of several sessions at once (continuous batching): `sessions` lists
+    each one's cache and row count, in row order. Every projection reads its weights once for
+    all rows; only attention is per session, over its own cache. Each row's result has the
+    bits it would have alone, since every other step is computed row by row."""
     lw = p.weights
     eps = cfg.norm_eps
 
@@ -121,9 +136,18 @@ def block(
         p.inv_freq,
         glue.is_neox(cfg.rope_type),
     )
-    t = cache.store(lw.index, positions, k, v)
-    attn = glue.attention(q, cache.k[lw.index], cache.v[lw.index], t, positions, cfg.attn_scale, p.window)
-    attn = ops_.matmul(lw.attn_output, attn)
+    parts = []
+    start = 0
+    for cache, n in sessions:
+        rows = slice(start, start + n)
+        t = cache.store(lw.index, positions[rows], k[rows], v[rows])
+        parts.append(
+            glue.attention(
+                q[rows], cache.k[lw.index], cache.v[lw.index], t, positions[rows], cfg.attn_scale, p.window
+            )
+        )
+        start += n
+    attn = ops_.matmul(lw.attn_output, parts[0] if len(parts) == 1 else np.concatenate(parts))
     # Residual (after Gemma's post-attention norm), then the feed-forward's input norm.
     x, xn = glue.residual_norm(x, attn, p.post_attention_norm, lw.ffn_norm, eps)
 
@@ -134,10 +158,15 @@ def block(
     return x
 
 
+def final_norm(weights: ModelWeights, h: np.ndarray) -> np.ndarray:
+    """Hidden states (n, d) after the last layer -> the output head's input (n, d): the rows
+    embeddings are pooled from (llama.cpp's `result_norm`)."""
+    return ops.rms_norm(h, weights.output_norm, weights.config.norm_eps)
+
+
 def output_logits(weights: ModelWeights, ops_: Ops, h: np.ndarray) -> np.ndarray:
     """Hidden states (n, d) -> logits (n, vocab) float32: the final norm and the output head."""
-    hn = ops.rms_norm(h, weights.output_norm, weights.config.norm_eps)
-    return ops_.matmul(weights.output, hn)
+    return ops_.matmul(weights.output, final_norm(weights, h))
 
 
 def _project(ops_: Ops, groups: tuple[tuple[QTensor, ...], ...], x: np.ndarray) -> np.ndarray:

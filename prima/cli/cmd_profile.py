@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 
+from prima.cli.progress import StepBar
 from prima.model.registry import resolve_model
 from prima.scheduler.kernel_bench import kernel_flops
 from prima.scheduler.profile import DeviceProfile
@@ -30,7 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model, download=False) if args.model else None
-    dev = profile_device(args.node_id, args.address, model_path=model_path, kernel_bench=kernel_flops)
+    with StepBar("profiling") as bar:
+        dev = profile_device(
+            args.node_id, args.address, model_path=model_path, kernel_bench=kernel_flops, on_progress=bar
+        )
     if args.json:
         print(json.dumps(dev.to_dict(), indent=2))
         return 0

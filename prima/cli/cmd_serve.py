@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--parallel",
         type=positive_int,
         default=DEFAULT_PARALLEL,
-        help=f"requests generated at once, each with its own KV cache; more wait in turn (default {DEFAULT_PARALLEL})",
+        help=f"requests generated at once, each with its own KV cache; on this device their decode steps "
+        f"run batched, one pass over the weights for all; more wait in turn (default {DEFAULT_PARALLEL})",
     )
     p.add_argument("--model-id", default=None, help="the model name the API reports (default: the -m value)")
     p.add_argument(

@@ -26,7 +26,7 @@ from prima.cli.arg_types import (
     positive_int,
     window_sizes,
 )
-from prima.cli.progress import FetchBar, stage
+from prima.cli.progress import FetchBar, StepBar, stage
 from prima.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_METHODS, MAX_DRAFT_TOKENS, DraftConfig
 from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
@@ -312,7 +312,8 @@ def _open_session(args: argparse.Namespace) -> Session:
             _check_windows(args, [f"node{i}" for i in range(local_ring)], loaded.weights.config.n_layers)
             # Compiled here once, before the daemons start: they then load the kernels from the
             # cache instead of compiling side by side while the coordinator's calls time out.
-            ensure_compiled(loaded.path, on_stage=stage)
+            with StepBar("compiling") as bar:
+                ensure_compiled(loaded.path, on_stage=stage, on_progress=bar)
             stage(f"starting {local_ring} primad daemon(s) on 127.0.0.1")
             exact = ("--exact",) if _mode(args) == "exact" else ()
             local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
@@ -368,7 +369,8 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
     from prima.engine.local import local_generator
     from prima.forward.loader import load_model
 
-    ensure_compiled(path, on_stage=stage)
+    with StepBar("compiling") as bar:
+        ensure_compiled(path, on_stage=stage, on_progress=bar)
     threads = args.threads
     if args.backend == "cpu":
         setting = tuned_setting(path, on_stage=stage, threads=threads)
@@ -395,8 +397,7 @@ def connect_ring(
     halda = halda_options(args, loaded, pick_head=pick_head)
     if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
-    bar = FetchBar()
-    try:
+    with StepBar("planning") as bar, FetchBar() as fetch_bar:
         return Ring.connect(
             addresses,
             window_sizes=args.windows,
@@ -404,12 +405,11 @@ def connect_ring(
             wire_dtype=WireDType.parse(args.wire_dtype),
             halda=halda,
             skip_untrusted=skip_untrusted,
+            on_progress=bar,
             on_plan=_report_transfers,
-            on_fetch=bar,
+            on_fetch=fetch_bar,
             serve_file=loaded.path,
         )
-    finally:
-        bar.close()
 
 
 def _report_transfers(view: ClusterView) -> None:

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("prima.cli.cmd_run", "generate text for a prompt"),
     "chat": ("prima.cli.cmd_chat", "chat with a model in the terminal"),
     "serve": ("prima.cli.cmd_serve", "serve an OpenAI-compatible HTTP API"),
+    "top": ("prima.cli.cmd_top", "show the cluster a running `prima serve` runs on"),
     "models": ("prima.cli.cmd_models", "list known models or download one"),
     "tokenize": ("prima.cli.cmd_tokenize", "print the token ids of some text"),
     "plan": (

@@ -25,7 +25,7 @@ from pathlib import Path
 # First prima import: sets the thread-pool environment before numpy or numba load.
 import prima.kernels.thread_env  # noqa: F401
 from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
-from prima.cli.progress import stage
+from prima.cli.progress import StepBar, stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
@@ -251,7 +251,8 @@ def serve(args: argparse.Namespace) -> int:
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
-    ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"))
+    with StepBar("compiling") as bar:
+        ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"), on_progress=bar)
     threads = args.threads
     if args.backend == "cpu" and store is None:
         setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"), threads=threads)

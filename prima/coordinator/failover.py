@@ -201,7 +201,8 @@ class FailoverRing:
                     now = self.clock()
                     replaying = _Replay(str(exc), len(emitted), detected - last, now - detected, now, nodes)
                     rest = continuation(request, emitted)
-                    if rest.max_tokens <= 0:  # every token was out; only the closing reply was lost
+                    if rest.max_tokens <= 0 and not request.want_hidden_states:
+                        # Every token was out; only the closing reply was lost.
                         recoveries.append(replaying.done(now))
                         yield self._finish(GenerationDone("length", 0.0, 0.0), request, True)
                         return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prima.net.client import NodeClient
@@ -66,10 +66,17 @@ def ring_order(profiles: Sequence[NodeProfile], model: ModelProfile) -> list[int
     return [head, *(i for i in range(len(profiles)) if i != head)]
 
 
-def plan_ring(clients: Sequence[NodeClient], options: HaldaOptions, *, epoch: int) -> ClusterView:
+def plan_ring(
+    clients: Sequence[NodeClient],
+    options: HaldaOptions,
+    *,
+    epoch: int,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> ClusterView:
     """Profile `clients` (ring order unless `options.pick_head`), measure each link to the next
     member, and solve. The plan lists a subset of the clients' addresses (Halda may drop nodes
-    whose hop costs more than they save), head first."""
+    whose hop costs more than they save), head first. `on_progress` hears (nodes profiled,
+    nodes in all, the node now) as each node's profile is asked for."""
     model = options.model
     order = list(range(len(clients)))
     if options.pick_head and len(clients) > 1:
@@ -80,6 +87,8 @@ def plan_ring(clients: Sequence[NodeClient], options: HaldaOptions, *, epoch: in
     for m, client in enumerate(ring):
         # Node m sends to node m+1; the last sends back to the head.
         peer = ring[(m + 1) % len(ring)].address if len(ring) > 1 else ""
+        if on_progress:
+            on_progress(m, len(ring), f"profiling {client.name}")
         found = client.profile(peer, refresh=options.refresh and not options.pick_head)
         device = budgeted_device(found, model, is_head=m == 0)
         devices.append(dataclasses.replace(device, node_id=client.name, address=client.address))
@@ -89,6 +98,8 @@ def plan_ring(clients: Sequence[NodeClient], options: HaldaOptions, *, epoch: in
             device.ram_available_bytes / (1 << 30),
             device.net_latency_ms,
         )
+    if on_progress:
+        on_progress(len(ring), len(ring), "solving")
     plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
     transfers = estimate_transfers(devices, model, plan)
     log.info("plan epoch %d: %s", epoch, transfers.describe())

@@ -20,6 +20,8 @@ from .file_source import FileSource
 from .planner import ClusterView, HaldaOptions, plan_ring
 from .readiness import RingFetch, wait_ready
 
+OnProgress = Callable[[int, int, str], None]  # (steps done, steps in all, the step now)
+
 log = logging.getLogger("prima.coordinator")
 
 
@@ -64,6 +66,7 @@ class Ring:
         fetch_sources: Sequence[str] = (),
         on_fetch: Callable[[RingFetch], None] | None = None,
         serve_file: Path | None = None,
+        on_progress: OnProgress | None = None,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
@@ -73,7 +76,8 @@ class Ring:
         `on_plan` sees Halda's plan before it is loaded. Nodes holding only part of the model
         fetch their windows (also from `fetch_sources`, and from this process serving
         `serve_file`, the model file it holds) before the ring is returned; `on_fetch` hears
-        how far they are."""
+        how far they are.
+        `on_progress` hears each node profiled (with Halda), then each node loading the plan."""
         if not addresses:
             raise PlanError("no nodes given; pass --nodes host:port,... or --local-ring N")
         clients, infos = connect_nodes(addresses, timeout_s=timeout_s, skip_untrusted=skip_untrusted)
@@ -85,7 +89,7 @@ class Ring:
         try:
             epoch = max(info.plan_epoch for info in infos) + 1
             if halda is not None and not window_sizes:
-                view = plan_ring(clients, halda, epoch=epoch)
+                view = plan_ring(clients, halda, epoch=epoch, on_progress=on_progress)
                 if on_plan is not None:
                     on_plan(view)
                 by_address = {c.address: c for c in clients}
@@ -96,13 +100,19 @@ class Ring:
                 clients = members
                 ring = cls(clients, view.plan, view.devices, fetch_sources=fetch_sources, on_fetch=on_fetch)
                 ring.file_source = source
-                ring.load_plan(view.plan, wire_dtype)
+                ring.load_plan(view.plan, wire_dtype, on_progress)
                 return ring
             ring = cls(
                 clients, _placeholder_plan(infos, addresses), fetch_sources=fetch_sources, on_fetch=on_fetch
             )
             ring.file_source = source
-            ring.load(window_sizes=window_sizes, rounds=rounds, wire_dtype=wire_dtype, infos=infos)
+            ring.load(
+                window_sizes=window_sizes,
+                rounds=rounds,
+                wire_dtype=wire_dtype,
+                infos=infos,
+                on_progress=on_progress,
+            )
             return ring
         except BaseException:
             for c in clients:
@@ -118,6 +128,7 @@ class Ring:
         rounds: int = 1,
         wire_dtype: WireDType = WireDType.F32,
         infos: Sequence[NodeStatus] | None = None,
+        on_progress: OnProgress | None = None,
     ) -> Plan:
         """Load a new plan on every node (a higher epoch ends the previous plan's sessions)."""
         infos = list(infos) if infos is not None else [c.info() for c in self.clients]
@@ -126,16 +137,24 @@ class Ring:
         nodes = [(info.node_id, c.address) for c, info in zip(self.clients, infos, strict=True)]
         epoch = max(info.plan_epoch for info in infos) + 1
         plan = plan_from_window_sizes(nodes, sizes, rounds, n_layers, epoch=epoch)
-        self.load_plan(plan, wire_dtype)
+        self.load_plan(plan, wire_dtype, on_progress)
         return plan
 
-    def load_plan(self, plan: Plan, wire_dtype: WireDType = WireDType.F32) -> None:
+    def load_plan(
+        self, plan: Plan, wire_dtype: WireDType = WireDType.F32, on_progress: OnProgress | None = None
+    ) -> None:
         """Send `plan` (whose nodes are this ring's clients, in order) to every node, then wait
-        until nodes that fetch their windows' bytes hold them (see prima.coordinator.readiness)."""
+        until nodes that fetch their windows' bytes hold them (see prima.coordinator.readiness).
+        `on_progress` hears each node's turn."""
         assert [n.address for n in plan.nodes] == [c.address for c in self.clients]
         # Followers first, head last: once the head has the plan every node can take its traffic.
-        for i in [*range(1, len(self.clients)), 0]:
+        order = [*range(1, len(self.clients)), 0]
+        for done, i in enumerate(order):
+            if on_progress:
+                on_progress(done, len(order), f"loading the plan on {plan.nodes[i].node_id}")
             self.clients[i].load_plan(plan, plan.nodes[i].node_id, wire_dtype, self.fetch_sources)
+        if on_progress:
+            on_progress(len(order), len(order), "done")
         wait_ready(self.clients, plan, on_progress=self.on_fetch)
         self.plan = plan
         log.info("%s", plan.describe())

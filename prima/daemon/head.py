@@ -21,7 +21,7 @@ import numpy as np
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, forward_ids, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
-from prima.errors import InputError, NodeError
+from prima.errors import InputError, NodeError, ProtocolError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
@@ -85,6 +85,17 @@ class RingEngine:
         batch = self.model.backend.batch_identical_tokens
         acts = self._round_trip(token_ids, batch, all_rows=True)
         return np.concatenate([self.model.output_logits(a.hidden) for a in acts])
+
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        ids = forward_ids(token_ids, self.n_past, self.n_ctx)
+        back = self._round_trip(ids, self.ubatch, all_rows=True)
+        rows = sum(len(a.positions) for a in back)
+        if rows != ids.size:
+            raise ProtocolError(
+                f"the ring returned {rows} hidden rows for {ids.size} tokens; "
+                "a node runs an older primad: update every node"
+            )
+        return self.model.output_norm(np.concatenate([a.hidden for a in back]))
 
     def rewind(self, n_past: int) -> None:
         """Forget positions from `n_past` on: the next batch writes there, which truncates every

@@ -135,6 +135,7 @@ class NodeRuntime:
             sessions=len(self._sessions),
             fetch=fetch,
             holds_full_file=self.store.complete,
+            hop_times=self.worker.hop_times.snapshot(layout.plan.epoch) if layout else (),
         )
 
     def manifest(self) -> Manifest:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import Protocol
 
 from prima import metrics
@@ -23,6 +24,7 @@ from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.limits import DaemonLimits, WorkBounds
 
+from .hop_times import HopTimes
 from .state import Layout, NodeSession
 from .threads import use_threads
 
@@ -55,6 +57,7 @@ class Worker:
         self._admitted: set[int] = set()
         self._work: queue.SimpleQueue[Activation | None] = queue.SimpleQueue()
         self._relay_lock = threading.Lock()
+        self.hop_times = HopTimes()
         self._thread = threading.Thread(target=self._loop, name="primad-compute", daemon=True)
         self._thread.start()
 
@@ -119,9 +122,11 @@ class Worker:
         hidden = [a.hidden for a in group]
         windows = layout.windows
         model = self.host.model
+        decode = all(len(a.positions) == 1 for a in group)
         while h < len(layout.hops) and layout.hops[h].node_index == layout.me:
             hop = layout.hops[h]
             before = dataclasses.replace(windows.stats)
+            t0 = time.perf_counter()
             # The accelerator's layers in one call; the host's in one call, or layer by layer
             # while streaming, so compute on one overlaps the prefetch thread reading the next.
             streaming = windows.limited
@@ -135,6 +140,8 @@ class Worker:
                 if read:
                     for layer in piece.layers:
                         windows.after_layer(layer)
+            if decode:
+                self.hop_times.add_compute(act.plan_epoch, h, len(group), (time.perf_counter() - t0) * 1000)
             if log.isEnabledFor(logging.DEBUG):
                 now = windows.stats
                 log.debug(
@@ -156,6 +163,8 @@ class Worker:
         """Send `act` to the node of its hop: queued here if that is this node, delivered to
         the session's results if it has been round the whole ring (on the head)."""
         done = act.hop_index == len(layout.hops)
+        # A decode step's output of the hop before `hop_index` (the next to compute): timed.
+        timed = len(act.positions) == 1 and act.hop_index > 0
         dest = 0 if done else layout.hops[act.hop_index].node_index
         if dest == layout.me:
             if done:
@@ -175,8 +184,11 @@ class Worker:
                 )
                 session.relays[dest] = relay
         try:
+            t0 = time.perf_counter()
             with metrics.NODE_RELAY_SEND.time():
                 relay.send(act)
+            if timed:
+                self.hop_times.add_relay(act.plan_epoch, act.hop_index - 1, (time.perf_counter() - t0) * 1000)
         except NodeError as exc:
             self.fail(session.session_id, str(exc), "relay")
 

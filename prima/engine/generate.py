@@ -23,6 +23,11 @@ class Engine(Protocol):
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
 
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Like `forward`, but every token's final normed hidden state (n, d_model), the
+        input of the output head: what embeddings are pooled from."""
+        ...
+
     def reset(self) -> None: ...
 
 
@@ -98,7 +103,9 @@ class GenerateRequest:
     last-token logits once, with the end of the generation (`prima run --logits-out`).
     `first_step` > 0 resumes a generation whose first `first_step` tokens end the prompt (after
     a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's.
-    `draft` turns on speculative decoding (the output is the same; only its speed changes)."""
+    `draft` turns on speculative decoding (the output is the same; only its speed changes).
+    `want_hidden_states` runs the prompt only (max_tokens must be 0) and returns every prompt
+    token's final normed hidden state with the GenerationDone: the rows embeddings pool."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -109,6 +116,7 @@ class GenerateRequest:
     want_prompt_logits: bool = False
     first_step: int = 0
     draft: DraftConfig = field(default_factory=DraftConfig)
+    want_hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ class GenerationDone:
     prompt_logits: np.ndarray | None = None
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    hidden_states: np.ndarray | None = None  # (n_prompt, d_model), when asked for
 
 
 TokenEvent = int | GenerationDone
@@ -151,6 +160,9 @@ def sample_tokens(
     with probability p(draft), else draw from p without it), with the randomness of plain
     decoding's draws."""
     prompt, max_tokens = check_prompt(request.prompt_ids, request.max_tokens, engine.n_ctx)
+    if request.want_hidden_states:
+        yield prompt_hidden_states(engine, prompt, max_tokens, clock)
+        return
     sample = Sampler(request.sampler, request.first_step)
     drafts_from = drafter(request.draft)
     if drafts_from is not None and not isinstance(engine, VerifyingEngine):
@@ -193,6 +205,18 @@ def sample_tokens(
     yield GenerationDone(
         stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits, drafted, accepted
     )
+
+
+def prompt_hidden_states(
+    engine: Engine, prompt: list[int], max_tokens: int, clock: Callable[[], float] = time.perf_counter
+) -> GenerationDone:
+    """The prompt run for its hidden states (an embedding): nothing is sampled."""
+    if max_tokens:
+        raise InputError("a request for hidden states generates nothing: set max_tokens to 0")
+    engine.reset()
+    t0 = clock()
+    hidden = engine.hidden_states(prompt)
+    return GenerationDone("length", (clock() - t0) * 1000, 0.0, hidden_states=hidden)
 
 
 class LocalGenerator:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 
+from prima.engine.batching import DecodeBatcher
 from prima.engine.generate import (
     Engine,
     GenerateRequest,
@@ -77,6 +78,9 @@ class LocalEngine:
             raise ValueError(f"cannot rewind to {n_past}: the cache holds {self.n_past} positions")
         self.cache.truncate(n_past)
         self.n_past = n_past
+
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        return self.model.output_norm(np.concatenate(self._run(token_ids, self.ubatch)))
 
     def _run(self, token_ids: list[int] | np.ndarray, ubatch: int) -> list[np.ndarray]:
         """Append the tokens to the cache in micro-batches of `ubatch`; each one's hidden states."""
@@ -159,17 +163,22 @@ class TurnTaking:
 
 
 class _TakingTurns:
-    """An engine whose forward passes wait for their turn (TurnTaking)."""
+    """An engine whose forward passes wait for their turn (TurnTaking); with a batcher, its
+    decode steps go through it, batched with other sessions' (prima.engine.batching)."""
 
-    def __init__(self, engine: Engine, turns: TurnTaking) -> None:
+    def __init__(self, engine: Engine, turns: TurnTaking, batcher: DecodeBatcher | None = None) -> None:
         self.engine = engine
         self.turns = turns
+        self.batcher = batcher if isinstance(engine, LocalEngine) else None
         self.n_ctx = engine.n_ctx
 
     def reset(self) -> None:
         self.engine.reset()
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        if self.batcher is not None and len(token_ids) == 1:
+            assert isinstance(self.engine, LocalEngine)
+            return self.batcher.step(self.engine, int(token_ids[0]))
         with self.turns.turn():
             return self.engine.forward(token_ids)
 
@@ -185,14 +194,21 @@ class _TakingTurns:
             raise InputError(f"{type(self.engine).__name__} cannot check draft tokens; run without --draft")
         return self.engine
 
+    def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        with self.turns.turn():
+            return self.engine.hidden_states(token_ids)
+
 
 class LocalGeneratorPool:
     """A Generator over up to `size` engines on this device, made as they are needed: requests
     running at once (`prima serve --parallel`) each get an engine with its own KV cache, all
-    sharing the model's weights, and take turns one forward pass at a time. A caller must not
-    run more than `size` requests at once (the API's queue sees to it)."""
+    sharing the model's weights, and take turns one forward pass at a time; with `batch`,
+    the decode steps waiting at a turn run as one batch (continuous batching). A caller must
+    not run more than `size` requests at once (the API's queue sees to it)."""
 
-    def __init__(self, first: Engine, make_engine: Callable[[], Engine], size: int = 1) -> None:
+    def __init__(
+        self, first: Engine, make_engine: Callable[[], Engine], size: int = 1, batch: bool = False
+    ) -> None:
         if size < 1:
             raise InputError(f"the engine pool needs at least one engine, got {size}")
         self.n_ctx = first.n_ctx
@@ -202,11 +218,12 @@ class LocalGeneratorPool:
         self._all: list[Engine] = [first]
         self._lock = threading.Lock()
         self._turns = TurnTaking()
+        self.batcher = DecodeBatcher(self._turns) if batch else None
 
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
         engine = self._take()
         try:
-            yield from sample_tokens(_TakingTurns(engine, self._turns), request)
+            yield from sample_tokens(_TakingTurns(engine, self._turns, self.batcher), request)
         finally:
             with self._lock:
                 self._free.append(engine)
@@ -241,4 +258,5 @@ def local_generator(loaded: LoadedModel, n_ctx: int, parallel: int = 1) -> Local
     if first.streamer is not None and parallel > 1:
         log.info("the layers stream from disk: requests run one at a time")
         parallel = 1
-    return LocalGeneratorPool(first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel)
+    batch = parallel > 1 and loaded.model.decode_batch_rows > 1
+    return LocalGeneratorPool(first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel, batch)

@@ -17,6 +17,8 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,13 +36,19 @@ class CompileError(PrimaError):
     """The kernels could not be compiled; the message carries the compiler's last words."""
 
 
+OnProgress = Callable[[int, int, str], None]  # (steps done, steps in all, the step now)
+PROGRESS_PREFIX = "progress "  # the child's lines on stdout: "progress DONE TOTAL WHAT"
+
+
 def ensure_compiled(
     model: str | os.PathLike[str],
     on_stage: Callable[[str], None] | None = None,
     timeout_s: float = COMPILE_TIMEOUT_S,
+    on_progress: OnProgress | None = None,
 ) -> bool:
     """Make sure numba's cache holds every kernel prima runs, compiled for this CPU from these
-    sources; True when this call compiled them. `on_stage` hears one line before and after."""
+    sources; True when this call compiled them. `on_stage` hears one line before and after,
+    `on_progress` each step of the compile as the child reaches it."""
     if compile_cache.is_complete():
         return False
     with compile_cache.exclusive():
@@ -49,14 +57,14 @@ def ensure_compiled(
         if on_stage:
             on_stage("compiling kernels for this CPU, once (1-2 min; later runs load them from the cache)")
         t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "prima.engine.warmup", str(model)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            raise CompileError(f"compiling the kernels took over {timeout_s:.0f} s; try again") from None
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-            raise CompileError(f"compiling the kernels failed (exit code {done.returncode}):\n{tail}")
+        returncode, stderr = _run_child(
+            [sys.executable, "-m", "prima.engine.warmup", str(model)], timeout_s, on_progress
+        )
+        if returncode is None:
+            raise CompileError(f"compiling the kernels took over {timeout_s:.0f} s; try again")
+        if returncode != 0:
+            tail = "\n".join(stderr.strip().splitlines()[-15:])
+            raise CompileError(f"compiling the kernels failed (exit code {returncode}):\n{tail}")
         compile_cache.mark_complete()
         if on_stage:
             on_stage(
@@ -65,7 +73,46 @@ def ensure_compiled(
         return True
 
 
-def exercise(model: str | os.PathLike[str]) -> None:
+def _run_child(cmd: list[str], timeout_s: float, on_progress: OnProgress | None) -> tuple[int | None, str]:
+    """Run the compiling child, handing its progress lines to `on_progress`; its exit code
+    (None: killed at `timeout_s`) and its stderr."""
+    killed = threading.Event()
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+
+        def kill() -> None:
+            killed.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
+        try:
+            with proc.stdout or open(os.devnull) as out:
+                for line in out:  # ends when the child exits (or is killed)
+                    step = _parse_progress(line)
+                    if step is not None and on_progress is not None:
+                        on_progress(*step)
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:  # the caller's callback raised: the child goes too
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        return (None if killed.is_set() else returncode), err.read()
+
+
+def _parse_progress(line: str) -> tuple[int, int, str] | None:
+    if not line.startswith(PROGRESS_PREFIX):
+        return None
+    done, total, what = (line[len(PROGRESS_PREFIX) :].rstrip("\n").split(" ", 2) + ["", ""])[:3]
+    try:
+        return int(done), int(total), what
+    except ValueError:
+        return None
+
+
+def exercise(model: str | os.PathLike[str], on_progress: OnProgress | None = None) -> None:
     """Call every kernel the forward pass and the profiler call, with the argument types they
     pass, so that numba compiles (and caches) each of them."""
     import numpy as np
@@ -75,15 +122,28 @@ def exercise(model: str | os.PathLike[str]) -> None:
     from prima.scheduler.kernel_bench import kernel_flops
     from prima.scheduler.profile import ModelProfile
 
-    for mode in ("q8", "exact"):
+    modes = ("q8", "exact")
+    loaded = load_model(model, mode=modes[0], download=False)
+    profile = ModelProfile.from_gguf(loaded.gguf)
+    formats = sorted({"F32", *profile.layer_flops, *profile.output_flops})
+    steps = [*(f"forward pass ({mode})" for mode in modes), *(f"kernel probe {fmt}" for fmt in formats)]
+    say = on_progress or (lambda _done, _total, _what: None)
+    for i, mode in enumerate(modes):
+        say(i, len(steps), steps[i])
         loaded = load_model(model, mode=mode, download=False)
         engine = LocalEngine(loaded.model, n_ctx=PREFILL_TOKENS + DECODE_STEPS)
         logits = engine.forward(np.arange(PREFILL_TOKENS) % loaded.model.config.vocab_size)
         for _ in range(DECODE_STEPS):
             logits = engine.forward([int(np.argmax(logits))])
-    profile = ModelProfile.from_gguf(loaded.gguf)
-    for fmt in sorted({"F32", *profile.layer_flops, *profile.output_flops}):
+    for j, fmt in enumerate(formats, start=len(modes)):
+        say(j, len(steps), steps[j])
         kernel_flops(fmt, repeats=1, budget_s=0.0)
+    say(len(steps), len(steps), "done")
+
+
+def _print_progress(done: int, total: int, what: str) -> None:
+    sys.stdout.write(f"{PROGRESS_PREFIX}{done} {total} {what}\n")
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("model", help="model name or GGUF path whose forward pass is compiled")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    exercise(args.model)
+    exercise(args.model, _print_progress)
     return 0
 
 

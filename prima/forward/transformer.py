@@ -8,9 +8,12 @@ engine, the daemon's worker and the tests all drive any backend the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from prima.backends.base import Backend, KVState, WindowHandle, host_backend
+from prima.backends.reference import final_norm
 from prima.forward.placement import Piece, SplitKV
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
@@ -67,9 +70,34 @@ class Transformer:
         kv = cache.part(piece) if isinstance(cache, SplitKV) else cache
         return self.backend_of(piece).run_window(self.window(piece), h, positions, kv)
 
+    @property
+    def decode_batch_rows(self) -> int:
+        """Sessions' decode steps one `forward_sessions` pass may carry, each computed exactly
+        as it would be alone; 1 when the backend cannot batch sessions."""
+        if not hasattr(self.backend, "run_window_sessions"):
+            return 1
+        return max(1, int(getattr(self.backend, "decode_batch_rows", 1)))
+
+    def forward_sessions(
+        self,
+        h: np.ndarray,
+        positions: np.ndarray,
+        start: int,
+        end: int,
+        sessions: Sequence[tuple[KVState, int]],
+    ) -> np.ndarray:
+        """`forward_layers` over the rows of several sessions, each with its cache and row
+        count, in row order: one read of the weights for all (continuous batching)."""
+        return self.backend.run_window_sessions(self.window(range(start, end)), h, positions, sessions)  # type: ignore[attr-defined]
+
     def output_logits(self, h: np.ndarray) -> np.ndarray:
         """Hidden states (n, d) -> logits (n, vocab) float32 through the final norm and head."""
         return self.backend.logits(h)
+
+    def output_norm(self, h: np.ndarray) -> np.ndarray:
+        """Hidden states (n, d) -> the final norm's output (n, d), the output head's input; on
+        the host, as it is cheap and every backend's head starts with it."""
+        return final_norm(self.weights, h)
 
     def new_cache(self, n_ctx: int, layers: range | None = None) -> KVState:
         return self.backend.new_kv(n_ctx, layers if layers is not None else range(self.config.n_layers))

@@ -142,7 +142,7 @@ class Activation:
     positions: np.ndarray
     hidden: np.ndarray
     batch_seq: int = 0
-    all_rows: bool = False
+    all_rows: bool = False  # back at the head with every row, not only the last (embeddings)
 
 
 def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.Activation:
@@ -238,6 +238,17 @@ class FetchProgress:
 
 
 @dataclass(frozen=True)
+class HopTiming:
+    """One hop of the plan as its node measured it: decode steps through it, and the total
+    milliseconds they spent in its layers and being handed to the next node."""
+
+    hop_index: int
+    steps: int = 0
+    compute_ms: float = 0.0
+    relay_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     """What a daemon says about itself (the Info RPC)."""
 
@@ -255,6 +266,7 @@ class NodeStatus:
     sessions: int = 0
     fetch: FetchProgress | None = None
     holds_full_file: bool = False
+    hop_times: tuple[HopTiming, ...] = ()
 
 
 def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
@@ -271,6 +283,10 @@ def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
         windows=[pb.Window(start=w.start, end=w.end) for w in s.windows],
         sessions=s.sessions,
         holds_full_file=s.holds_full_file,
+        hop_times=[
+            pb.HopTiming(hop_index=h.hop_index, steps=h.steps, compute_ms=h.compute_ms, relay_ms=h.relay_ms)
+            for h in s.hop_times
+        ],
     )
     if s.fetch is not None:
         f = s.fetch
@@ -340,6 +356,7 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
         sessions=msg.sessions,
         fetch=_fetch_progress_from_proto(msg.fetch) if msg.HasField("fetch") else None,
         holds_full_file=msg.holds_full_file,
+        hop_times=tuple(HopTiming(h.hop_index, h.steps, h.compute_ms, h.relay_ms) for h in msg.hop_times),
     )
 
 
@@ -428,6 +445,7 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         first_step=req.first_step,
         draft=req.draft.method,
         draft_max=req.draft.max_tokens,
+        want_hidden_states=req.want_hidden_states,
     )
 
 
@@ -446,6 +464,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> 
         want_prompt_logits=msg.want_prompt_logits,
         first_step=msg.first_step,
         draft=DraftConfig(msg.draft or "none", msg.draft_max or DEFAULT_DRAFT_MAX),
+        want_hidden_states=msg.want_hidden_states,
     )
 
 
@@ -462,6 +481,8 @@ def token_event_to_proto(event: TokenEvent) -> pb.GenerateReply:
     )
     if event.prompt_logits is not None:
         reply.prompt_logits.CopyFrom(encode_tensor(np.asarray(event.prompt_logits, dtype=np.float32)))
+    if event.hidden_states is not None:
+        reply.hidden_states.CopyFrom(encode_tensor(np.asarray(event.hidden_states, dtype=np.float32)))
     return reply
 
 
@@ -469,6 +490,15 @@ def token_event_from_proto(msg: pb.GenerateReply) -> TokenEvent:
     if not msg.done:
         return int(msg.token_id)
     logits = decode_tensor(msg.prompt_logits) if msg.HasField("prompt_logits") else None
+    hidden = decode_tensor(msg.hidden_states) if msg.HasField("hidden_states") else None
+    if hidden is not None and hidden.ndim != 2:
+        raise ProtocolError(f"hidden states have shape {hidden.shape}; expected (n_tokens, d_model)")
     return GenerationDone(
-        msg.stop_reason, msg.prompt_ms, msg.generate_ms, logits, msg.draft_tokens, msg.accepted_tokens
+        msg.stop_reason,
+        msg.prompt_ms,
+        msg.generate_ms,
+        logits,
+        draft_tokens=msg.draft_tokens,
+        accepted_tokens=msg.accepted_tokens,
+        hidden_states=hidden,
     )

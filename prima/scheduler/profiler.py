@@ -207,10 +207,17 @@ def numpy_gemv_flops(rows: int = 2048, cols: int = 2048, repeats: int = 5) -> fl
     return 2.0 * rows * cols / max(best, 1e-9)
 
 
-def measure_formats(formats: Iterable[str], kernel_bench: KernelBench) -> dict[str, float]:
-    """FLOP/s per weight format. `F32` is always measured: the cost model falls back to it."""
-    wanted = dict.fromkeys(["F32", *formats])
-    return {fmt: float(kernel_bench(fmt)) for fmt in wanted}
+def measure_formats(
+    formats: Iterable[str], kernel_bench: KernelBench, on_format: Callable[[str], None] | None = None
+) -> dict[str, float]:
+    """FLOP/s per weight format. `F32` is always measured: the cost model falls back to it.
+    `on_format` hears each format as its measurement starts."""
+    out = {}
+    for fmt in dict.fromkeys(["F32", *formats]):
+        if on_format:
+            on_format(fmt)
+        out[fmt] = float(kernel_bench(fmt))
+    return out
 
 
 def profile_device(
@@ -224,9 +231,11 @@ def profile_device(
     net_bandwidth_bytes_per_s: float = math.inf,
     sizes: ProbeSizes | None = None,
     scratch_dir: Path = DEFAULT_PROBE_DIR,
+    on_progress: Callable[[int, int, str], None] | None = None,
 ) -> DeviceProfile:
     """Measure this machine. With `model_path` the disk probe reads the model file itself and
-    throughput is measured for the model's weight formats; otherwise F32 only."""
+    throughput is measured for the model's weight formats; otherwise F32 only. `on_progress`
+    hears (steps done, steps in all, the step now) as each measurement starts, then the end."""
     sizes = sizes or ProbeSizes()
     total, usable = usable_ram_bytes()
     swap = psutil.swap_memory()
@@ -239,6 +248,24 @@ def profile_device(
         # One numpy measurement stands for every format: numpy runs them all as float32.
         gemv = numpy_gemv_flops(sizes.gemv_rows, sizes.gemv_cols, sizes.repeats)
         kernel_bench = lambda _fmt: gemv  # noqa: E731
+    n_steps = 2 + len(dict.fromkeys(["F32", *formats]))
+    done = 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        if on_progress:
+            on_progress(done, n_steps, what)
+        done += 1
+
+    step("disk read")
+    disk = measure_disk_read(
+        model_path, sizes.disk_bytes, scratch_dir, max_seconds=sizes.disk_seconds, load=compute_load(sizes)
+    )
+    step("memory bandwidth")
+    memory = measure_mem_bandwidth(sizes.mem_bytes, sizes.repeats)
+    flops = measure_formats(formats, kernel_bench, lambda fmt: step(f"compute {fmt}"))
+    if on_progress:
+        on_progress(n_steps, n_steps, "done")
     return DeviceProfile(
         node_id=node_id or socket.gethostname(),
         address=address,
@@ -247,15 +274,9 @@ def profile_device(
         ram_available_bytes=usable,
         swap_total_bytes=int(swap.total),
         swap_free_bytes=int(swap.free),
-        disk_read_bytes_per_s=measure_disk_read(
-            model_path,
-            sizes.disk_bytes,
-            scratch_dir,
-            max_seconds=sizes.disk_seconds,
-            load=compute_load(sizes),
-        ),
-        mem_bandwidth_bytes_per_s=measure_mem_bandwidth(sizes.mem_bytes, sizes.repeats),
-        cpu_flops=measure_formats(formats, kernel_bench),
+        disk_read_bytes_per_s=disk,
+        mem_bandwidth_bytes_per_s=memory,
+        cpu_flops=flops,
         accelerator=accelerator,
         net_latency_ms=net_latency_ms,
         net_bandwidth_bytes_per_s=net_bandwidth_bytes_per_s,

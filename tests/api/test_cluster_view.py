@@ -15,7 +15,7 @@ from prima.api.cluster_view import ClusterMonitor, ClusterReading, NodeReading, 
 from prima.coordinator.ring import Ring
 from prima.engine.generate import Timings
 from prima.errors import NodeError
-from prima.net.codec import PROTOCOL_VERSION, NodeStatus
+from prima.net.codec import PROTOCOL_VERSION, HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token, ring_costs
 from prima.scheduler.profile import DeviceProfile, ModelProfile
@@ -163,6 +163,19 @@ def test_hop_predictions_add_up_to_the_planned_time_per_token() -> None:
     assert all(ms is not None for ms in hops)
     assert sum(ms for ms in hops if ms is not None) + head_fixed == pytest.approx(planned)
     assert all(n.predicted_ms_per_token is not None for n in view.nodes)
+
+
+def test_hops_show_what_their_nodes_measured_per_decode_step() -> None:
+    ring = _ring()
+    # Hop 0 of the ring order is node1's first window; hop 4 is its second.
+    measured = (HopTiming(0, steps=4, compute_ms=10.0, relay_ms=2.0), HopTiming(4, steps=0))
+    ring.clients[1].answer = dataclasses.replace(_status("node1"), hop_times=measured)
+    view = _monitor(ring).snapshot()
+    first = view.hops[0]
+    assert (first.node_id, first.measured_steps) == ("node1", 4)
+    assert (first.compute_ms, first.relay_ms) == (pytest.approx(2.5), pytest.approx(0.5))
+    assert all(h.compute_ms is None and h.measured_steps == 0 for h in view.hops[1:])
+    assert json.loads(json.dumps(view.to_dict()))["hops"][0]["relay_ms"] == pytest.approx(0.5)
 
 
 def test_a_plan_by_hand_has_no_profiles_and_no_predictions() -> None:

@@ -14,8 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
+from prima.api.cluster_view import ClusterMonitor, read_ring
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, ServeDefaults
+from prima.cli.main import main
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
 from prima.engine.generate import generate
@@ -24,6 +26,8 @@ from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.net.proto import prima_pb2_grpc as pb_grpc
+from tests.api.test_embeddings import TEXTS, assert_close_to_llama_cpp, post_embeddings, vectors_of
+from tests.llama_reference import llama_embeddings
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +133,54 @@ def test_serve_on_a_ring_receives_token_ids_not_logits(ring: Ring, smollm2_path:
     assert sizes[-1] <= MAX_DONE_REPLY_BYTES
     vocab_bytes = 4 * exact.model.config.vocab_size
     assert sum(sizes) < vocab_bytes // 100
+
+
+def test_embeddings_on_a_ring_equal_llama_cpp(ring: Ring, smollm2_path: Path) -> None:
+    """Every prompt row comes back round the ring (the last node sends all of them, not only
+    the last), so mean pooling sees every token: the vectors equal llama.cpp's."""
+    loaded = load_model(smollm2_path, layers=range(0))
+    service = CompletionService(loaded, ring, "smollm2-135m", N_CTX)
+    server = ApiServer(("127.0.0.1", 0), service)
+    thread = server.serve_in_background()
+    try:
+        host, port = server.server_address[:2]
+        replies = {
+            pooling: post_embeddings(str(host), port, {"input": TEXTS, "pooling": pooling})
+            for pooling in ("mean", "last")
+        }
+    finally:
+        service.close()
+        server.stop()
+        thread.join(HTTP_TIMEOUT_S)
+    for pooling, (status, reply) in replies.items():
+        assert status == 200, reply
+        assert_close_to_llama_cpp(vectors_of(reply), llama_embeddings(smollm2_path, TEXTS, pooling))
+
+
+def test_top_shows_the_ring_with_each_hops_measured_time(
+    ring: Ring, smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loaded = load_model(smollm2_path, layers=range(0))
+    defaults = ServeDefaults(sampler=SamplerConfig(), max_tokens=4)
+    service = CompletionService(loaded, ring, "smollm2-135m", N_CTX, defaults=defaults)
+    server = ApiServer(
+        ("127.0.0.1", 0), service, monitor=ClusterMonitor("smollm2-135m", lambda: read_ring(ring))
+    )
+    thread = server.serve_in_background()
+    try:
+        _complete(server, {"prompt": PROMPT, "max_tokens": 4})
+        assert main(["top", "--url", server.url]) == 0
+    finally:
+        service.close()
+        server.stop()
+        thread.join(HTTP_TIMEOUT_S)
+    out = capsys.readouterr().out
+    assert "on a ring of 2" in out
+    hops = out.split("\nhops (one forward pass)\n")[1].split("\n\n")[0].splitlines()
+    assert len(hops) == 3  # the header and one hop per node
+    for row in hops[1:]:
+        *_, compute, compute_unit, send, send_unit, steps = row.split()
+        assert compute_unit == "ms"
+        assert float(compute) > 0
+        assert int(steps) >= 3
+    assert [line.split()[1] for line in out.split("\nnodes\n")[1].splitlines()[1:3]] == ["head", "node"]

@@ -149,6 +149,11 @@ def test_page_chats_and_shows_the_ring(chromium: str, served: str, tmp_path: Pat
 
             # The cluster view catches up with the requests it served.
             expect(page.locator("#summary")).to_contain_text("over 2 request(s)")
+            # Every hop of the forward pass with the time its node measured per decode step.
+            hops = page.locator("#hops li.hop")
+            expect(hops).to_have_count(3)
+            for i in range(3):
+                expect(hops.nth(i)).to_contain_text("ms compute")
             page.screenshot(path=tmp_path / "web.png", full_page=True)
             if os.environ.get("PRIMA_UPDATE_SCREENSHOT") == "1":
                 README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

@@ -69,8 +69,15 @@ def test_plan_ring_asks_each_node_about_its_successor() -> None:
     clients = [
         FakeClient(f"n{i}", f"127.0.0.1:{7000 + i}", make_device(f"x{i}", ram_gib=0.5)) for i in range(3)
     ]
-    view = plan_ring(clients, HaldaOptions(_model()), epoch=4)  # type: ignore[arg-type]
+    steps: list[tuple[int, int, str]] = []
+    view = plan_ring(
+        clients,  # type: ignore[arg-type]
+        HaldaOptions(_model()),
+        epoch=4,
+        on_progress=lambda *s: steps.append(s),
+    )
     assert [c.asked for c in clients] == [["127.0.0.1:7001"], ["127.0.0.1:7002"], ["127.0.0.1:7000"]]
+    assert steps == [*((i, 3, f"profiling n{i}") for i in range(3)), (3, 3, "solving")]
     assert [d.node_id for d in view.devices] == ["n0", "n1", "n2"]  # the coordinator's names win
     assert [d.address for d in view.devices] == [c.address for c in clients]
     assert view.plan.epoch == 4

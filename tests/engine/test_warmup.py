@@ -12,6 +12,7 @@ import pytest
 
 from prima.engine import warmup
 from prima.kernels import compile_cache
+from tests.conftest import tiny_model_path
 
 QUICK_START = ["run", "--local-ring", "3", "-p", "The capital of France is", "-n", "8"]
 
@@ -32,6 +33,30 @@ def test_a_failed_compile_is_reported_and_leaves_the_cache_incomplete(
     with pytest.raises(warmup.CompileError, match="compiling the kernels failed"):
         warmup.ensure_compiled(tmp_path / "missing.gguf")
     assert not compile_cache.is_complete()
+
+
+def test_the_compile_reports_each_step_from_the_child() -> None:
+    child = "print('progress 0 2 forward pass'); print('noise'); print('progress 2 2 done')"
+    steps: list[tuple[int, int, str]] = []
+    code, err = warmup._run_child([sys.executable, "-c", child], 60.0, lambda *s: steps.append(s))
+    assert (code, err) == (0, "")
+    assert steps == [(0, 2, "forward pass"), (2, 2, "done")]
+
+
+def test_a_compile_past_its_timeout_is_killed() -> None:
+    code, _ = warmup._run_child([sys.executable, "-c", "import time; time.sleep(60)"], 0.2, None)
+    assert code is None
+
+
+def test_exercise_names_every_step_in_order() -> None:
+    steps: list[tuple[int, int, str]] = []
+    warmup.exercise(tiny_model_path("tiny-qwen2"), lambda *s: steps.append(s))
+    total = steps[0][1]
+    assert [s[0] for s in steps] == list(range(total + 1))
+    assert {s[1] for s in steps} == {total}
+    assert [s[2] for s in steps][:2] == ["forward pass (q8)", "forward pass (exact)"]
+    assert "kernel probe F32" in [s[2] for s in steps]
+    assert steps[-1][2] == "done"
 
 
 @pytest.mark.slow

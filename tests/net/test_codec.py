@@ -145,3 +145,18 @@ def test_a_bad_draft_from_a_peer_is_an_input_error() -> None:
     msg.draft = "oracle"
     with pytest.raises(InputError, match="unknown draft method 'oracle'"):
         codec.generate_request_from_proto(msg, vocab_size=10)
+
+
+def test_a_request_for_hidden_states_gets_them_with_its_last_reply() -> None:
+    req = GenerateRequest((1, 2, 3), 0, n_ctx=64, want_hidden_states=True)
+    assert codec.generate_request_from_proto(codec.generate_request_to_proto(req), vocab_size=10) == req
+    hidden = _hidden()
+    done = codec.token_event_from_proto(
+        codec.token_event_to_proto(GenerationDone("length", 1.0, 0.0, None, hidden_states=hidden))
+    )
+    assert isinstance(done, GenerationDone)
+    assert done.hidden_states is not None
+    assert done.hidden_states.tobytes() == hidden.tobytes()
+    flat = codec.token_event_to_proto(GenerationDone("length", 1.0, 0.0, None, hidden_states=hidden[0]))
+    with pytest.raises(ProtocolError, match="n_tokens, d_model"):
+        codec.token_event_from_proto(flat)

@@ -182,11 +182,22 @@ def test_profile_measures_the_model_file_and_its_formats(
         calls.append(fmt)
         return 3e9
 
-    dev = profiler.profile_device("me", model_path=path, kernel_bench=bench, sizes=SMALL)
+    steps: list[tuple[int, int, str]] = []
+    dev = profiler.profile_device(
+        "me", model_path=path, kernel_bench=bench, sizes=SMALL, on_progress=lambda *s: steps.append(s)
+    )
     with GGUFFile(path) as f:
         model = ModelProfile.from_gguf(f)
     # Every format the model's layers and head use, F32 first (the cost model's fallback).
     assert calls == ["F32", *sorted({*model.layer_flops, *model.output_flops} - {"F32"})]
+    # Progress: each measurement as it starts, then the end.
+    total = 2 + len(calls)
+    assert steps == [
+        (0, total, "disk read"),
+        (1, total, "memory bandwidth"),
+        *((2 + i, total, f"compute {fmt}") for i, fmt in enumerate(calls)),
+        (total, total, "done"),
+    ]
     assert dev.cpu_flops == dict.fromkeys(calls, 3e9)
     # The disk probe read the model file itself (smaller than the probe size), not a scratch file.
     assert dev.disk_read_bytes_per_s == pytest.approx(path.stat().st_size / 1.0)

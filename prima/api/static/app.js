@@ -258,14 +258,19 @@ function nodeCard(n) {
   );
 }
 
+function hopItem(h) {
+  const parts = [`${h.node_id} ${win(h.window)}`];
+  if (h.predicted_ms != null) parts.push(`predicted ~${ms(h.predicted_ms)}`);
+  if (h.compute_ms != null) {
+    parts.push(`measured ${ms(h.compute_ms)} compute + ${ms(h.relay_ms)} send per token (${h.measured_steps} steps)`);
+  }
+  return el("li", { class: "hop", "data-hop": `${h.node_id} ${win(h.window)}`, text: parts.join(" · ") });
+}
+
 function render(view) {
   $("model").textContent = `${view.model} · ${view.mode === "ring" ? "ring" : view.mode === "local" ? "this device" : "server"}`;
   $("summary").textContent = summary(view);
-  $("hops").replaceChildren(
-    ...view.hops.map((h) =>
-      el("li", { text: `${h.node_id} ${win(h.window)}${h.predicted_ms != null ? ` ~${ms(h.predicted_ms)}` : ""}` }),
-    ),
-  );
+  $("hops").replaceChildren(...view.hops.map(hopItem));
   $("nodes").replaceChildren(...view.nodes.map(nodeCard));
   $("dropped-box").hidden = view.dropped.length === 0;
   $("dropped").replaceChildren(...view.dropped.map((d) => el("li", { text: `${d.node_id}: ${d.reason}` })));

@@ -114,7 +114,7 @@ class Residency(_message.Message):
     def __init__(self, owned_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., releases: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., pinned_layers: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions", "fetch", "holds_full_file")
+    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions", "fetch", "holds_full_file", "hop_times")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class NodeInfo(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FULL_FILE_FIELD_NUMBER: _ClassVar[int]
+    HOP_TIMES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     model_name: str
@@ -143,7 +144,8 @@ class NodeInfo(_message.Message):
     sessions: int
     fetch: FetchProgress
     holds_full_file: bool
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ..., fetch: _Optional[_Union[FetchProgress, _Mapping]] = ..., holds_full_file: _Optional[bool] = ...) -> None: ...
+    hop_times: _containers.RepeatedCompositeFieldContainer[HopTiming]
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ..., fetch: _Optional[_Union[FetchProgress, _Mapping]] = ..., holds_full_file: _Optional[bool] = ..., hop_times: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ...) -> None: ...
 
 class FetchProgress(_message.Message):
     __slots__ = ("plan_epoch", "held_bytes", "needed_bytes", "rate_bytes_per_s", "eta_s", "source", "error", "done")
@@ -164,6 +166,18 @@ class FetchProgress(_message.Message):
     error: str
     done: bool
     def __init__(self, plan_epoch: _Optional[int] = ..., held_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., rate_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., source: _Optional[str] = ..., error: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class HopTiming(_message.Message):
+    __slots__ = ("hop_index", "steps", "compute_ms", "relay_ms")
+    HOP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    hop_index: int
+    steps: int
+    compute_ms: float
+    relay_ms: float
+    def __init__(self, hop_index: _Optional[int] = ..., steps: _Optional[int] = ..., compute_ms: _Optional[float] = ..., relay_ms: _Optional[float] = ...) -> None: ...
 
 class LoadPlanRequest(_message.Message):
     __slots__ = ("plan", "node_id", "wire_dtype", "fetch_sources")
@@ -234,7 +248,7 @@ class SamplerSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repeat_last_n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step", "draft", "draft_max")
+    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step", "draft", "draft_max", "want_hidden_states")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +259,7 @@ class GenerateRequest(_message.Message):
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
+    WANT_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampler: SamplerSettings
@@ -255,10 +270,11 @@ class GenerateRequest(_message.Message):
     first_step: int
     draft: str
     draft_max: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ..., draft: _Optional[str] = ..., draft_max: _Optional[int] = ...) -> None: ...
+    want_hidden_states: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ..., draft: _Optional[str] = ..., draft_max: _Optional[int] = ..., want_hidden_states: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits", "draft_tokens", "accepted_tokens")
+    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits", "draft_tokens", "accepted_tokens", "hidden_states")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +283,7 @@ class GenerateReply(_message.Message):
     PROMPT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     done: bool
     stop_reason: str
@@ -275,7 +292,8 @@ class GenerateReply(_message.Message):
     prompt_logits: Tensor
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    hidden_states: Tensor
+    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("peer_address", "refresh")
