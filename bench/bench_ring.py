@@ -65,6 +65,9 @@ def relay_hop_ms(d_model: int, n: int = 200) -> float:
         def accept(self, act: Activation) -> None:
             got.put(time.perf_counter())
 
+        def authorize(self, rpc: str, caller: str | None) -> None:
+            """Any caller may relay here (a plaintext loopback server)."""
+
     server, port = start_server(Sink(), "127.0.0.1", 0)  # type: ignore[arg-type]
     client = NodeClient(f"127.0.0.1:{port}")
     relay = client.relay(lambda err: None)
