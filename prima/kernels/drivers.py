@@ -1,4 +1,4 @@
-"""Parallel numba drivers over the per-row kernels of legacy_quants and k_quants.
+"""Parallel numba drivers over the per-row kernels of the formats (prima.kernels.formats).
 
 The weight format is a runtime argument (its GGML type id), so one compiled driver serves every
 format and one parallel launch can cover several weights of the same format (attn_q, attn_k and
@@ -17,8 +17,7 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 from prima.kernels import int8_dots as i8
-from prima.kernels import k_quants as kq
-from prima.kernels import legacy_quants as lq
+from prima.kernels.formats import q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 
 Q = GGMLQuantizationType
 
@@ -38,25 +37,25 @@ CHUNK_ROWS = 16
 @njit(cache=True)
 def _dot(fmt: int, row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
     if fmt == Q4_0:
-        lq.dot_q4_0(row, x, lut, out, r)
+        q4_0.dot(row, x, lut, out, r)
     elif fmt == Q4_1:
-        lq.dot_q4_1(row, x, lut, out, r)
+        q4_1.dot(row, x, lut, out, r)
     elif fmt == Q5_0:
-        lq.dot_q5_0(row, x, lut, out, r)
+        q5_0.dot(row, x, lut, out, r)
     elif fmt == Q5_1:
-        lq.dot_q5_1(row, x, lut, out, r)
+        q5_1.dot(row, x, lut, out, r)
     elif fmt == Q8_0:
-        lq.dot_q8_0(row, x, lut, out, r)
+        q8_0.dot(row, x, lut, out, r)
     elif fmt == Q2_K:
-        kq.dot_q2_k(row, x, lut, out, r)
+        q2_k.dot(row, x, lut, out, r)
     elif fmt == Q3_K:
-        kq.dot_q3_k(row, x, lut, out, r)
+        q3_k.dot(row, x, lut, out, r)
     elif fmt == Q4_K:
-        kq.dot_q4_k(row, x, lut, out, r)
+        q4_k.dot(row, x, lut, out, r)
     elif fmt == Q5_K:
-        kq.dot_q5_k(row, x, lut, out, r)
+        q5_k.dot(row, x, lut, out, r)
     else:
-        kq.dot_q6_k(row, x, lut, out, r)
+        q6_k.dot(row, x, lut, out, r)
 
 
 @njit(cache=True)
@@ -72,43 +71,43 @@ def _qdot_rows(
     c0: int,
 ) -> None:
     if fmt == Q8_0:
-        i8.qdot_q8_0(w, r0, r1, xq, xd, xs, out, c0)
+        q8_0.qdot(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q4_1:
-        i8.qdot_q4_1(w, r0, r1, xq, xd, xs, out, c0)
+        q4_1.qdot(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q5_0:
-        i8.qdot_q5_0(w, r0, r1, xq, xd, xs, out, c0)
+        q5_0.qdot(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q4_K:
-        i8.qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0)
+        q4_k.qdot(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q6_K:
-        i8.qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0)
+        q6_k.qdot(w, r0, r1, xq, xd, xs, out, c0)
     elif fmt == Q4_0:
-        i8.qdot_q4_0(w, r0, r1, xq, xd, xs, out, c0)
+        q4_0.qdot(w, r0, r1, xq, xd, xs, out, c0)
     else:
-        i8.qdot_q5_1(w, r0, r1, xq, xd, xs, out, c0)
+        q5_1.qdot(w, r0, r1, xq, xd, xs, out, c0)
 
 
 @njit(cache=True)
 def _deq(fmt: int, row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
     if fmt == Q4_0:
-        lq.deq_q4_0(row, lut, y)
+        q4_0.deq(row, lut, y)
     elif fmt == Q4_1:
-        lq.deq_q4_1(row, lut, y)
+        q4_1.deq(row, lut, y)
     elif fmt == Q5_0:
-        lq.deq_q5_0(row, lut, y)
+        q5_0.deq(row, lut, y)
     elif fmt == Q5_1:
-        lq.deq_q5_1(row, lut, y)
+        q5_1.deq(row, lut, y)
     elif fmt == Q8_0:
-        lq.deq_q8_0(row, lut, y)
+        q8_0.deq(row, lut, y)
     elif fmt == Q2_K:
-        kq.deq_q2_k(row, lut, y)
+        q2_k.deq(row, lut, y)
     elif fmt == Q3_K:
-        kq.deq_q3_k(row, lut, y)
+        q3_k.deq(row, lut, y)
     elif fmt == Q4_K:
-        kq.deq_q4_k(row, lut, y)
+        q4_k.deq(row, lut, y)
     elif fmt == Q5_K:
-        kq.deq_q5_k(row, lut, y)
+        q5_k.deq(row, lut, y)
     else:
-        kq.deq_q6_k(row, lut, y)
+        q6_k.deq(row, lut, y)
 
 
 @njit(parallel=True, cache=True)
