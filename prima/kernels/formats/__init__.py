@@ -9,7 +9,8 @@
   FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
 
 `lut` is quants.F16_TABLE; `row` is one row of raw blocks (uint8), `w` the whole (rows, bytes)
-array. prima.kernels.drivers calls a format's kernels by its type id.
+array. Adding a format is a module here plus its type in QTYPES: the dispatch in
+prima.kernels.dispatch, the supported-type checks and the tests all follow this table.
 
 This package itself imports no numba, so a device without it can still list the formats
 (prima.kernels.quants); `load()` imports the modules, and with them numba.
