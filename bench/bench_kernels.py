@@ -12,6 +12,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from prima.backends.cpu import CpuOps
+from prima.kernels import formats
 from prima.kernels.tensor import QTensor
 from prima.model.gguf_file import GGUFFile
 from prima.paths import models_dir
@@ -25,21 +26,7 @@ REAL = [
     ("gemma-3-270m-q4_k_m.gguf", "blk.0.attn_output.weight"),  # Q4_K 640x1024
     ("gemma-3-270m-q4_k_m.gguf", "blk.0.attn_v.weight"),  # Q8_0 256x640
 ]
-SYNTHETIC = [
-    Q.F32,
-    Q.F16,
-    Q.BF16,
-    Q.Q4_0,
-    Q.Q4_1,
-    Q.Q5_0,
-    Q.Q5_1,
-    Q.Q8_0,
-    Q.Q2_K,
-    Q.Q3_K,
-    Q.Q4_K,
-    Q.Q5_K,
-    Q.Q6_K,
-]
+SYNTHETIC = [Q.F32, Q.F16, Q.BF16, *formats.QTYPES]  # every format prima runs
 
 
 def synthetic(qtype: GGMLQuantizationType, rows: int, cols: int) -> QTensor:

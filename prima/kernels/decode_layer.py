@@ -24,24 +24,11 @@ from numba import njit
 from prima.kernels import drivers, fused_ops
 
 
-@njit(cache=True, inline="always")
-def _int8_kernel(fmt: int) -> bool:
-    return (
-        fmt == drivers.Q8_0
-        or fmt == drivers.Q4_0
-        or fmt == drivers.Q4_1
-        or fmt == drivers.Q5_0
-        or fmt == drivers.Q5_1
-        or fmt == drivers.Q4_K
-        or fmt == drivers.Q6_K
-    )
-
-
 @njit(cache=True)
 def _project(fmt, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
     """x @ [A; B; C].T of one format, as matmul_many's fused launch."""
     out = np.empty((x.shape[0], a.shape[0] + b.shape[0] + c.shape[0]), dtype=np.float32)
-    if int8 and _int8_kernel(fmt):
+    if int8 and drivers.has_int8(fmt):
         drivers.matvec_q8(fmt, a, b, c, x, out)
     else:
         drivers.matvec(fmt, a, b, c, x, lut, out)

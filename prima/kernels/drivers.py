@@ -1,8 +1,10 @@
-"""Parallel numba drivers over the per-row kernels of legacy_quants and k_quants.
+"""Parallel numba drivers over the per-row kernels of the formats (prima.kernels.formats).
 
 The weight format is a runtime argument (its GGML type id), so one compiled driver serves every
 format and one parallel launch can cover several weights of the same format (attn_q, attn_k and
 attn_v, or ffn_gate and ffn_up): at decode, launches and Python calls cost as much as the math.
+The drivers reach a format's kernels through prima.kernels.dispatch, which is built from the
+format table, so they compile once for every format.
 
   matvec(fmt, a, b, c, x, lut, out)        out (n, ra + rb + rc) = x @ [A; B; C].T
   matvec_q8(fmt, a, b, c, x, out)          the same with x quantized to int8 blocks (int8_dots)
@@ -13,102 +15,20 @@ attn_v, or ffn_gate and ffn_up): at decode, launches and Python calls cost as mu
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import njit, prange
 
+from prima.kernels import dispatch
 from prima.kernels import int8_dots as i8
-from prima.kernels import k_quants as kq
-from prima.kernels import legacy_quants as lq
 
-Q = GGMLQuantizationType
-
-# GGML type ids, as plain ints for numba.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(Q.Q4_0), int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.Q8_0)
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(Q.Q2_K), int(Q.Q3_K), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
-QUANTIZED_IDS: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
-# Formats with an int8-activation kernel (the others run the exact float kernels in q8 mode).
-INT8_IDS: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K})
-
+# What callers check before a launch: formats with kernels, and those with int8 ones.
+QUANTIZED_IDS = dispatch.QUANTIZED_IDS
+INT8_IDS = dispatch.INT8_IDS
+has_int8 = dispatch.has_int8
 quantize_rows = i8.quantize_rows
+QK8 = i8.QK8  # elements per int8 activation block
 
 # Rows per parallel work item: fewer scheduling steps, still enough items to balance 2-8 threads.
 CHUNK_ROWS = 16
-
-
-@njit(cache=True)
-def _dot(fmt: int, row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
-    if fmt == Q4_0:
-        lq.dot_q4_0(row, x, lut, out, r)
-    elif fmt == Q4_1:
-        lq.dot_q4_1(row, x, lut, out, r)
-    elif fmt == Q5_0:
-        lq.dot_q5_0(row, x, lut, out, r)
-    elif fmt == Q5_1:
-        lq.dot_q5_1(row, x, lut, out, r)
-    elif fmt == Q8_0:
-        lq.dot_q8_0(row, x, lut, out, r)
-    elif fmt == Q2_K:
-        kq.dot_q2_k(row, x, lut, out, r)
-    elif fmt == Q3_K:
-        kq.dot_q3_k(row, x, lut, out, r)
-    elif fmt == Q4_K:
-        kq.dot_q4_k(row, x, lut, out, r)
-    elif fmt == Q5_K:
-        kq.dot_q5_k(row, x, lut, out, r)
-    else:
-        kq.dot_q6_k(row, x, lut, out, r)
-
-
-@njit(cache=True)
-def _qdot_rows(
-    fmt: int,
-    w: np.ndarray,
-    r0: int,
-    r1: int,
-    xq: np.ndarray,
-    xd: np.ndarray,
-    xs: np.ndarray,
-    out: np.ndarray,
-    c0: int,
-) -> None:
-    if fmt == Q8_0:
-        i8.qdot_q8_0(w, r0, r1, xq, xd, xs, out, c0)
-    elif fmt == Q4_1:
-        i8.qdot_q4_1(w, r0, r1, xq, xd, xs, out, c0)
-    elif fmt == Q5_0:
-        i8.qdot_q5_0(w, r0, r1, xq, xd, xs, out, c0)
-    elif fmt == Q4_K:
-        i8.qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0)
-    elif fmt == Q6_K:
-        i8.qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0)
-    elif fmt == Q4_0:
-        i8.qdot_q4_0(w, r0, r1, xq, xd, xs, out, c0)
-    else:
-        i8.qdot_q5_1(w, r0, r1, xq, xd, xs, out, c0)
-
-
-@njit(cache=True)
-def _deq(fmt: int, row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
-    if fmt == Q4_0:
-        lq.deq_q4_0(row, lut, y)
-    elif fmt == Q4_1:
-        lq.deq_q4_1(row, lut, y)
-    elif fmt == Q5_0:
-        lq.deq_q5_0(row, lut, y)
-    elif fmt == Q5_1:
-        lq.deq_q5_1(row, lut, y)
-    elif fmt == Q8_0:
-        lq.deq_q8_0(row, lut, y)
-    elif fmt == Q2_K:
-        kq.deq_q2_k(row, lut, y)
-    elif fmt == Q3_K:
-        kq.deq_q3_k(row, lut, y)
-    elif fmt == Q4_K:
-        kq.deq_q4_k(row, lut, y)
-    elif fmt == Q5_K:
-        kq.deq_q5_k(row, lut, y)
-    else:
-        kq.deq_q6_k(row, lut, y)
 
 
 @njit(parallel=True, cache=True)
@@ -124,11 +44,11 @@ def matvec(
     for ch in prange(n_chunks):
         for r in range(ch * CHUNK_ROWS, min(total, (ch + 1) * CHUNK_ROWS)):
             if r < ra:
-                _dot(fmt, a[r], x, lut, out, r)
+                dispatch.dot(fmt, a[r], x, lut, out, r)
             elif r < rab:
-                _dot(fmt, b[r - ra], x, lut, out, r)
+                dispatch.dot(fmt, b[r - ra], x, lut, out, r)
             else:
-                _dot(fmt, c[r - rab], x, lut, out, r)
+                dispatch.dot(fmt, c[r - rab], x, lut, out, r)
 
 
 @njit(parallel=True, cache=True)
@@ -137,8 +57,8 @@ def matvec_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarr
     quantization runs here, in the same call, because at decode a call costs as much as the math."""
     n, cols = x.shape
     xq = np.empty((n, cols), dtype=np.int8)
-    xd = np.empty((n, cols // 32), dtype=np.float32)
-    xs = np.empty((n, cols // 32), dtype=np.float32)
+    xd = np.empty((n, cols // i8.QK8), dtype=np.float32)
+    xs = np.empty((n, cols // i8.QK8), dtype=np.float32)
     i8.quantize_rows(x, xq, xd, xs)
     ra = a.shape[0]
     rab = ra + b.shape[0]
@@ -149,20 +69,20 @@ def matvec_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarr
         stop = min(total, start + CHUNK_ROWS)
         # The chunk's rows, split where it crosses from A to B or B to C.
         if start < ra:
-            _qdot_rows(fmt, a, start, min(stop, ra), xq, xd, xs, out, start)
+            dispatch.qdot(fmt, a, start, min(stop, ra), xq, xd, xs, out, start)
         if start < rab and stop > ra:
             lo = max(start, ra)
-            _qdot_rows(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, out, lo)
+            dispatch.qdot(fmt, b, lo - ra, min(stop, rab) - ra, xq, xd, xs, out, lo)
         if stop > rab:
             lo = max(start, rab)
-            _qdot_rows(fmt, c, lo - rab, stop - rab, xq, xd, xs, out, lo)
+            dispatch.qdot(fmt, c, lo - rab, stop - rab, xq, xd, xs, out, lo)
 
 
 @njit(parallel=True, cache=True)
 def dequantize_rows(fmt: int, a: np.ndarray, ids: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:
     """out (m, cols) = rows `ids` of A dequantized."""
     for i in prange(ids.shape[0]):
-        _deq(fmt, a[ids[i]], lut, out[i])
+        dispatch.deq(fmt, a[ids[i]], lut, out[i])
 
 
 @njit(cache=True, nogil=True)
@@ -170,4 +90,4 @@ def dequantize_tile(fmt: int, a: np.ndarray, start: int, lut: np.ndarray, out: n
     """out (m, cols) = rows [start, start + m) of A dequantized, on the calling thread without
     the GIL (prefill runs one such tile per Python worker thread, next to a BLAS call)."""
     for i in range(out.shape[0]):
-        _deq(fmt, a[start + i], lut, out[i])
+        dispatch.deq(fmt, a[start + i], lut, out[i])

@@ -1,30 +1,37 @@
-"""Int8-activation ("q8") kernels: the activation row is quantized once per matmul to int8 per
-32-element block (value = xd * xq), and each weight block meets it in an int8 x int8 -> int32 dot.
+"""Int8-activation ("q8") building blocks: the activation row is quantized once per matmul to int8
+per 32-element block (value = xd * xq), and each weight block meets it in an int8 x int8 -> int32
+dot.
 
 This is llama.cpp's decode scheme (its vec_dot_q*_q8 kernels), written fresh for numba: the
 integer dots are LLVM intrinsics built here (load the bytes as <n x i8>, unpack nibbles or high
 bits as vector ops, sign-extend, multiply, add neighbouring pairs, scale into 16 float lanes),
-because numba widens small-integer arithmetic to int64 lanes, which vectorizes badly. Results differ from the exact float path by the activation
-quantization error (relative ~1e-3 per dot); prima's exact mode keeps the float kernels.
+because numba widens small-integer arithmetic to int64 lanes, which vectorizes badly. Results
+differ from the exact float path by the activation quantization error (relative ~1e-3 per dot);
+prima's exact mode keeps the float kernels.
 
-  quantize_rows(x, xq, xd, xs)                       x (n, cols) f32 -> int8 blocks, scales, sums
-  qdot_<fmt>(w, r0, r1, xq, xd, xs, out, c0)    out[:, c0 + i] = x @ w[r0 + i], for the drivers
-Supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; other formats run the exact kernels.
+  quantize_rows(x, xq, xd, xs)     x (n, cols) f32 -> int8 blocks, scales, sums
+  dot_i8x32, dot_nib16, ...        acc += scale * (integer dot of one block), as vector code
+  legacy_rows(layout, block)       a legacy format's qdot kernel from its per-block step
+Each format's qdot (prima.kernels.formats) is built from these; a format without one runs its
+exact kernel in q8 mode.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from prima.kernels.legacy_quants import stack_f32
+from prima.kernels.formats import Layout
+from prima.kernels.lanes import stack_f32
 
-QK = 256
+# Elements per activation block: Q8_0's, the activation format of ggml's legacy-format dots.
+QK8 = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -359,48 +366,50 @@ def hsum(typingctx, acc):  # noqa: ANN001, ANN201, ARG001
 
 @njit(cache=True)
 def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> None:
-    """x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/32) scales, xs (n, cols/32) block sums:
-    per block, xd = max|x| / 127, xq = round(x / xd), so x ~ xd * xq, and xs = xd * sum(xq).
-    xs sums the quantized values, not x: a weight d * q + m then meets one consistent activation
-    (the m term cancels d * q's error instead of adding to it; Q4_1's mins are ~|d * q|)."""
+    """x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/QK8) scales, xs (n, cols/QK8) block
+    sums: per block of QK8 = 32, xd = max|x| / 127, xq = round(x / xd), so x ~ xd * xq, and
+    xs = xd * sum(xq). xs sums the quantized values, not x: a weight d * q + m then meets one
+    consistent activation (the m term cancels d * q's error instead of adding to it; Q4_1's mins
+    are ~|d * q|)."""
     for k in range(x.shape[0]):
-        for b in range(x.shape[1] // 32):
+        for b in range(x.shape[1] // QK8):
             amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[k, b * 32 + j]))
+            for j in range(QK8):
+                amax = max(amax, abs(x[k, b * QK8 + j]))
             d = amax / np.float32(127.0)
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
             s = 0
-            for j in range(32):
-                q = np.int8(np.rint(x[k, b * 32 + j] * inv))
-                xq[k, b * 32 + j] = q
+            for j in range(QK8):
+                q = np.int8(np.rint(x[k, b * QK8 + j] * inv))
+                xq[k, b * QK8 + j] = q
                 s += q
             xd[k, b] = d
             xs[k, b] = d * np.float32(s)
 
 
 # ---- row-range kernels ----------------------------------------------------------------------
-# out[k, c0 + r - r0] for rows r in [r0, r1) of w: the sum over blocks of (weight scale * xd) *
-# integer dot, in 16 float lanes on the stack (promoted to a register), plus the weight's min times
-# the block sum of x where the format has one. They take whole 2-D arrays and byte offsets, not
-# row views: a view per row costs a reference-count round trip, as much as the row's math.
+# A format's qdot computes out[k, c0 + r - r0] for rows r in [r0, r1) of w: the sum over blocks of
+# (weight scale * xd) * integer dot, in float lanes on the stack (promoted to a register), plus the
+# weight's min times the block sum of x where the format has one. They take whole 2-D arrays and
+# byte offsets, not row views: a view per row costs a reference-count round trip, as much as the
+# row's math. The helpers below are shared by the formats' qdot kernels.
 
 
 @njit(cache=True, inline="always")
-def _zero(acc: np.ndarray) -> None:
+def zero_lanes(acc: np.ndarray) -> None:
     for j in range(LANES):
         acc[j] = 0.0
 
 
 @njit(cache=True, inline="always")
-def _f16(w: np.ndarray, r: int, o: int) -> np.float32:
+def half_at(w: np.ndarray, r: int, o: int) -> np.float32:
     """The little-endian f16 at byte `o` of row r of `w`, as float32 (converted by the CPU; the
     256 KiB lookup table the exact kernels use competes with the weights for cache)."""
     return f16_at(w, r * w.strides[0] + o)
 
 
 @njit(cache=True, inline="always")
-def _u32(w: np.ndarray, r: int, o: int) -> np.uint32:
+def u32_at(w: np.ndarray, r: int, o: int) -> np.uint32:
     """The little-endian u32 at byte `o` of row r of `w`."""
     return (
         np.uint32(w[r, o])
@@ -410,65 +419,30 @@ def _u32(w: np.ndarray, r: int, o: int) -> np.uint32:
     )
 
 
-# Legacy formats: each block's scales come from its own header; blocks alternate between two
-# accumulators so that consecutive blocks' adds do not wait on each other (a single chain of
-# dependent adds capped the nibble kernels at one block per add latency).
-
-
-@njit(cache=True, inline="always")
-def _blk_q8_0(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202, ARG001
-    o = b * 34
-    dot_i8x32(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 2, xq, xk + b * 32)
-    return np.float32(0.0)
-
-
-@njit(cache=True, inline="always")
-def _blk_q4_0(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
-    o = b * 18
-    d = _f16(w, r, o)
-    dot_nib16(accp, d * xd[k, b], w, wr + o + 2, 0, xq, xk + b * 32)
-    return np.float32(-8.0) * d * xs[k, b]  # q - 8, the offset through the block sum of x
-
-
-@njit(cache=True, inline="always")
-def _blk_q4_1(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
-    o = b * 20
-    dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 4, 0, xq, xk + b * 32)
-    return _f16(w, r, o + 2) * xs[k, b]
-
-
-@njit(cache=True, inline="always")
-def _blk_q5_0(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
-    o = b * 22
-    d = _f16(w, r, o)
-    dot_nib16(accp, d * xd[k, b], w, wr + o + 6, _u32(w, r, o + 2), xq, xk + b * 32)
-    return np.float32(-16.0) * d * xs[k, b]
-
-
-@njit(cache=True, inline="always")
-def _blk_q5_1(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
-    o = b * 24
-    dot_nib16(accp, _f16(w, r, o) * xd[k, b], w, wr + o + 8, _u32(w, r, o + 4), xq, xk + b * 32)
-    return _f16(w, r, o + 2) * xs[k, b]
-
-
-def _legacy_kernel(block):  # noqa: ANN001, ANN202
-    """The row-range kernel of a legacy format from its per-block step `block` (which adds the
-    block's integer dot to an accumulator and returns its scalar term: min or offset)."""
+def legacy_rows(layout: Layout, block):  # noqa: ANN001, ANN202
+    """The qdot kernel of a legacy format (one scale per 32-element block, so weight block b meets
+    activation block b) from its per-block step
+        block(accp, w, r, wr, b, xq, xd, xs, k, xk) -> float32
+    which adds block b's integer dot to the lanes at accp and returns its scalar term (the min, or
+    the offset, times the block sum of x). Blocks alternate between two accumulators so that
+    consecutive blocks' adds do not wait on each other (a single chain of dependent adds capped
+    the nibble kernels at one block per add latency). Returns the kernel uncompiled."""
+    if layout.elements != QK8:
+        raise ValueError(f"{layout.qtype.name} blocks hold {layout.elements} elements, not {QK8}")
 
     def kernel(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN202
         acc0p = stack_f32(16)
         acc1p = stack_f32(16)
         acc0 = carray(acc0p, 16)
         acc1 = carray(acc1p, 16)
-        nb = xq.shape[1] // 32
+        nb = xq.shape[1] // QK8
         block_bytes = w.shape[1] // nb
         for r in range(r0, r1):
             wr = r * w.strides[0]
             for k in range(xq.shape[0]):
                 xk = k * xq.strides[0]
-                _zero(acc0)
-                _zero(acc1)
+                zero_lanes(acc0)
+                zero_lanes(acc1)
                 t0 = np.float32(0.0)
                 t1 = np.float32(0.0)
                 for i in range(nb // 2):
@@ -481,102 +455,3 @@ def _legacy_kernel(block):  # noqa: ANN001, ANN202
                 out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) + (t0 + t1)
 
     return kernel
-
-
-qdot_q8_0 = njit(cache=True)(_legacy_kernel(_blk_q8_0))
-qdot_q4_0 = njit(cache=True)(_legacy_kernel(_blk_q4_0))
-qdot_q4_1 = njit(cache=True)(_legacy_kernel(_blk_q4_1))
-qdot_q5_0 = njit(cache=True)(_legacy_kernel(_blk_q5_0))
-qdot_q5_1 = njit(cache=True)(_legacy_kernel(_blk_q5_1))
-
-
-@njit(cache=True, inline="always")
-def _scale_min_k4(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np.float32]:
-    """Q4_K's 6-bit scale and min of sub-block j from its 12 packed bytes at `o` (as k_quants)."""
-    if j < 4:
-        sc = np.int32(w[r, o + j] & 63)
-        m = np.int32(w[r, o + j + 4] & 63)
-    else:
-        sc = np.int32((w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4))
-        m = np.int32((w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4))
-    return np.float32(sc), np.float32(m)
-
-
-@njit(cache=True)
-def qdot_q4_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
-    acc0p = stack_f32(16)
-    acc1p = stack_f32(16)
-    acc0 = carray(acc0p, 16)
-    acc1 = carray(acc1p, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc0)
-            _zero(acc1)
-            mins = np.float32(0.0)
-            for sb in range(xq.shape[1] // QK):
-                o = sb * 144
-                d = _f16(w, r, o)
-                dmin = _f16(w, r, o + 2)
-                # Byte g * 32 + j holds sub-block 2g (low nibble) and 2g + 1 (high nibble).
-                for g in range(4):
-                    sc0, m0 = _scale_min_k4(w, r, o + 4, 2 * g)
-                    sc1, m1 = _scale_min_k4(w, r, o + 4, 2 * g + 1)
-                    b = sb * 8 + 2 * g
-                    qo = wr + o + 16 + g * 32
-                    dot_lo32(acc0p, d * sc0 * xd[k, b], w, qo, xq, xk + b * 32)
-                    dot_hi32(acc1p, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * 32 + 32)
-                    mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
-            out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) - mins
-
-
-@njit(cache=True)
-def qdot_q6_k(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
-    acc0p = stack_f32(16)
-    acc1p = stack_f32(16)
-    acc0 = carray(acc0p, 16)
-    acc1 = carray(acc1p, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            _zero(acc0)
-            _zero(acc1)
-            for sb in range(xq.shape[1] // QK):
-                o = sb * 210
-                d = _f16(w, r, o + 208)
-                for h in range(2):
-                    ho = wr + o + 128 + h * 32
-                    for c in range(0, 4, 2):  # c and c + 1 share the shift of the low bits
-                        b = sb * 8 + h * 4 + c
-                        s = o + 192 + h * 8 + c * 2
-                        ls = 4 * (c >> 1)
-                        # The scales are int8: reinterpret the unsigned bytes.
-                        dot_q6x32(
-                            acc0p,
-                            d * xd[k, b],
-                            (np.int32(w[r, s]) ^ 128) - 128,
-                            (np.int32(w[r, s + 1]) ^ 128) - 128,
-                            w,
-                            wr + o + h * 64,
-                            ho,
-                            ls,
-                            2 * c,
-                            xq,
-                            xk + b * 32,
-                        )
-                        dot_q6x32(
-                            acc1p,
-                            d * xd[k, b + 1],
-                            (np.int32(w[r, s + 2]) ^ 128) - 128,
-                            (np.int32(w[r, s + 3]) ^ 128) - 128,
-                            w,
-                            wr + o + h * 64 + 32,
-                            ho,
-                            ls,
-                            2 * c + 2,
-                            xq,
-                            xk + b * 32 + 32,
-                        )
-            out[k, c0 + r - r0] = hsum(acc0p) + hsum(acc1p)

@@ -82,11 +82,11 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x float32 (n, cols), cols a multiple of 32 -> (int8 (n, cols), scales (n, cols / 32),
-    block sums (n, cols / 32)): x ~ scale * int8 per 32-element block."""
+    block sums (n, cols / 32)): x ~ scale * int8 per 32-element block (drivers.QK8)."""
     n, cols = x.shape
     xq = np.empty((n, cols), dtype=np.int8)
-    xd = np.empty((n, cols // 32), dtype=np.float32)
-    xs = np.empty((n, cols // 32), dtype=np.float32)
+    xd = np.empty((n, cols // drivers.QK8), dtype=np.float32)
+    xs = np.empty((n, cols // drivers.QK8), dtype=np.float32)
     drivers.quantize_rows(x, xq, xd, xs)
     return xq, xd, xs
 

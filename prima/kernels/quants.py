@@ -1,7 +1,8 @@
 """The weight formats prima runs, their block geometry, and a clear error for the rest.
 
-Block sizes come from gguf-py (`GGML_QUANT_SIZES`, matched against ggml.h); prima never keeps its
-own copy of them, so a format is described once."""
+The quantized formats are the table in prima.kernels.formats; block sizes come from gguf-py
+(`GGML_QUANT_SIZES`, matched against ggml.h), so a format is described once. Nothing here needs
+numba: a device without it checks the same types and runs them on gguf-py's dequantizer."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from prima.errors import UnsupportedModelError
+from prima.kernels import formats
 
 Q = GGMLQuantizationType
 
 FLOAT_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F32, Q.F16, Q.BF16})
-LEGACY_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
-K_QTYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | LEGACY_QTYPES | K_QTYPES
+QUANT_QTYPES: frozenset[GGMLQuantizationType] = frozenset(formats.QTYPES)
+SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | QUANT_QTYPES
 
 # f16 bit pattern -> float32, indexed by the 16-bit word. numba has no float16 type, and one
 # 256 KiB table lookup per 32-element block costs far less than bit-twiddling the conversion.

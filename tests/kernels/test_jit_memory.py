@@ -236,14 +236,15 @@ LOAD_ORDER = """
 import sys
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from prima.kernels import k_quants, matmul
+from prima.kernels import matmul
+from prima.kernels.formats import q4_k
 from prima.kernels.quants import F16_TABLE
 from tests.kernels.weights import random_qtensor
 
 w = random_qtensor(Q.Q4_K, 32, 256, seed=1)
 x = np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)
 if sys.argv[1] == "leaf":
-    k_quants.dot_q4_k(w.raw[0], x, F16_TABLE, np.zeros((1, 32), np.float32), 0)
+    q4_k.dot(w.raw[0], x, F16_TABLE, np.zeros((1, 32), np.float32), 0)
 np.save(sys.argv[2], matmul.matmul(w, x, False))
 """
 

@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from prima.kernels import formats
 from prima.kernels.tensor import QTensor
 
 Q = GGMLQuantizationType
 
-# Byte offsets of the f16 scale fields inside one block (ggml's block_* structs).
-F16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
-    Q.Q4_0: (0,),
-    Q.Q4_1: (0, 2),
-    Q.Q5_0: (0,),
-    Q.Q5_1: (0, 2),
-    Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-}
-ALL_QTYPES = [Q.F32, Q.F16, Q.BF16, *F16_FIELDS]
+FORMATS = formats.load()
+ALL_QTYPES = [Q.F32, Q.F16, Q.BF16, *FORMATS]
 
 
 def random_qtensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> QTensor:
@@ -33,10 +22,10 @@ def random_qtensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int 
     if qtype in (Q.F32, Q.F16, Q.BF16):
         data = gguf_quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
         return QTensor("w", qtype, (rows, cols), data.view(np.uint8).reshape(rows, -1))
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    n_blocks = rows * cols // block_elems
-    blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
+    layout = FORMATS[qtype].layout
+    n_blocks = rows * cols // layout.elements
+    blocks = rng.integers(0, 256, size=(n_blocks, layout.nbytes), dtype=np.uint8)
+    for off in layout.f16_offsets:
         scale = (rng.uniform(-1.0, 1.0, n_blocks) * 0.05).astype(np.float16)
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
     return QTensor("w", qtype, (rows, cols), blocks.reshape(rows, -1))

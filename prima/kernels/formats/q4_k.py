@@ -1,0 +1,124 @@
+"""Q4_K: 256 weights per super-block: d and dmin (f16), scales[12] (8 sub-blocks of 32, each a
+6-bit scale and min, see scale_min), qs[128] (nibbles). Byte g*32 + j holds element g*64 + j
+(low nibble, sub-block 2g) and element g*64 + 32 + j (high nibble, sub-block 2g + 1);
+value = (d * scale) * q - dmin * min."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import carray, njit
+
+from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, half_at, hsum, zero_lanes
+from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32
+
+LAYOUT = Layout.of(GGMLQuantizationType.Q4_K, d=F16, dmin=F16, scales=12, qs=128)
+QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
+D, DMIN, SCALES, QS = (LAYOUT.offset(f) for f in ("d", "dmin", "scales", "qs"))
+XB = QK // QK8  # activation blocks per super-block
+
+
+@njit(cache=True, inline="always")
+def scale_min(row: np.ndarray, o: int, j: int) -> tuple[np.float32, np.float32]:
+    """Scale and min of sub-block j (0-7) from the 12 packed bytes at `o` (also Q5_K's): bytes
+    0-3 hold 6-bit scales 0-3, bytes 4-7 mins 0-3 (top 2 bits of each extend scales/mins 4-7),
+    bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble)."""
+    if j < 4:
+        sc = row[o + j] & 63
+        m = row[o + j + 4] & 63
+    else:
+        sc = (row[o + j + 4] & 15) | ((row[o + j - 4] >> 6) << 4)
+        m = (row[o + j + 4] >> 4) | ((row[o + j] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+@njit(cache=True)
+def dot(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
+    n_super = x.shape[1] // QK
+    for k in range(x.shape[0]):
+        xk = x[k]
+        for j in range(32):
+            acc[j] = 0.0
+        for sb in range(n_super):
+            o = sb * BLOCK
+            d = half(lut, row, o + D)
+            dmin = half(lut, row, o + DMIN)
+            for g in range(4):
+                sc0, m0 = scale_min(row, o + SCALES, 2 * g)
+                sc1, m1 = scale_min(row, o + SCALES, 2 * g + 1)
+                d0 = d * sc0
+                d1 = d * sc1
+                dm0 = dmin * m0
+                dm1 = dmin * m1
+                xb = sb * QK + g * 64
+                qo = o + QS + g * 32
+                for j in range(32):
+                    lo, hi = nibbles(row[qo + j])
+                    acc[j] += xk[xb + j] * (d0 * lo - dm0) + xk[xb + 32 + j] * (d1 * hi - dm1)
+        out[k, r] = lane_sum(acc)
+
+
+@njit(cache=True)
+def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_super = y.shape[0] // QK
+    for sb in range(n_super):
+        o = sb * BLOCK
+        d = half(lut, row, o + D)
+        dmin = half(lut, row, o + DMIN)
+        for g in range(4):
+            sc0, m0 = scale_min(row, o + SCALES, 2 * g)
+            sc1, m1 = scale_min(row, o + SCALES, 2 * g + 1)
+            yb = sb * QK + g * 64
+            for j in range(32):
+                q = row[o + QS + g * 32 + j]
+                y[yb + j] = (d * sc0) * np.float32(q & np.uint8(15)) - dmin * m0
+                y[yb + 32 + j] = (d * sc1) * np.float32(q >> np.uint8(4)) - dmin * m1
+
+
+@njit(cache=True, inline="always")
+def _scale_min_at(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np.float32]:
+    """scale_min for byte `o` of row r of the 2-D `w` (the int8 kernel's addressing)."""
+    if j < 4:
+        sc = np.int32(w[r, o + j] & 63)
+        m = np.int32(w[r, o + j + 4] & 63)
+    else:
+        sc = np.int32((w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4))
+        m = np.int32((w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4))
+    return np.float32(sc), np.float32(m)
+
+
+@njit(cache=True)
+def qdot(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
+    """out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks; sub-block 2g meets activation
+    block b, 2g + 1 block b + 1, and the mins meet the blocks' sums."""
+    acc0p = stack_f32(16)
+    acc1p = stack_f32(16)
+    acc0 = carray(acc0p, 16)
+    acc1 = carray(acc1p, 16)
+    for r in range(r0, r1):
+        wr = r * w.strides[0]
+        for k in range(xq.shape[0]):
+            xk = k * xq.strides[0]
+            zero_lanes(acc0)
+            zero_lanes(acc1)
+            mins = np.float32(0.0)
+            for sb in range(xq.shape[1] // QK):
+                o = sb * BLOCK
+                d = half_at(w, r, o + D)
+                dmin = half_at(w, r, o + DMIN)
+                for g in range(4):
+                    sc0, m0 = _scale_min_at(w, r, o + SCALES, 2 * g)
+                    sc1, m1 = _scale_min_at(w, r, o + SCALES, 2 * g + 1)
+                    b = sb * XB + 2 * g
+                    qo = wr + o + QS + g * 32
+                    dot_lo32(acc0p, d * sc0 * xd[k, b], w, qo, xq, xk + b * QK8)
+                    dot_hi32(acc1p, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * QK8 + QK8)
+                    mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
+            out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) - mins
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)

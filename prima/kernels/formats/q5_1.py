@@ -1,0 +1,70 @@
+"""Q5_1: 32 weights per block, d and m (f16), qh (fifth bits, as Q5_0) and 16 bytes of low
+nibbles; value = d * (nibble | high << 4) + m."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import carray, njit
+
+from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.int8_dots import dot_nib16, half_at, legacy_rows, u32_at
+from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32, u32
+
+LAYOUT = Layout.of(GGMLQuantizationType.Q5_1, d=F16, m=F16, qh=4, qs=16)
+QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
+HALF = QK // 2
+D, M, QH, QS = LAYOUT.offset("d"), LAYOUT.offset("m"), LAYOUT.offset("qh"), LAYOUT.offset("qs")
+
+
+@njit(cache=True)
+def dot(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(QK), QK)
+    n_blocks = x.shape[1] // QK
+    for k in range(x.shape[0]):
+        xk = x[k]
+        for j in range(QK):
+            acc[j] = 0.0
+        for b in range(n_blocks):
+            o = b * BLOCK
+            d = half(lut, row, o + D)
+            m = half(lut, row, o + M)
+            qh = u32(row, o + QH)
+            xb = b * QK
+            for j in range(HALF):
+                lo, hi = nibbles(row[o + QS + j])
+                v0 = lo + np.float32((qh >> np.uint32(j)) & np.uint32(1)) * np.float32(16)
+                v1 = hi + np.float32((qh >> np.uint32(j + HALF)) & np.uint32(1)) * np.float32(16)
+                acc[j] += xk[xb + j] * (d * v0 + m)
+                acc[j + HALF] += xk[xb + HALF + j] * (d * v1 + m)
+        out[k, r] = lane_sum(acc)
+
+
+@njit(cache=True)
+def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // QK
+    for b in range(n_blocks):
+        o = b * BLOCK
+        d = half(lut, row, o + D)
+        m = half(lut, row, o + M)
+        qh = u32(row, o + QH)
+        for j in range(HALF):
+            q = row[o + QS + j]
+            h0 = ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+            h1 = ((qh >> np.uint32(j + HALF)) & np.uint32(1)) << np.uint32(4)
+            y[b * QK + j] = d * np.float32(np.uint32(q & np.uint8(15)) | h0) + m
+            y[b * QK + HALF + j] = d * np.float32(np.uint32(q >> np.uint8(4)) | h1) + m
+
+
+@njit(cache=True, inline="always")
+def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+    o = b * BLOCK
+    dot_nib16(accp, half_at(w, r, o + D) * xd[k, b], w, wr + o + QS, u32_at(w, r, o + QH), xq, xk + b * QK)
+    return half_at(w, r, o + M) * xs[k, b]
+
+
+qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)

@@ -1,0 +1,75 @@
+"""Q5_K: 256 weights per super-block: d and dmin (f16), scales[12] (as Q4_K), qh[32], qs[128]
+(nibbles as Q4_K). Element g*64 + j takes bit 2g of qh[j] as its fifth bit, element
+g*64 + 32 + j bit 2g + 1; value = (d * scale) * q - dmin * min. No int8 kernel: q8 mode runs
+the exact one."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import carray, njit
+
+from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats.q4_k import scale_min
+from prima.kernels.lanes import half, lane_sum, stack_f32
+
+LAYOUT = Layout.of(GGMLQuantizationType.Q5_K, d=F16, dmin=F16, scales=12, qh=32, qs=128)
+QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
+D, DMIN, SCALES, QH, QS = (LAYOUT.offset(f) for f in ("d", "dmin", "scales", "qh", "qs"))
+
+
+@njit(cache=True)
+def dot(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
+    n_super = x.shape[1] // QK
+    for k in range(x.shape[0]):
+        xk = x[k]
+        for j in range(32):
+            acc[j] = 0.0
+        for sb in range(n_super):
+            o = sb * BLOCK
+            d = half(lut, row, o + D)
+            dmin = half(lut, row, o + DMIN)
+            for g in range(4):
+                sc0, m0 = scale_min(row, o + SCALES, 2 * g)
+                sc1, m1 = scale_min(row, o + SCALES, 2 * g + 1)
+                d0 = d * sc0
+                d1 = d * sc1
+                dm0 = dmin * m0
+                dm1 = dmin * m1
+                xb = sb * QK + g * 64
+                qo = o + QS + g * 32
+                for j in range(32):
+                    hb = ((row[o + QH + j] >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4)
+                    q = (row[qo + j] & np.uint8(15)) | hb
+                    acc[j] += xk[xb + j] * (d0 * np.float32(q) - dm0)
+                for j in range(32):
+                    hb = ((row[o + QH + j] >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4)
+                    q = (row[qo + j] >> np.uint8(4)) | hb
+                    acc[j] += xk[xb + 32 + j] * (d1 * np.float32(q) - dm1)
+        out[k, r] = lane_sum(acc)
+
+
+@njit(cache=True)
+def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_super = y.shape[0] // QK
+    for sb in range(n_super):
+        o = sb * BLOCK
+        d = half(lut, row, o + D)
+        dmin = half(lut, row, o + DMIN)
+        for g in range(4):
+            sc0, m0 = scale_min(row, o + SCALES, 2 * g)
+            sc1, m1 = scale_min(row, o + SCALES, 2 * g + 1)
+            yb = sb * QK + g * 64
+            for j in range(32):
+                q = row[o + QS + g * 32 + j]
+                qh = row[o + QH + j]
+                lo = (q & np.uint8(15)) | (((qh >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4))
+                hi = (q >> np.uint8(4)) | (((qh >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4))
+                y[yb + j] = (d * sc0) * np.float32(lo) - dmin * m0
+                y[yb + 32 + j] = (d * sc1) * np.float32(hi) - dmin * m1
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq)

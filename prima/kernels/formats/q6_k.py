@@ -1,0 +1,129 @@
+"""Q6_K: 256 weights per super-block: ql[128] (low nibbles), qh[64] (2 high bits), scales[16]
+(int8, one per 16 elements), d (f16); value = d * scale * (q - 32). Within half h (128
+elements), chunk c (32 elements) takes nibble c // 2 of ql[64h + 32 (c % 2) + j] and bits 2c
+of qh[32h + j]."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import carray, njit
+
+from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.int8_dots import QK8, dot_q6x32, half_at, hsum, zero_lanes
+from prima.kernels.lanes import half, lane_sum, stack_f32
+
+LAYOUT = Layout.of(GGMLQuantizationType.Q6_K, ql=128, qh=64, scales=16, d=F16)
+QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
+QL, QH, SCALES, D = (LAYOUT.offset(f) for f in ("ql", "qh", "scales", "d"))
+XB = QK // QK8  # activation blocks per super-block
+
+
+@njit(cache=True)
+def dot(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(32), 32)
+    n_super = x.shape[1] // QK
+    scales = row.view(np.int8)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        for j in range(32):
+            acc[j] = 0.0
+        for sb in range(n_super):
+            o = sb * BLOCK
+            d = half(lut, row, o + D)
+            for h in range(2):
+                for c in range(4):
+                    dl0 = d * np.float32(scales[o + SCALES + h * 8 + c * 2])
+                    dl1 = d * np.float32(scales[o + SCALES + h * 8 + c * 2 + 1])
+                    lo = o + QL + h * 64 + (c & 1) * 32
+                    ho = o + QH + h * 32
+                    xb = sb * QK + h * 128 + c * 32
+                    for j in range(16):
+                        q = ((row[lo + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                            ((row[ho + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                        )
+                        acc[j] += xk[xb + j] * (dl0 * (np.float32(q) - np.float32(32)))
+                    for j in range(16):
+                        q = ((row[lo + 16 + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                            ((row[ho + 16 + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                        )
+                        acc[16 + j] += xk[xb + 16 + j] * (dl1 * (np.float32(q) - np.float32(32)))
+        out[k, r] = lane_sum(acc)
+
+
+@njit(cache=True)
+def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_super = y.shape[0] // QK
+    scales = row.view(np.int8)
+    for sb in range(n_super):
+        o = sb * BLOCK
+        d = half(lut, row, o + D)
+        for h in range(2):
+            for c in range(4):
+                lo = o + QL + h * 64 + (c & 1) * 32
+                ho = o + QH + h * 32
+                yb = sb * QK + h * 128 + c * 32
+                for j in range(32):
+                    dl = d * np.float32(scales[o + SCALES + h * 8 + c * 2 + (j >> 4)])
+                    q = ((row[lo + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                        ((row[ho + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                    )
+                    y[yb + j] = dl * (np.float32(q) - np.float32(32))
+
+
+@njit(cache=True)
+def qdot(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
+    """out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks; each 32-element chunk meets one
+    activation block, with its two int8 scales applied inside dot_q6x32."""
+    acc0p = stack_f32(16)
+    acc1p = stack_f32(16)
+    acc0 = carray(acc0p, 16)
+    acc1 = carray(acc1p, 16)
+    for r in range(r0, r1):
+        wr = r * w.strides[0]
+        for k in range(xq.shape[0]):
+            xk = k * xq.strides[0]
+            zero_lanes(acc0)
+            zero_lanes(acc1)
+            for sb in range(xq.shape[1] // QK):
+                o = sb * BLOCK
+                d = half_at(w, r, o + D)
+                for h in range(2):
+                    ho = wr + o + QH + h * 32
+                    for c in range(0, 4, 2):  # c and c + 1 share the shift of the low bits
+                        b = sb * XB + h * 4 + c
+                        s = o + SCALES + h * 8 + c * 2
+                        ls = 4 * (c >> 1)
+                        # The scales are int8: reinterpret the unsigned bytes.
+                        dot_q6x32(
+                            acc0p,
+                            d * xd[k, b],
+                            (np.int32(w[r, s]) ^ 128) - 128,
+                            (np.int32(w[r, s + 1]) ^ 128) - 128,
+                            w,
+                            wr + o + QL + h * 64,
+                            ho,
+                            ls,
+                            2 * c,
+                            xq,
+                            xk + b * QK8,
+                        )
+                        dot_q6x32(
+                            acc1p,
+                            d * xd[k, b + 1],
+                            (np.int32(w[r, s + 2]) ^ 128) - 128,
+                            (np.int32(w[r, s + 3]) ^ 128) - 128,
+                            w,
+                            wr + o + QL + h * 64 + 32,
+                            ho,
+                            ls,
+                            2 * c + 2,
+                            xq,
+                            xk + b * QK8 + QK8,
+                        )
+            out[k, c0 + r - r0] = hsum(acc0p) + hsum(acc1p)
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)

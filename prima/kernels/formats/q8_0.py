@@ -1,0 +1,58 @@
+"""Q8_0: 32 weights per block, d (f16) and 32 int8; value = d * q."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import carray, njit
+
+from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.int8_dots import dot_i8x32, half_at, legacy_rows
+from prima.kernels.lanes import half, lane_sum, stack_f32
+
+LAYOUT = Layout.of(GGMLQuantizationType.Q8_0, d=F16, qs=32)
+QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
+D, QS = LAYOUT.offset("d"), LAYOUT.offset("qs")
+
+
+@njit(cache=True)
+def dot(row: np.ndarray, x: np.ndarray, lut: np.ndarray, out: np.ndarray, r: int) -> None:
+    """out[:, r] = x @ w_r for the raw bytes `row` of W's row r."""
+    acc = carray(stack_f32(QK), QK)
+    n_blocks = x.shape[1] // QK
+    qs = row.view(np.int8)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        for j in range(QK):
+            acc[j] = 0.0
+        for b in range(n_blocks):
+            o = b * BLOCK
+            d = half(lut, row, o + D)
+            xb = b * QK
+            for j in range(QK):
+                acc[j] += xk[xb + j] * (d * np.float32(qs[o + QS + j]))
+        out[k, r] = lane_sum(acc)
+
+
+@njit(cache=True)
+def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
+    """y (cols,) = the row `row` dequantized."""
+    n_blocks = y.shape[0] // QK
+    qs = row.view(np.int8)
+    for b in range(n_blocks):
+        o = b * BLOCK
+        d = half(lut, row, o + D)
+        for j in range(QK):
+            y[b * QK + j] = d * np.float32(qs[o + QS + j])
+
+
+@njit(cache=True, inline="always")
+def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202, ARG001
+    o = b * BLOCK
+    dot_i8x32(accp, half_at(w, r, o + D) * xd[k, b], w, wr + o + QS, xq, xk + b * QK)
+    return np.float32(0.0)
+
+
+qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
