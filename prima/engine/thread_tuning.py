@@ -79,7 +79,9 @@ class ThreadSetting:
     def describe(self) -> str:
         if self.threads == 1:
             return "1 thread"
-        return f"{self.threads} threads, workers {'spin briefly then sleep' if self.wait == SPIN else 'sleep'}"
+        return (
+            f"{self.threads} threads, workers {'spin briefly then sleep' if self.wait == SPIN else 'sleep'}"
+        )
 
 
 @dataclass(frozen=True)
