@@ -157,11 +157,11 @@ class CpuBackend:
     def _all_fused(self) -> bool:
         """Whether every projection of every layer and the output head has a fused kernel
         (read from the tensor types alone: no layer need be loaded, or even present)."""
+        if not self.fused_max_tokens:  # no numba: nothing is fused (and its modules do not load)
+            return False
         from prima.backends.cpu_decode import PROJECTIONS
         from prima.kernels import drivers
 
-        if not self.fused_max_tokens:
-            return False
         tensors = self.weights.gguf.tensors
         names = [f"blk.{i}.{p}.weight" for i in range(self.config.n_layers) for p in PROJECTIONS]
         types = [tensors[n].qtype for n in names if n in tensors] + [self.weights.output.qtype]

@@ -1,7 +1,8 @@
 """A generation survives nodes leaving the ring: a follower or the head killed (SIGKILL), a
-follower hung (SIGSTOP), two failures in one run. Every run streams exactly the tokens of the
-unbroken run, greedy, and its streamed text is its final text; no daemon keeps the session.
-A long prefill, which keeps every node busy, is not taken for a failure."""
+follower hung (SIGSTOP), two failures in one run (SmolLM2; Gemma for two failures). Every run
+streams exactly the tokens of the unbroken run, greedy, and its streamed text is its final text;
+no daemon keeps the session. A long prefill, which keeps every node busy, is not taken for a
+failure."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def unbroken_tokens(model_path: Path) -> tuple[int, ...]:
 @pytest.fixture
 def three_nodes(smollm2_path: Path, ring_logs: Path, request: pytest.FixtureRequest) -> Iterator[LocalRing]:
     yield from start_ring(3, smollm2_path, ring_logs / request.node.name)
+
+
+@pytest.fixture
+def three_gemma_nodes(
+    gemma3_path: Path, ring_logs: Path, request: pytest.FixtureRequest
+) -> Iterator[LocalRing]:
+    yield from start_ring(3, gemma3_path, ring_logs / request.node.name)
 
 
 def run_with_failures(
@@ -114,6 +122,16 @@ def test_two_failures_in_one_run(three_nodes: LocalRing, smollm2_path: Path) -> 
     pieces, result, ring = run_with_failures(three_nodes, smollm2_path, failures)
     assert [n.node_id for n in ring.plan.nodes] == ["node2"]
     check_run(pieces, result, ring, smollm2_path, [first, second])
+
+
+def test_gemma_survives_a_follower_then_the_head(three_gemma_nodes: LocalRing, gemma3_path: Path) -> None:
+    """The second test model, greedy: its sliding-window layers and tied head replayed onto the
+    nodes left, twice, the second time onto a new head."""
+    first, second = sorted(random.Random(5).sample(range(4, 60), 2))
+    failures: dict[int, Action] = {first: lambda r: r.kill(2), second: lambda r: r.kill(0)}
+    pieces, result, ring = run_with_failures(three_gemma_nodes, gemma3_path, failures)
+    assert [n.node_id for n in ring.plan.nodes] == ["node1"]
+    check_run(pieces, result, ring, gemma3_path, [first, second])
 
 
 def test_long_prefill_on_busy_nodes_is_not_a_failure(three_nodes: LocalRing, smollm2_path: Path) -> None:
