@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from prima.engine.sampling import Sampler, SamplerConfig
-from prima.engine.speculative import DraftConfig, drafter
+from prima.engine.speculative import DraftConfig, DraftLength, drafter
 from prima.errors import ContextFullError, InputError
 
 
@@ -165,6 +165,7 @@ def sample_tokens(
         return
     sample = Sampler(request.sampler, request.first_step)
     drafts_from = drafter(request.draft)
+    draft_length = DraftLength(request.draft.max_tokens)
     if drafts_from is not None and not isinstance(engine, VerifyingEngine):
         raise InputError(f"{type(engine).__name__} cannot check draft tokens; run without --draft")
     stops = set(request.stop_ids)
@@ -186,20 +187,23 @@ def sample_tokens(
         left = max_tokens - (len(history) - len(prompt))
         if not left:
             break
-        drafts = drafts_from.propose(history, min(request.draft.max_tokens, left - 1)) if drafts_from else []
+        drafts = drafts_from.propose(history, draft_length.next(left - 1)) if drafts_from else []
         if not drafts:
             token = sample.sample(engine.forward([token]), history)
             continue
         verifier: VerifyingEngine = engine  # type: ignore[assignment]  # checked above
         rows = verifier.forward_all([token, *drafts])
         drafted += len(drafts)
+        kept = 0
         for row, draft in zip(rows, [*drafts, None], strict=True):
             token = sample.sample(row, history)
             if token != draft or token in stops:
                 break
             history.append(token)
-            accepted += 1
+            kept += 1
             yield token
+        accepted += kept
+        draft_length.record(len(drafts), kept)
         # Positions hold the context's tokens up to here; the rest were rejected drafts.
         verifier.rewind(len(history))
     yield GenerationDone(

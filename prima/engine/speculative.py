@@ -83,6 +83,39 @@ class PromptLookup:
         self._indexed = max(self._indexed, len(context))
 
 
+class DraftLength:
+    """How many drafts to check next, from how the last ones fared. A rejected draft costs a row
+    of compute for nothing (on the CPU a 4-row pass costs well over a 1-row one), so on text that
+    does not repeat, drafting must back off: after a pass that kept none of its drafts the next
+    `pause` steps draft nothing, and `pause` doubles with each such pass (up to PAUSE_MAX); a
+    pass that kept some resets it and allows one more draft than it kept; one that kept all
+    allows one more than it tried. Only the speed depends on this: the output never does."""
+
+    PAUSE_MAX = 16
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.length = max_tokens
+        self._pause = 1
+        self._skip = 0
+
+    def next(self, left: int) -> int:
+        """Drafts to propose for the next pass (0: decode one token plainly); `left` bounds it."""
+        if self._skip:
+            self._skip -= 1
+            return 0
+        return max(0, min(self.length, left))
+
+    def record(self, drafted: int, kept: int) -> None:
+        if kept == 0:
+            self._skip = self._pause
+            self._pause = min(2 * self._pause, self.PAUSE_MAX)
+            self.length = 1
+            return
+        self._pause = 1
+        self.length = min(self.max_tokens, kept + 1)
+
+
 def drafter(config: DraftConfig) -> PromptLookup | None:
     """The drafter of a generation, or None for plain decoding."""
     return PromptLookup() if config.method == "lookup" else None

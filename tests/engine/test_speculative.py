@@ -18,7 +18,7 @@ from prima.engine.generate import GenerateRequest, GenerationDone, sample_tokens
 from prima.engine.local import LocalEngine
 from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
-from prima.engine.speculative import MAX_DRAFT_TOKENS, DraftConfig, PromptLookup
+from prima.engine.speculative import MAX_DRAFT_TOKENS, DraftConfig, DraftLength, PromptLookup
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import (
@@ -62,6 +62,26 @@ def test_lookup_indexes_the_context_as_it_grows() -> None:
     assert look.propose(ctx, 3) == []
     ctx += [1, 2]
     assert look.propose(ctx, 3) == [3, 1, 2]  # the repeat overlaps its own suffix
+
+
+def test_draft_length_grows_with_kept_drafts_and_backs_off_after_misses() -> None:
+    length = DraftLength(3)
+    assert length.next(left=10) == 3
+    assert length.next(left=2) == 2  # never past the token budget
+    length.record(drafted=3, kept=1)
+    assert length.next(left=10) == 2  # one more than it kept
+    length.record(drafted=2, kept=2)
+    assert length.next(left=10) == 3  # all kept: one more, up to the maximum
+    # A pass that keeps nothing pauses drafting for 1 step, the next such pass for 2, then 4.
+    paused = []
+    for _ in range(3):
+        length.record(drafted=1, kept=0)
+        steps = [length.next(left=10) for _ in range(9)]
+        paused.append(steps.index(1))
+    assert paused == [1, 2, 4]
+    length.record(drafted=1, kept=1)  # a kept draft ends the back-off
+    length.record(drafted=2, kept=0)
+    assert [length.next(left=10) for _ in range(2)] == [0, 1]
 
 
 def test_draft_config_names_the_bad_value() -> None:
