@@ -135,6 +135,9 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
         preexec=[d.preexec() for d in devs],
         log_dir=logs,
         extra_args=["-v", *args.primad_args],
+        # Loopback only, and `prima run --nodes` runs in another process, which has no share of
+        # this one's throwaway cluster CA: the daemons serve plaintext (primad allows it on loopback).
+        plaintext=True,
     )
     try:
         drop_page_cache()  # the daemons mapped the file; start the run cold
