@@ -132,6 +132,7 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
     ring = LocalRing.start(
         len(devs),
         model,
+        threads=args.node_threads or args.threads,
         preexec=[d.preexec() for d in devs],
         log_dir=logs,
         extra_args=["-v", *args.primad_args],
