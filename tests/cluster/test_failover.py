@@ -1,5 +1,5 @@
 """A generation survives nodes leaving the ring: a follower or the head killed (SIGKILL), a
-follower hung (SIGSTOP), two failures in one run (SmolLM2; Gemma for two failures). Every run
+follower hung (SIGSTOP), two failures in one run; SmolLM2 on rings of 3 and 4, Gemma on 3. Every run
 streams exactly the tokens of the unbroken run, greedy, and its streamed text is its final text;
 no daemon keeps the session. A long prefill, which keeps every node busy, is not taken for a
 failure."""
@@ -55,6 +55,11 @@ def three_gemma_nodes(
     gemma3_path: Path, ring_logs: Path, request: pytest.FixtureRequest
 ) -> Iterator[LocalRing]:
     yield from start_ring(3, gemma3_path, ring_logs / request.node.name)
+
+
+@pytest.fixture
+def four_nodes(smollm2_path: Path, ring_logs: Path, request: pytest.FixtureRequest) -> Iterator[LocalRing]:
+    yield from start_ring(4, smollm2_path, ring_logs / request.node.name)
 
 
 def run_with_failures(
@@ -132,6 +137,22 @@ def test_gemma_survives_a_follower_then_the_head(three_gemma_nodes: LocalRing, g
     pieces, result, ring = run_with_failures(three_gemma_nodes, gemma3_path, failures)
     assert [n.node_id for n in ring.plan.nodes] == ["node1"]
     check_run(pieces, result, ring, gemma3_path, [first, second])
+
+
+def test_a_ring_of_four_survives_a_follower_then_the_head(four_nodes: LocalRing, smollm2_path: Path) -> None:
+    first, second = sorted(random.Random(6).sample(range(4, 60), 2))
+    failures: dict[int, Action] = {first: lambda r: r.kill(3), second: lambda r: r.kill(0)}
+    pieces, result, ring = run_with_failures(four_nodes, smollm2_path, failures)
+    assert [n.node_id for n in ring.plan.nodes] == ["node1", "node2"]
+    check_run(pieces, result, ring, smollm2_path, [first, second])
+
+
+def test_gemma_leaves_a_hung_follower_out(three_gemma_nodes: LocalRing, gemma3_path: Path) -> None:
+    at = random.Random(7).randrange(4, 48)
+    pieces, result, ring = run_with_failures(three_gemma_nodes, gemma3_path, {at: lambda r: r.pause(2)})
+    assert [n.node_id for n in ring.plan.nodes] == ["node0", "node1"]
+    assert "node2" in ring.recoveries[0].error
+    check_run(pieces, result, ring, gemma3_path, [at])
 
 
 def test_long_prefill_on_busy_nodes_is_not_a_failure(three_nodes: LocalRing, smollm2_path: Path) -> None:
