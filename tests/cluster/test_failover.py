@@ -1,8 +1,8 @@
 """A generation survives nodes leaving the ring: a follower or the head killed (SIGKILL), a
-follower hung (SIGSTOP), two failures in one run; SmolLM2 on rings of 3 and 4, Gemma on 3. Every run
-streams exactly the tokens of the unbroken run, greedy, and its streamed text is its final text;
-no daemon keeps the session. A long prefill, which keeps every node busy, is not taken for a
-failure."""
+follower hung (SIGSTOP), two failures in one run; SmolLM2 on rings of 3 and 4, Gemma on 3.
+Every run streams exactly the tokens of the unbroken run, greedy, and its streamed text is its
+final text; no daemon keeps the session. A long prefill, which keeps every node busy, is not
+taken for a failure."""
 
 from __future__ import annotations
 
