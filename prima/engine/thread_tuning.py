@@ -225,8 +225,8 @@ def tuned_setting(
 ) -> ThreadSetting | None:
     """The measured setting for this model, applied to this process (see `apply`): the fastest,
     or with `threads` given the fastest wait policy for that many. None when there is nothing
-    to choose (one thread), PRIMA_THREAD_TUNING=off, or the model cannot be read; numba's and
-    prima's defaults then stay."""
+    to choose (one thread), PRIMA_THREAD_TUNING=off, the model cannot be read or the measurement
+    failed (said in a warning); numba's and prima's defaults then stay."""
     global _applied
     if os.environ.get(TUNING_ENV) == "off" or threads == 1:
         return None
@@ -240,7 +240,11 @@ def tuned_setting(
     cores = usable_cores()
     if on_stage and load_record(record_path(fingerprint, cores)) is None:
         on_stage(f"timing decode with 1 and {cores} threads, once for this model and CPU (~10 s)")
-    chosen, measured, fresh = tune(model_path, fingerprint, cores=cores)
+    try:
+        chosen, measured, fresh = tune(model_path, fingerprint, cores=cores)
+    except TuningError as exc:  # only speed depends on the choice: run on the defaults instead
+        log.warning("%s; running with the default threads (prima tune measures again)", exc)
+        return None
     if fresh and on_stage:
         on_stage("chose " + chosen.describe() + ": " + format_measurements(measured))
     if threads is not None:

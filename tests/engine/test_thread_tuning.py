@@ -111,3 +111,21 @@ def test_tune_measures_each_candidate_once_then_reads_the_record(
     assert chosen == tt.choose(measured)
     again = tt.tune(smollm2_path, "f" * 64, cores=2)
     assert again == (chosen, measured, False)
+
+
+def test_a_failed_measurement_leaves_the_defaults(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only speed depends on the choice, so a measurement that fails (a child killed by a memory
+    limit, say) is a warning, not the end of the user's run."""
+
+    def broken(model: object, setting: ThreadSetting, timeout_s: float = 0.0) -> float:
+        raise tt.TuningError(f"timing a decode step with {setting.describe()} failed")
+
+    monkeypatch.delenv(tt.TUNING_ENV, raising=False)
+    monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: tmp_path / "threads.json")
+    monkeypatch.setattr(tt, "measure", broken)
+    with caplog.at_level("WARNING", logger="prima.engine"):
+        assert tt.tuned_setting(smollm2_path) is None
+    assert "running with the default threads" in caplog.text
+    assert not (tmp_path / "threads.json").exists()
