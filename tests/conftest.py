@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
+import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -126,3 +129,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "oracle_prompt_case" in metafunc.fixturenames:
         prompts = [(t, p) for t in ORACLE_TAGS for p in load_oracle(t)["prompts"]]
         metafunc.parametrize("oracle_prompt_case", prompts, ids=[f"{t}-{p['name']}" for t, p in prompts])
+
+
+def popen_with_stderr_lines(cmd: list[str]) -> tuple[subprocess.Popen[str], queue.Queue[str | None]]:
+    """Start `cmd` with its stderr lines on a queue (None once it closes), read by a thread so
+    that the process never blocks on a full pipe: how tests follow a `prima serve` they start."""
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, lines

@@ -17,13 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ..conftest import popen_with_stderr_lines
 
 pytestmark = pytest.mark.slow
 
@@ -54,18 +55,7 @@ def served(smollm2_path: Path) -> Iterator[str]:
     del smollm2_path  # fetched by the fixture; the command names the model
     cmd = [sys.executable, "-m", "prima.cli.main", "serve", "--local-ring", "3", "--windows", WINDOWS]
     cmd += ["--port", "0", "-n", "32"]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def drain() -> None:  # keeps reading, so the server never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=drain, daemon=True).start()
+    proc, lines = popen_with_stderr_lines(cmd)
     try:
         yield _wait_for_url(lines, proc)
     finally:

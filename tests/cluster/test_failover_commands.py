@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 from prima.cli.main import main
 from prima.coordinator.local_ring import LocalRing
 
+from ..conftest import popen_with_stderr_lines
 from .conftest import start_ring
 
 pytestmark = pytest.mark.slow
@@ -117,19 +117,7 @@ def _serve(model: Path) -> tuple[subprocess.Popen[str], queue.Queue[str | None]]
     """`prima serve --local-ring 3` on 127.0.0.1:0 with its stderr lines on a queue."""
     cmd = [sys.executable, "-m", "prima.cli.main", "serve", "-m", str(model), "--local-ring", "3"]
     cmd += ["--windows", "10,10,10", "--exact", "--port", "0", "--ctx", "512", "-n", "32", "--temp", "0"]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def drain() -> None:  # keeps reading, so the server never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=drain, daemon=True).start()
-    return proc, lines
+    return popen_with_stderr_lines(cmd)
 
 
 def _wait_for(lines: queue.Queue[str | None], pattern: str, seen: list[str]) -> re.Match[str]:
