@@ -198,7 +198,7 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
         [(d.read_bytes() - b) / MiB for d, b in zip(devs, before, strict=True)],
         plan.get("predicted_ms_per_token"),
         f"k={plan.get('rounds')} {windows}",
-        {"logs": str(logs), "nodes": nodes},
+        {"logs": str(logs), "nodes": nodes, "hops": r.get("hops") or []},
     )
 
 
@@ -293,6 +293,19 @@ def main() -> int:
                 f"  {node_id}: budget {n['budget_mib']:.0f} MiB, {n['pinned_layers']} layers pinned; prefetch read "
                 f"{n['read_mib']:.0f} MiB in {n['read_ms']:.0f} ms, compute {n['compute_ms']:.0f} ms, "
                 f"waited {n['wait_ms']:.0f} ms for reads"
+            )
+    for r in runs:
+        hops = r.extra.get("hops", [])
+        if hops:
+            print("  per decode step, hop by hop: predicted ms (layers + send) / measured compute + relay ms")
+        for h in hops:
+            if h.get("compute_ms") is None:
+                continue
+            lo, hi = h["window"]
+            pred = f"{h['predicted_ms']:.2f}" if h.get("predicted_ms") is not None else "?"
+            print(
+                f"    {h['node_id']} round {h['round']} [{lo},{hi}): predicted {pred}, "
+                f"measured {h['compute_ms']:.2f} + {h['relay_ms']:.2f} over {h['measured_steps']} steps"
             )
     same = {tuple(r.token_ids) for r in runs}
     print(

@@ -10,14 +10,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prima.api.cluster_view import ClusterMonitor, read_ring
 from prima.cli.arg_types import non_negative_int
 from prima.cli.engine_options import add_model_args, open_session
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
 from prima.model.chat_template import model_chat_template, read_chat_template
+from prima.scheduler.profile import ModelProfile
 
 if TYPE_CHECKING:
+    from prima.coordinator.ring import Ring
+    from prima.forward.loader import LoadedModel
     from prima.model.files import ModelFiles
 
 
@@ -148,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         result = session.generate(
             request, stop_strings=args.stop, decoder=tok.stream_decoder(), on_text=stream_out
         )
+        hops = (
+            _hop_times(session.ring, loaded, session.n_ctx)
+            if args.json and session.ring is not None
+            else None
+        )
     finally:
         session.close()
     if args.logits_out and result.prompt_logits is not None:
@@ -163,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         }
         if session.ring is not None:
             out["plan"] = session.ring.plan.to_dict()
+            out["hops"] = hops
             out["recoveries"] = [r.as_dict() for r in getattr(session.generator, "recoveries", [])]
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -179,3 +189,11 @@ def run(args: argparse.Namespace) -> int:
 def _write_stdout(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _hop_times(ring: Ring, loaded: LoadedModel, n_ctx: int) -> list[dict[str, object]]:
+    """Each hop of the ring's forward pass: Halda's predicted ms and what its node measured per
+    decode step, so a run shows where a prediction and the ring part (bench/bench_scale.py)."""
+    model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=n_ctx)  # as Halda planned
+    monitor = ClusterMonitor(loaded.name, lambda: read_ring(ring), model)
+    return monitor.snapshot().to_dict()["hops"]

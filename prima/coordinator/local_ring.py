@@ -87,13 +87,14 @@ class LocalRing:
         names = list(names) if names else [f"node{i}" for i in range(n)]
         if len(names) != n:
             raise NodeError(f"{n} daemons but {len(names)} names")
-        # Daemons on one machine share its cores: split them, and cap BLAS pools too, whose
-        # spinning worker threads would otherwise starve the other daemons.
+        # Daemons on one machine share its cores: split them. BLAS pools stay as
+        # prima.kernels.thread_env sets them (one thread): prefill threads its own tiles, and
+        # BLAS workers spinning beside numba's made each layer ~4x slower (issue #18).
         threads = threads or max(1, (os.cpu_count() or 1) // n)
         # One compile here, not n side by side in daemons racing their start timeout.
         ensure_compiled(models[0] if models else model)
         env = dict(os.environ)
-        for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
             env[var] = str(threads)
         env[INTERFACES_ENV] = "127.0.0.1"
         # The kernel signals a child when the *thread* that forked it ends: only the main

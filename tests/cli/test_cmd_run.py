@@ -194,6 +194,12 @@ def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
     # Ring order puts the head (node 0) last in each round.
     assert [n["windows"] for n in doc["plan"]["nodes"]] == [[[5, 15], [20, 30]], [[0, 5], [15, 20]]]
     assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:6]
+    # Each hop of the forward pass, in ring order, with what its node measured per decode step
+    # (a plan by hand has no profiles, so nothing is predicted).
+    hops = doc["hops"]
+    assert [h["window"] for h in hops] == [[0, 5], [5, 15], [15, 20], [20, 30]]
+    assert [h["node_id"] for h in hops] == ["node1", "node0", "node1", "node0"]
+    assert all(h["measured_steps"] == 5 and h["compute_ms"] > 0 for h in hops)
 
 
 def test_draft_lookup_gives_the_same_tokens_and_reports_its_counts(
