@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prima.errors import PrimaError
+from prima.scheduler.disk_sharing import whole_disk
 
 CGROUP_V1 = Path("/sys/fs/cgroup")
 
@@ -111,13 +112,7 @@ class EmulatedDevice:
 
 def disk_of(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(major, minor) of the whole disk holding `path` (blkio throttles whole disks)."""
-    dev = os.stat(path).st_dev
-    major, minor = os.major(dev), os.minor(dev)
-    sys_dev = Path(f"/sys/dev/block/{major}:{minor}")
-    if (sys_dev / "partition").exists():
-        parent = (sys_dev / "..").resolve() / "dev"
-        major, minor = (int(x) for x in parent.read_text().split(":"))
-    return major, minor
+    return whole_disk(path)
 
 
 def drop_page_cache() -> bool:

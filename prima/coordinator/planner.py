@@ -14,6 +14,7 @@ from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile
 from prima.plan import Plan
 from prima.scheduler import halda
+from prima.scheduler.cost_model import device_cost
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.transfer import TransferEstimate, estimate_transfers
 
@@ -92,15 +93,29 @@ def plan_ring(
         found = client.profile(peer, refresh=options.refresh and not options.pick_head)
         device = budgeted_device(found, model, is_head=m == 0)
         devices.append(dataclasses.replace(device, node_id=client.name, address=client.address))
+        cost = device_cost(device, model, is_head=m == 0)
         log.info(
-            "profile of %s: %.2f GiB for layers, hop %.2f ms",
+            "profile of %s: %.2f GiB for layers, %.2f ms per layer, disk %.0f MB/s, hop %.2f ms",
             client.name,
             device.ram_available_bytes / (1 << 30),
+            cost.cpu_ms_per_layer,
+            device.disk_read_bytes_per_s / 1e6,
             device.net_latency_ms,
         )
+    for names in shared_disks(devices):
+        log.info("%s read one disk: what they stream from it shares its bandwidth", ", ".join(names))
     if on_progress:
         on_progress(len(ring), len(ring), "solving")
     plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
     transfers = estimate_transfers(devices, model, plan)
     log.info("plan epoch %d: %s", epoch, transfers.describe())
     return ClusterView(tuple(devices), plan, transfers)
+
+
+def shared_disks(devices: Sequence[DeviceProfile]) -> list[list[str]]:
+    """The names of the devices that read one disk, for each disk read by more than one."""
+    groups: dict[str, list[str]] = {}
+    for d in devices:
+        if d.shared_disk:
+            groups.setdefault(d.shared_disk, []).append(d.node_id)
+    return [names for names in groups.values() if len(names) > 1]

@@ -27,6 +27,7 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
+from prima.scheduler.disk_sharing import shared_disk_key
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops
 from prima.scheduler.memory import MemoryLimit, read_memory_limit
 from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
@@ -167,6 +168,8 @@ def node_profile(
         ram_total_bytes=limit.total,
         ram_available_bytes=limit.weights_budget(),
         accelerator=accel,
+        # Like memory, read now: the daemons beside it and its disk throttle are this run's.
+        shared_disk=shared_disk_key(loaded.path),
     )
     if store is not None:
         device = with_holdings(device, loaded.gguf, store, disk_budget_bytes)

@@ -17,7 +17,8 @@ For a ring of M devices (head first), k rounds, window sizes w_m and accelerator
 
 Y_m = k*u_m - P_m are the layers device m rereads per token. Its disk reads them while the rest
 of the ring computes (the prefetch thread runs ahead of compute), so they bound T next to the
-trip instead of adding to it.
+trip instead of adding to it. Devices that read one disk (daemons on one machine: equal
+`shared_disk`) share its bandwidth, so their rereads add up: T >= sum over them of d_m * Y_m.
 
 Disk, per device: a device that holds only some layers of the model (it fetched them from a
 peer) fetches the others its windows need, and may hold at most `disk_budget_bytes` after that;
@@ -59,6 +60,7 @@ class DeviceCost:
     accel_shares_ram: bool
     held_layers: frozenset[int] | None = None  # None: the whole model file
     fetch_room_layers: int = -1  # layers it may fetch within its disk budget; -1: no budget
+    shared_disk: str = ""  # devices with the same non-empty name read one disk
 
     @property
     def layer_ram_bytes(self) -> int:
@@ -110,6 +112,7 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
     return DeviceCost(
         held_layers=None if device.held_layers is None else frozenset(device.held_layers),
         fetch_room_layers=fetch_room_layers(device, model, is_head=is_head),
+        shared_disk=device.shared_disk,
         cpu_ms_per_layer=cpu,
         accel_delta_ms_per_layer=delta,
         disk_ms_per_layer=disk,
@@ -264,20 +267,23 @@ def ring_time_ms(
 ) -> float:
     """Predicted ms per token of a ring (costs[0] the head); inf if any device's layers do not
     fit its memory or its disk budget. T = max(kappa + the trip round the ring, each device's own
-    reads + compute): the trip is serial, while each device's disk streams its next layers as
-    the others compute."""
+    reads + compute, each shared disk's reads for all its devices): the trip is serial, while
+    each device's disk streams its next layers as the others compute."""
     if ring_fetched_layers(costs, rounds, window_sizes) is None:
         return math.inf
     sends = len(costs) > 1
     trip = costs[0].fixed_ms
     own = 0.0
+    shared: dict[str, float] = {}
     for cost, w, n in zip(costs, window_sizes, accel_layers, strict=True):
         t = device_time(cost, rounds, w, n, sends=sends)
         if t is None:
             return math.inf
         trip += t.path_ms
         own = max(own, t.own_ms)
-    return max(trip, own)
+        if cost.shared_disk:
+            shared[cost.shared_disk] = shared.get(cost.shared_disk, 0.0) + t.disk_ms
+    return max(trip, own, *shared.values())
 
 
 def predict_ms_per_token(

@@ -48,7 +48,8 @@ class DeviceProfile:
     What it holds of the model being planned: `held_layers` the layers every byte of which it
     has (None: the whole file), `holds_head_tensors` whether it has the embedding and output
     head, `held_bytes` all it holds of the file; `disk_budget_bytes` caps what it may hold after
-    fetching (primad --disk-budget; 0 = no cap)."""
+    fetching (primad --disk-budget; 0 = no cap). `shared_disk` names the disk it streams from
+    when other members may read the same one (scheduler.disk_sharing; "" = a disk of its own)."""
 
     node_id: str
     address: str = ""
@@ -67,6 +68,7 @@ class DeviceProfile:
     holds_head_tensors: bool = True
     held_bytes: int = 0
     disk_budget_bytes: int = 0
+    shared_disk: str = ""
 
     def holds_layer(self, layer: int) -> bool:
         return self.held_layers is None or layer in self.held_layers
@@ -94,6 +96,7 @@ class DeviceProfile:
             "holds_head_tensors": self.holds_head_tensors,
             "held_bytes": self.held_bytes,
             "disk_budget_bytes": self.disk_budget_bytes,
+            "shared_disk": self.shared_disk,
         }
 
     @classmethod
@@ -130,6 +133,7 @@ class DeviceProfile:
             holds_head_tensors=r.flag("holds_head_tensors", True),
             held_bytes=r.count("held_bytes", 0),
             disk_budget_bytes=r.count("disk_budget_bytes", 0),
+            shared_disk=r.text("shared_disk", ""),
         )
 
 

@@ -119,3 +119,25 @@ def test_cost_model_disk_overlaps_the_rest_of_the_ring(make_device, make_model):
     assert reread > 0
     assert t == pytest.approx(max(trip, own))
     assert t < trip + reread * small.disk_ms_per_layer
+
+
+def test_cost_model_devices_on_one_disk_share_its_bandwidth(make_device, make_model):
+    """Two streaming daemons on one machine read one disk: their rereads add up and bound T,
+    which neither does alone; on disks of their own each bounds T by itself."""
+    model = make_model(n_layers=12, layer_mib=100, kv_mib=0)
+    own = [make_device("a", ram_gib=0.5, disk_gbps=0.2), make_device("b", ram_gib=0.5, disk_gbps=0.2)]
+    one_disk = [dataclasses.replace(d, shared_disk="boot/8:0") for d in own]
+    costs = ring_costs(one_disk, model)
+    reads = [c.disk_ms_per_layer * (6 - pinned_layers(c, 3, 2)) for c in costs]
+    assert all(r > 0 for r in reads)
+    apart = predict_ms_per_token(own, model, 3, [2, 2])
+    together = predict_ms_per_token(one_disk, model, 3, [2, 2])
+    assert together == pytest.approx(sum(reads))
+    assert apart < together
+
+
+def test_shared_disk_survives_the_profile_json(make_device):
+    from prima.scheduler.profile import DeviceProfile
+
+    d = dataclasses.replace(make_device("a"), shared_disk="boot/259:0")
+    assert DeviceProfile.from_dict(d.to_dict()) == d
