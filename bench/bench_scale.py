@@ -4,7 +4,7 @@ the same disk-read throttle), page cache dropped before each run, no memory flag
 Halda plans the ring from what each daemon finds about itself.
 
     python bench/bench_scale.py [--model PATH | --size 1.04G] [--nodes 3] [--mem 600M]
-                                [--disk-mbps 200] [-n 16] [--threads 2] [--json]
+                                [--disk-mbps 200] [-n 16] [--prompt-words 300] [--threads 2] [--json]
 
 Prints ms/token for each run, the ring's ratio against llama.cpp, Halda's predicted ms/token
 against the measurement, and per process the peak memory (cgroup) and the bytes read from disk.
@@ -32,13 +32,19 @@ from prima.model.synth import spec_for_size, write_synth_model
 from prima.net.client import NodeClient
 
 PROMPT = "The capital of France is"
+# --prompt-words N: a long prompt of these words repeated, to time prefill (a streaming ring
+# reads its streamed layers once per micro-batch that reaches them apart from the others).
+LONG_TEXT = (
+    "The river bends past the old mill where the village keeps its records of every harvest, "
+    "every flood and every wedding since the bridge was built of stone from the northern hills."
+).split()
 MiB = 1 << 20
 
 LLAMA_WORKER = r"""
 import json, sys, time
 from llama_cpp import Llama
-path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_ctx=256, n_threads=threads, n_batch=64, use_mmap=True, verbose=False)
+path, prompt, n, threads, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_batch=64, use_mmap=True, verbose=False)
 tokens = llm.tokenize(prompt.encode(), add_bos=True)
 stamps = [time.perf_counter()]
 ids = []
@@ -63,6 +69,18 @@ class Run:
     predicted_ms: float | None = None
     plan: str = ""
     extra: dict = field(default_factory=dict)
+    prefill_ms: float | None = None  # the prompt, up to the first token
+
+
+def prompt(args: argparse.Namespace) -> str:
+    if not args.prompt_words:
+        return PROMPT
+    return " ".join(LONG_TEXT[i % len(LONG_TEXT)] for i in range(args.prompt_words))
+
+
+def ctx(args: argparse.Namespace) -> int:
+    """Context for the prompt and the tokens (a word is rarely more than two tokens)."""
+    return max(256, 2 * args.prompt_words + args.n + 64)
 
 
 def synth_model(size: str) -> Path:
@@ -89,7 +107,16 @@ def run_llama(model: Path, args: argparse.Namespace, dev: EmulatedDevice) -> Run
     dev.reset_peak()
     before = dev.read_bytes()
     out = subprocess.run(
-        [sys.executable, "-c", LLAMA_WORKER, str(model), PROMPT, str(args.n), str(args.threads)],
+        [
+            sys.executable,
+            "-c",
+            LLAMA_WORKER,
+            str(model),
+            prompt(args),
+            str(args.n),
+            str(args.threads),
+            str(ctx(args)),
+        ],
         capture_output=True,
         text=True,
         preexec_fn=dev.preexec(),
@@ -104,6 +131,7 @@ def run_llama(model: Path, args: argparse.Namespace, dev: EmulatedDevice) -> Run
         r["token_ids"],
         [dev.peak_bytes() / MiB],
         [(dev.read_bytes() - before) / MiB],
+        prefill_ms=r["prefill_ms"],
     )
 
 
@@ -111,8 +139,8 @@ def run_prima_single(model: Path, args: argparse.Namespace, dev: EmulatedDevice)
     drop_page_cache()
     dev.reset_peak()
     before = dev.read_bytes()
-    cmd = [sys.executable, "-m", "prima.cli.main", "run", "--local", "-m", str(model), "-p", PROMPT]
-    cmd += ["-n", str(args.n), "--temp", "0", "--json", "-t", str(args.threads), "-c", "256"]
+    cmd = [sys.executable, "-m", "prima.cli.main", "run", "--local", "-m", str(model), "-p", prompt(args)]
+    cmd += ["-n", str(args.n), "--temp", "0", "--json", "-t", str(args.threads), "-c", str(ctx(args))]
     out = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=dev.preexec(), timeout=args.timeout)
     if out.returncode != 0:
         raise SystemExit(f"prima run --local failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -123,6 +151,7 @@ def run_prima_single(model: Path, args: argparse.Namespace, dev: EmulatedDevice)
         r["token_ids"],
         [dev.peak_bytes() / MiB],
         [(dev.read_bytes() - before) / MiB],
+        prefill_ms=r["timings"]["prompt_ms"],
     )
 
 
@@ -156,7 +185,7 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
             "-m",
             str(model),
         ]
-        cmd += ["-p", PROMPT, "-n", str(args.n), "--temp", "0", "--json", "-c", "256"]
+        cmd += ["-p", prompt(args), "-n", str(args.n), "--temp", "0", "--json", "-c", str(ctx(args))]
         # --reprofile: the disk and memory a daemon sees here change from run to run (throttles,
         # limits), so a cached profile would plan for another machine; the coordinator asks the
         # nodes one at a time, so their measurements do not contend for the two cores.
@@ -199,6 +228,7 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
         plan.get("predicted_ms_per_token"),
         f"k={plan.get('rounds')} {windows}",
         {"logs": str(logs), "nodes": nodes, "hops": r.get("hops") or []},
+        prefill_ms=r["timings"]["prompt_ms"],
     )
 
 
@@ -212,6 +242,12 @@ def main() -> int:
         "--disk-mbps", type=float, default=0, help="disk-read throttle per process, MB/s (0 = none)"
     )
     p.add_argument("-n", type=int, default=16, help="tokens to generate (default 16)")
+    p.add_argument(
+        "--prompt-words",
+        type=int,
+        default=0,
+        help="a prompt of this many words, to time prefill (default: 5)",
+    )
     p.add_argument(
         "--threads", type=int, default=2, help="threads of llama.cpp, prima alone and each daemon (default 2)"
     )
@@ -276,17 +312,22 @@ def main() -> int:
         )
         return 0
     print(
-        f"{model.name}, {args.mem} per process, disk {args.disk_mbps or 'unthrottled'} MB/s, {args.n} tokens, CPU: {cpu}"
+        f"{model.name}, {args.mem} per process, disk {args.disk_mbps or 'unthrottled'} MB/s, "
+        f"{args.prompt_words or 5}-word prompt, {args.n} tokens, CPU: {cpu}"
     )
     print(
-        f"{'run':<18} {'ms/token':>9} {'vs llama':>9} {'predicted':>10} {'peak MiB':>16} {'read MiB':>16}  plan"
+        f"{'run':<18} {'ms/token':>9} {'vs llama':>9} {'predicted':>10} {'prefill ms':>11} {'peak MiB':>16} "
+        f"{'read MiB':>16}  plan"
     )
     for r in runs:
         ratio = f"{llama.ms_per_token / r.ms_per_token:.2f}x" if llama and r is not llama else ""
         pred = f"{r.predicted_ms:.0f}" if r.predicted_ms else ""
         peak = "/".join(f"{x:.0f}" for x in r.peak_mib)
         read = "/".join(f"{x:.0f}" for x in r.read_mib)
-        print(f"{r.name:<18} {r.ms_per_token:>9.1f} {ratio:>9} {pred:>10} {peak:>16} {read:>16}  {r.plan}")
+        prefill = f"{r.prefill_ms:.0f}" if r.prefill_ms is not None else ""
+        print(
+            f"{r.name:<18} {r.ms_per_token:>9.1f} {ratio:>9} {pred:>10} {prefill:>11} {peak:>16} {read:>16}  {r.plan}"
+        )
     for r in runs:
         for node_id, n in r.extra.get("nodes", {}).items():
             print(
