@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,7 @@ def test_tune_measures_each_candidate_once_then_reads_the_record(
 ) -> None:
     record = tmp_path / "threads.json"
     monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
+    monkeypatch.setattr(tt, "MAX_OTHERS_BUSY", 1.0)  # kept however busy the test machine is
     chosen, measured, fresh = tt.tune(smollm2_path, "f" * 64, cores=2)
     assert fresh
     assert record.exists()
@@ -129,3 +131,56 @@ def test_a_failed_measurement_leaves_the_defaults(
         assert tt.tuned_setting(smollm2_path) is None
     assert "running with the default threads" in caplog.text
     assert not (tmp_path / "threads.json").exists()
+
+
+BUSY_LOOP = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+
+
+def _spinners() -> list[subprocess.Popen[bytes]]:
+    """One busy process per core (ended by the caller, at the latest after 30 s)."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(os.cpu_count() or 1)]
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait(timeout=10)
+
+
+def test_others_load_sees_other_processes_not_its_own_work() -> None:
+    with tt.OthersLoad() as idle:
+        sum(i * i for i in range(3_000_000))  # this process's own work does not count
+    spinners = _spinners()
+    try:
+        with tt.OthersLoad() as busy:
+            time.sleep(1.0)
+    finally:
+        _stop(spinners)
+    assert busy.busy_share() > 0.5
+    assert idle.busy_share() < busy.busy_share()
+
+
+def test_threads_timed_on_a_busy_machine_are_used_but_not_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A choice measured beside other work (a test suite, a compile) would stay wrong for good:
+    it is used for this run and measured again next time."""
+    record = tmp_path / "threads.json"
+    monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
+
+    def measured(model: object, setting: ThreadSetting, timeout_s: float = 0.0) -> float:
+        time.sleep(0.4)  # the busy processes run meanwhile
+        return 10.0 / setting.threads
+
+    monkeypatch.setattr(tt, "measure", measured)
+    spinners = _spinners()
+    try:
+        with caplog.at_level("WARNING", logger="prima.engine"):
+            chosen, _, fresh = tt.tune("model.gguf", "f" * 64, cores=2)
+    finally:
+        _stop(spinners)
+    assert fresh
+    assert chosen.threads == 2
+    assert not record.exists()
+    assert "without recording it" in caplog.text
