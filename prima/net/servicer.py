@@ -19,7 +19,7 @@ from prima.model.sparse import SparseFile
 from prima.net import codec, fetch
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.credentials import peer_name
-from prima.net.limits import CallerSlots, DaemonLimits, bounded_stream
+from prima.net.limits import CallerSlots, DaemonLimits, consume_bounded
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.status import status_for
@@ -172,9 +172,11 @@ class NodeServicer(FileServicer):
     def Relay(self, request_iterator: Iterator[pb.Activation], context: grpc.ServicerContext) -> pb.Empty:
         h, bounds = self.handler, self.limits
 
+        def accept(msg: pb.Activation) -> None:
+            h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
+
         def relay() -> None:
-            for msg in bounded_stream(request_iterator, bounds.relay_idle_s, bounds.relay_open_s):
-                h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
+            consume_bounded(request_iterator, accept, bounds.relay_idle_s, bounds.relay_open_s)
 
         self._guard(context, relay, "Relay")
         return pb.Empty()

@@ -15,7 +15,7 @@ from prima.engine.sampling import SamplerConfig
 from prima.errors import ProtocolError
 from prima.forward.loader import load_model
 from prima.net import codec
-from prima.net.limits import CallerSlots, DaemonLimits, bounded_stream
+from prima.net.limits import CallerSlots, DaemonLimits, consume_bounded
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
@@ -97,24 +97,48 @@ def test_a_silent_relay_stream_is_ended_with_deadline_exceeded(head: pb_grpc.Nod
     head.Ping(pb.PingRequest(), timeout=10)  # still serving
 
 
-def test_bounded_stream_passes_messages_then_ends_when_open_too_long() -> None:
-    now = [0.0]
-    stream = bounded_stream(iter(range(3)), idle_s=5.0, open_s=10.0, clock=lambda: now[0])
-    assert [next(stream), next(stream)] == [0, 1]
-    now[0] = 11.0  # the stream has now been open longer than allowed
-    with pytest.raises(StreamTimeoutError, match="open 10 s"):
-        next(stream)
+def test_consume_bounded_hands_every_message_over_in_order() -> None:
+    got: list[int] = []
+    consume_bounded(iter(range(5)), got.append, idle_s=5.0, open_s=10.0)
+    assert got == [0, 1, 2, 3, 4]
 
 
-def test_bounded_stream_passes_the_reader_error_on() -> None:
+def test_consume_bounded_ends_a_stream_open_too_long_though_it_is_busy() -> None:
+    release = threading.Event()
+    got: list[int] = []
+
+    def chatty() -> Iterator[int]:
+        for i in range(1000):  # a message every 10 ms: never idle
+            if release.wait(0.01):
+                return
+            yield i
+
+    try:
+        with pytest.raises(StreamTimeoutError, match="open 0.3 s"):
+            consume_bounded(chatty(), got.append, idle_s=5.0, open_s=0.3)
+    finally:
+        release.set()
+    assert got[:3] == [0, 1, 2]
+
+
+def test_consume_bounded_passes_the_stream_error_and_the_handler_error_on() -> None:
     def broken() -> Iterator[int]:
         yield 1
         raise ProtocolError("torn stream")
 
-    stream = bounded_stream(broken(), idle_s=5.0, open_s=10.0)
-    assert next(stream) == 1
+    got: list[int] = []
     with pytest.raises(ProtocolError, match="torn stream"):
-        next(stream)
+        consume_bounded(broken(), got.append, idle_s=5.0, open_s=10.0)
+    assert got == [1]
+
+    def refuse(m: int) -> None:
+        if m == 2:
+            raise PayloadTooLargeError("too many queued rows")
+        got.append(m)
+
+    with pytest.raises(PayloadTooLargeError, match="too many queued rows"):
+        consume_bounded(iter(range(5)), refuse, idle_s=5.0, open_s=10.0)
+    assert got == [1, 0, 1]  # nothing after the refused message
 
 
 def test_caller_slots_count_each_caller_apart() -> None:
