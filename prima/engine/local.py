@@ -14,7 +14,6 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 import numpy as np
 
 from prima.engine.batching import DecodeBatcher
-from prima.engine.speculative import Drafter, DraftSource
 from prima.engine.generate import (
     Engine,
     GenerateRequest,
@@ -23,6 +22,7 @@ from prima.engine.generate import (
     forward_ids,
     sample_tokens,
 )
+from prima.engine.speculative import Drafter, DraftSource
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
 from prima.forward.transformer import Transformer

@@ -48,12 +48,20 @@ class DraftConfig:
             )
         if not 1 <= self.max_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"--draft-max must be between 1 and {MAX_DRAFT_TOKENS}, got {self.max_tokens}")
+        if self.model_fingerprint and not _is_sha256_hex(self.model_fingerprint):
+            raise InputError(
+                f"a draft model's fingerprint is 64 hex digits, not {self.model_fingerprint[:80]!r}"
+            )
         if self.model_fingerprint and self.method != "model":
             raise InputError(f"a draft model was named with --draft {self.method}; drop one of them")
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 class Drafter(Protocol):
