@@ -361,11 +361,17 @@ def _open_session(args: argparse.Namespace) -> Session:
             with StepBar("compiling") as bar:
                 ensure_compiled(loaded.path, on_stage=stage, on_progress=bar)
             stage(f"starting {local_ring} primad daemon(s) on 127.0.0.1")
-            extra = ("--exact",) if _mode(args) == "exact" else ()
+            exact = ("--exact",) if _mode(args) == "exact" else ()
             draft_model = getattr(args, "draft_model", None)
-            if draft_model is not None:  # whichever daemon is the head drafts with it
-                extra += ("--draft-model", str(resolve_model(draft_model)))
-            local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=extra)
+            # The first daemon is the head (the plan keeps the order given), the one that drafts.
+            head = ("--draft-model", str(resolve_model(draft_model))) if draft_model else ()
+            local = LocalRing.start(
+                local_ring,
+                loaded.path,
+                threads=args.threads,
+                extra_args=exact,
+                node_args=[head, *([()] * (local_ring - 1))],
+            )
             closers.append(local.close)
             addresses = local.addresses
         pick_head = not local_ring and not nodes  # discovered: adverts are hints

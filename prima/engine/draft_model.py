@@ -98,14 +98,15 @@ class ModelDrafter:
         or they would not fit the draft model's context."""
         if n_tokens <= 0 or len(context) + n_tokens - 1 > self.engine.n_ctx:
             return []
+        if not self.fed:
+            # The prompt as the target ran it (one prefill); its last token then goes alone.
+            self._feed(context[:-1], prefill=True)
         keep = self._common_prefix(context)
         # At least the last token is fed again: its logits give the first guess.
         keep = min(keep, len(context) - 1)
         self.engine.rewind(keep)
         del self.fed[keep:]
-        new = [int(t) for t in context[keep:]]
-        logits = self.engine.forward(new)
-        self.fed.extend(new)
+        logits = self._feed(context[keep:])
         self._synced = len(context)
         drafts: list[int] = []
         while True:
@@ -113,8 +114,19 @@ class ModelDrafter:
             drafts.append(token)
             if len(drafts) == n_tokens:
                 return drafts
-            logits = self.engine.forward([token])
-            self.fed.append(token)
+            logits = self._feed([token])
+
+    def _feed(self, tokens: Sequence[int], prefill: bool = False) -> np.ndarray:
+        """Append `tokens` to the cache; the last one's logits. Past the prompt, in batches
+        whose rows equal tokens run alone, as the target checks drafts: a model drafting for
+        itself then guesses exactly what the target samples greedily."""
+        ids = [int(t) for t in tokens]
+        step = max(len(ids), 1) if prefill else self.engine.model.backend.batch_identical_tokens
+        logits = np.empty(0, dtype=np.float32)
+        for s in range(0, len(ids), step):
+            logits = self.engine.forward(ids[s : s + step])
+        self.fed.extend(ids)
+        return logits
 
     def _common_prefix(self, context: Sequence[int]) -> int:
         """How much of `fed` is still the context: all that was synced, then drafts as far as
