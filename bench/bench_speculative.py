@@ -1,9 +1,12 @@
-"""Speed-up of speculative decoding (prompt lookup) over plain decoding, same run: on this
-device and on a local ring of 3 primad, for repetitive text (code, a list, quoting the prompt)
-and for free text.
+"""Speed-up of speculative decoding (prompt lookup, or a draft model) over plain decoding, same
+run: on this device and on a local ring of 3 primad, for repetitive text (code, a list, quoting
+the prompt) and for free text.
 
     python bench/bench_speculative.py [--model smollm2-135m] [-n 64] [--threads 1] [--draft-max 3]
-                                      [--skip-ring]
+                                      [--draft-model PATH_OR_NAME] [--skip-ring]
+
+With --draft-model the drafts come from that model (on the ring, the head daemon's) instead of
+prompt lookup.
 
 Prints, per setup and text: ms per generated token plain and with drafts, the ratio
 (plain / drafts: above 1 is a speed-up) and how many drafted tokens were accepted. Greedy, so
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
+from prima.engine.draft_model import load_draft_model
 from prima.engine.generate import GenerateRequest, GenerationResult, Generator, collect, stream_text
 from prima.engine.local import local_generator
 from prima.engine.prompt import prompt_ids
@@ -62,7 +66,8 @@ def compare(name: str, generator: Generator, files: LoadedModel, n: int, draft: 
         ratio = p.ms_per_token / s.ms_per_token if s.ms_per_token else 0.0
         print(
             f"{name:8s} {text_name:6s} {p.generated_tokens:4d} tok  plain {p.ms_per_token:7.2f} ms/tok  "
-            f"lookup {s.ms_per_token:7.2f} ms/tok  x{ratio:5.2f}  accepted {s.accepted_tokens}/{s.draft_tokens}"
+            f"{draft.method} {s.ms_per_token:7.2f} ms/tok  x{ratio:5.2f}  "
+            f"accepted {s.accepted_tokens}/{s.draft_tokens}"
         )
 
 
@@ -82,19 +87,27 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens to generate per text")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--draft-model", default=None, help="draft with this model instead of prompt lookup")
     ap.add_argument("--skip-ring", action="store_true", help="only this device")
     args = ap.parse_args()
-    draft = DraftConfig("lookup", args.draft_max)
-    print(f"# {args.model}, {args.threads} thread(s), --draft-max {args.draft_max}, {cpu_name()}")
+    draft = DraftConfig("model" if args.draft_model else "lookup", args.draft_max)
+    drafts_from = f"--draft-model {args.draft_model}" if args.draft_model else "prompt lookup"
+    print(
+        f"# {args.model}, {args.threads} thread(s), --draft-max {args.draft_max}, {drafts_from}, {cpu_name()}"
+    )
     loaded = load_model(args.model, threads=args.threads)
-    single = local_generator(loaded, n_ctx=1024)
+    draft_model = (
+        load_draft_model(args.draft_model, loaded, threads=args.threads) if args.draft_model else None
+    )
+    single = local_generator(loaded, n_ctx=1024, draft_model=draft_model)
     try:
         compare("single", single, loaded, args.n, draft)
     finally:
         single.close()
     if args.skip_ring:
         return
-    local = LocalRing.start(3, loaded.path, threads=args.threads)
+    head_args = ("--draft-model", str(draft_model.loaded.path)) if draft_model else ()
+    local = LocalRing.start(3, loaded.path, threads=args.threads, node_args=[head_args, (), ()])
     try:
         ring = Ring.connect(local.addresses, rounds=1)
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from prima.api.cluster_view import ClusterMonitor, read_local, read_ring
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     )
     template = chat_template_from_args(args)
     session = open_session(args)
+    defaults = replace(defaults, draft=session.draft)  # with the --draft-model file's fingerprint
     warn_if_no_chat_template(session.loaded, template)
     model_id = args.model_id or _model_id(args.model)
     service = CompletionService(

@@ -88,7 +88,20 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
         default="none",
         choices=DRAFT_METHODS,
         help="draft tokens to check in one pass: lookup = repeat what followed the last few tokens "
-        "earlier in the context (default none)",
+        "earlier in the context; model = guess with a small model of the same vocabulary "
+        "(--draft-model; on a ring of running daemons, the one the head's primad was started with) "
+        "(default none)",
+    )
+    g.add_argument(
+        "-md",
+        "--draft-model",
+        "--model-draft",
+        dest="draft_model",
+        default=None,
+        metavar="PATH_OR_NAME",
+        help="draft with this small GGUF (implies --draft model); it must share the model's vocabulary. "
+        "It runs where tokens are sampled: here with --local, in the head daemon on a ring (--local-ring "
+        "passes it to the daemons it starts; other rings' heads need `primad --draft-model` of the same file)",
     )
     g.add_argument(
         "--draft-max",
@@ -100,8 +113,16 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
 
 
 def draft_from_args(args: argparse.Namespace) -> DraftConfig:
-    """The --draft and --draft-max flags (plain decoding for commands without them)."""
-    return DraftConfig(getattr(args, "draft", "none"), getattr(args, "draft_max", DEFAULT_DRAFT_MAX))
+    """The --draft, --draft-model and --draft-max flags (plain decoding for commands without
+    them). The draft model's fingerprint is filled in once the file is opened (open_session)."""
+    method = getattr(args, "draft", "none")
+    if getattr(args, "draft_model", None) is not None:
+        if method not in ("none", "model"):
+            raise InputError(
+                f"--draft-model drafts with a model, --draft {method} without one: drop one of them"
+            )
+        method = "model"
+    return DraftConfig(method, getattr(args, "draft_max", DEFAULT_DRAFT_MAX))
 
 
 def add_ring_args(parser: argparse.ArgumentParser) -> None:
@@ -273,8 +294,33 @@ def open_session(args: argparse.Namespace) -> Session:
     its requests carry the --draft flags."""
     draft = draft_from_args(args)  # checked before the model is resolved
     session = _open_session(args)
-    session.draft = draft
+    try:
+        session.draft = _with_draft_model(args, session, draft)
+    except BaseException:
+        session.close()
+        raise
     return session
+
+
+def _with_draft_model(args: argparse.Namespace, session: Session, draft: DraftConfig) -> DraftConfig:
+    """The draft config with the --draft-model file's fingerprint, its vocabulary checked
+    against the model's here, before any generation (a ring's head checks both again)."""
+    from dataclasses import replace
+
+    from prima.engine.draft_model import shared_vocabulary
+    from prima.model.files import open_model
+
+    if draft.method != "model":
+        return draft
+    if args.draft_model is None:
+        if session.ring is None:
+            raise InputError(
+                "--draft model on this device needs the draft's file: give --draft-model PATH_OR_NAME"
+            )
+        return draft  # the head's own draft model (primad --draft-model)
+    files = open_model(args.draft_model, layers=range(0))
+    shared_vocabulary(session.loaded, files)
+    return replace(draft, model_fingerprint=files.gguf.fingerprint())
 
 
 def _open_session(args: argparse.Namespace) -> Session:
@@ -316,7 +362,16 @@ def _open_session(args: argparse.Namespace) -> Session:
                 ensure_compiled(loaded.path, on_stage=stage, on_progress=bar)
             stage(f"starting {local_ring} primad daemon(s) on 127.0.0.1")
             exact = ("--exact",) if _mode(args) == "exact" else ()
-            local = LocalRing.start(local_ring, loaded.path, threads=args.threads, extra_args=exact)
+            draft_model = getattr(args, "draft_model", None)
+            # The first daemon is the head (the plan keeps the order given), the one that drafts.
+            head = ("--draft-model", str(resolve_model(draft_model))) if draft_model else ()
+            local = LocalRing.start(
+                local_ring,
+                loaded.path,
+                threads=args.threads,
+                extra_args=exact,
+                node_args=[head, *([()] * (local_ring - 1))],
+            )
             closers.append(local.close)
             addresses = local.addresses
         pick_head = not local_ring and not nodes  # discovered: adverts are hints
@@ -376,7 +431,16 @@ def _local_session(args: argparse.Namespace, path: Path) -> Session:
         setting = tuned_setting(path, on_stage=stage, threads=threads)
         threads = setting.threads if setting else threads
     loaded = load_model(path, backend=args.backend, threads=threads, mode=_mode(args))
-    generator = local_generator(loaded, args.ctx, parallel=getattr(args, "parallel", 1))
+    draft_model = None
+    if getattr(args, "draft_model", None) is not None:
+        from prima.engine.draft_model import load_draft_model
+
+        draft_model = load_draft_model(
+            args.draft_model, loaded, backend=args.backend, threads=threads, mode=_mode(args)
+        )
+    generator = local_generator(
+        loaded, args.ctx, parallel=getattr(args, "parallel", 1), draft_model=draft_model
+    )
     return Session(loaded, generator, generator.n_ctx, [generator.close])
 
 

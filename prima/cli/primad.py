@@ -27,6 +27,7 @@ import prima.kernels.thread_env  # noqa: F401
 from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import StepBar, stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.draft_model import load_draft_model
 from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PrimaError
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="most of the model file this node may hold, such as 20G, when it fetches its layers "
         "(--fetch-from); Halda plans within it and a plan past it is refused (default 0: no cap)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH_OR_NAME",
+        help="a small GGUF with the model's vocabulary to draft tokens with when this node is a ring's "
+        "head and a generation asks for `--draft model` (speculative decoding; it runs on the CPU)",
     )
     p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
     p.add_argument(
@@ -266,6 +274,11 @@ def serve(args: argparse.Namespace) -> int:
         mode="exact" if args.exact else "q8",
         npu_ctx=args.npu_ctx,
     )
+    draft_model = None
+    if args.draft_model is not None:
+        draft_model = load_draft_model(
+            args.draft_model, loaded, threads=threads, mode="exact" if args.exact else "q8"
+        )
     stop = threading.Event()
     bounds = daemon_limits(args)
     runtime = NodeRuntime(
@@ -280,6 +293,7 @@ def serve(args: argparse.Namespace) -> int:
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
         disk_budget_bytes=disk_budget,
+        draft_model=draft_model,
     )
     revoked = None
     if identity is not None:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from prima.engine.draft_model import DraftModel
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, forward_ids, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
 from prima.errors import InputError, NodeError, ProtocolError
@@ -145,7 +146,8 @@ class HeadHost(Protocol):
 
 
 class Head:
-    """The head node's ring sessions (a RingLink) and the generations run on them."""
+    """The head node's ring sessions (a RingLink) and the generations run on them; `draft_model`
+    (primad --draft-model) drafts for generations that ask for `--draft model`."""
 
     def __init__(
         self,
@@ -153,9 +155,11 @@ class Head:
         ring_timeout_s: float,
         threads: int | None = None,
         liveness: Liveness | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
         self.host = host
         self.threads = threads
+        self.draft_model = draft_model
         # A hung or vanished node is named within seconds; ring_timeout_s only bounds a ring
         # whose nodes all answer but whose activations never come back.
         self.liveness = liveness or Liveness(give_up_s=ring_timeout_s)
@@ -168,10 +172,11 @@ class Head:
         """Token ids as sampled here, then a GenerationDone; runs in the caller's thread, and
         closing the iterator ends the generation and its ring session."""
         use_threads(self.threads)  # each call may come on another gRPC thread
+        self._check_draft_model(request)
         engine = RingEngine(self.host.model, self, request.n_ctx, request.ubatch or DEFAULT_UBATCH)
         closed = False
         try:
-            for event in sample_tokens(engine, request):
+            for event in sample_tokens(engine, request, draft_model=self.draft_model):
                 if isinstance(event, GenerationDone):
                     # Free the sessions before the coordinator hears the end: it may hang up then.
                     engine.close()
@@ -188,6 +193,26 @@ class Head:
                     name="primad-close",
                     daemon=True,
                 ).start()
+
+    def _check_draft_model(self, request: GenerateRequest) -> None:
+        """InputError before any ring session opens when the request's draft model is not the
+        one this head has."""
+        if request.draft.method != "model":
+            return
+        node = self.host.node_id
+        if self.draft_model is None:
+            raise InputError(
+                f"node {node} (the ring's head) has no draft model: start its primad with "
+                "--draft-model PATH_OR_NAME, or use --draft lookup"
+            )
+        expected = request.draft.model_fingerprint
+        if expected and expected != self.draft_model.fingerprint:
+            raise InputError(
+                f"node {node} (the ring's head) drafts with {self.draft_model.name} "
+                f"({self.draft_model.loaded.path}, fingerprint {self.draft_model.fingerprint[:12]}), "
+                f"not the draft model asked for (fingerprint {expected[:12]}): start its primad with "
+                "--draft-model of the same file, or omit --draft-model to use its own"
+            )
 
     # -- RingLink ------------------------------------------------------------------------------
     def open_ring_session(self, session_id: str, n_ctx: int) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Generator
 from pathlib import Path
 
 from prima import metrics
+from prima.engine.draft_model import DraftModel
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
 from prima.forward.loader import LoadedModel
@@ -66,6 +67,7 @@ class NodeRuntime:
         store: SparseFile | None = None,
         fetch_from: tuple[str, ...] = (),
         disk_budget_bytes: int = 0,
+        draft_model: DraftModel | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -90,7 +92,7 @@ class NodeRuntime:
         self._layout: Layout | None = None
         self._sessions: dict[str, NodeSession] = {}
         self.worker = Worker(self, threads, self.bounds)
-        self.head = Head(self, ring_timeout_s, threads)
+        self.head = Head(self, ring_timeout_s, threads, draft_model=draft_model)
 
     # -- info ----------------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from prima.engine.sampling import Sampler, SamplerConfig
-from prima.engine.speculative import DraftConfig, DraftLength, drafter
+from prima.engine.speculative import DraftConfig, DraftLength, DraftSource, drafter
 from prima.errors import ContextFullError, InputError
 
 
@@ -146,10 +146,14 @@ class Generator(Protocol):
 
 
 def sample_tokens(
-    engine: Engine, request: GenerateRequest, clock: Callable[[], float] = time.perf_counter
+    engine: Engine,
+    request: GenerateRequest,
+    clock: Callable[[], float] = time.perf_counter,
+    draft_model: DraftSource | None = None,
 ) -> Iterator[TokenEvent]:
     """The generation loop: prefill the prompt, then sample and decode until a stop id or the
-    token budget. The one place tokens are sampled, on whatever engine runs the layers.
+    token budget. The one place tokens are sampled, on whatever engine runs the layers;
+    `draft_model` is the draft model where it runs (for `--draft model`), if any.
 
     With a draft (request.draft), each pass feeds the last token and up to k draft tokens and
     gets logits for all of them (engine.forward_all). Every position is still sampled from its
@@ -164,7 +168,7 @@ def sample_tokens(
         yield prompt_hidden_states(engine, prompt, max_tokens, clock)
         return
     sample = Sampler(request.sampler, request.first_step)
-    drafts_from = drafter(request.draft)
+    drafts_from = drafter(request.draft, engine.n_ctx, draft_model)
     draft_length = DraftLength(request.draft.max_tokens)
     if drafts_from is not None and not isinstance(engine, VerifyingEngine):
         raise InputError(f"{type(engine).__name__} cannot check draft tokens; run without --draft")
@@ -224,14 +228,16 @@ def prompt_hidden_states(
 
 
 class LocalGenerator:
-    """A Generator over one engine on this device (one request at a time: it holds one cache)."""
+    """A Generator over one engine on this device (one request at a time: it holds one cache),
+    drafting with `draft_model` when a request asks for a draft model."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, draft_model: DraftSource | None = None) -> None:
         self.engine = engine
         self.n_ctx = engine.n_ctx
+        self.draft_model = draft_model
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
-        return sample_tokens(self.engine, request)
+        return sample_tokens(self.engine, request, draft_model=self.draft_model)
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from prima.engine.generate import (
     forward_ids,
     sample_tokens,
 )
+from prima.engine.speculative import Drafter, DraftSource
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
 from prima.forward.transformer import Transformer
@@ -199,15 +200,44 @@ class _TakingTurns:
             return self.engine.hidden_states(token_ids)
 
 
+class _DraftingInTurns:
+    """A draft model whose passes, too, wait for their turn (TurnTaking)."""
+
+    def __init__(self, source: DraftSource, turns: TurnTaking) -> None:
+        self.source = source
+        self.turns = turns
+
+    def drafter(self, n_ctx: int) -> Drafter:
+        return _DrafterInTurns(self.source.drafter(n_ctx), self.turns)
+
+
+class _DrafterInTurns:
+    def __init__(self, drafter: Drafter, turns: TurnTaking) -> None:
+        self.inner = drafter
+        self.turns = turns
+
+    def propose(self, context: Sequence[int], n_tokens: int) -> list[int]:
+        if n_tokens <= 0:
+            return []
+        with self.turns.turn():
+            return self.inner.propose(context, n_tokens)
+
+
 class LocalGeneratorPool:
     """A Generator over up to `size` engines on this device, made as they are needed: requests
     running at once (`prima serve --parallel`) each get an engine with its own KV cache, all
     sharing the model's weights, and take turns one forward pass at a time; with `batch`,
     the decode steps waiting at a turn run as one batch (continuous batching). A caller must
-    not run more than `size` requests at once (the API's queue sees to it)."""
+    not run more than `size` requests at once (the API's queue sees to it). `draft_model`
+    drafts for requests that ask for one (`--draft-model`), each with its own cache."""
 
     def __init__(
-        self, first: Engine, make_engine: Callable[[], Engine], size: int = 1, batch: bool = False
+        self,
+        first: Engine,
+        make_engine: Callable[[], Engine],
+        size: int = 1,
+        batch: bool = False,
+        draft_model: DraftSource | None = None,
     ) -> None:
         if size < 1:
             raise InputError(f"the engine pool needs at least one engine, got {size}")
@@ -219,11 +249,14 @@ class LocalGeneratorPool:
         self._lock = threading.Lock()
         self._turns = TurnTaking()
         self.batcher = DecodeBatcher(self._turns) if batch else None
+        self.draft_model = _DraftingInTurns(draft_model, self._turns) if draft_model else None
 
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
         engine = self._take()
         try:
-            yield from sample_tokens(_TakingTurns(engine, self._turns, self.batcher), request)
+            yield from sample_tokens(
+                _TakingTurns(engine, self._turns, self.batcher), request, draft_model=self.draft_model
+            )
         finally:
             with self._lock:
                 self._free.append(engine)
@@ -251,12 +284,17 @@ class LocalGeneratorPool:
                 close()
 
 
-def local_generator(loaded: LoadedModel, n_ctx: int, parallel: int = 1) -> LocalGeneratorPool:
-    """This device's generator for up to `parallel` requests at once. A model that streams its
-    layers from disk (bigger than memory) runs one request at a time: its layer buffer is one."""
+def local_generator(
+    loaded: LoadedModel, n_ctx: int, parallel: int = 1, draft_model: DraftSource | None = None
+) -> LocalGeneratorPool:
+    """This device's generator for up to `parallel` requests at once, drafting with
+    `draft_model` when asked to. A model that streams its layers from disk (bigger than
+    memory) runs one request at a time: its layer buffer is one."""
     first = local_engine(loaded, n_ctx)
     if first.streamer is not None and parallel > 1:
         log.info("the layers stream from disk: requests run one at a time")
         parallel = 1
     batch = parallel > 1 and loaded.model.decode_batch_rows > 1
-    return LocalGeneratorPool(first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel, batch)
+    return LocalGeneratorPool(
+        first, lambda: LocalEngine(loaded.model, n_ctx=n_ctx), parallel, batch, draft_model
+    )

@@ -2,9 +2,11 @@
 model then checks all at once (one forward pass of the last token and the drafts instead of one
 pass per token; on a ring, one trip round it).
 
-The draft here is prompt lookup: when the last few tokens of the context (prompt and generated
-so far) occurred earlier in it, guess that what followed then follows again. It costs no second
-model and pays off on repetitive text: code, lists, answers that quote the prompt.
+Two drafts: prompt lookup (here) and a small draft model (prima.engine.draft_model). Prompt
+lookup guesses, when the last few tokens of the context (prompt and generated so far) occurred
+earlier in it, that what followed then follows again. It costs no second model and pays off on
+repetitive text: code, lists, answers that quote the prompt. A draft model sharing the target's
+vocabulary guesses on any text, at the cost of running it.
 
 Drafts never change the output: generate.sample_tokens samples every position from the model's
 own logits, exactly as plain decoding would, and keeps a draft token only where the sample
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from prima.errors import InputError
 
-DRAFT_METHODS: tuple[str, ...] = ("none", "lookup")
+DRAFT_METHODS: tuple[str, ...] = ("none", "lookup", "model")
 DEFAULT_DRAFT_MAX = 3  # the last token + 3 drafts = 4 rows: one batch of the CPU's fused kernels
 MAX_DRAFT_TOKENS = 16  # more is never accepted often enough to pay for its rows
 # Longest and shortest n-gram looked up; longer matches are tried first (they guess better).
@@ -28,11 +31,15 @@ NGRAM_MIN = 2
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """How a generation drafts: `method` "none" (plain decoding) or "lookup" (prompt lookup),
-    proposing up to `max_tokens` tokens per verification pass."""
+    """How a generation drafts: `method` "none" (plain decoding), "lookup" (prompt lookup) or
+    "model" (a draft model where the generation runs), proposing up to `max_tokens` tokens per
+    verification pass. `model_fingerprint` names the draft model the caller expects (its
+    GGUFFile.fingerprint; "" for whichever the engine has), so a ring's head drafting with
+    another model is an error, not a silent change of speed."""
 
     method: str = "none"
     max_tokens: int = DEFAULT_DRAFT_MAX
+    model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if self.method not in DRAFT_METHODS:
@@ -41,10 +48,33 @@ class DraftConfig:
             )
         if not 1 <= self.max_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"--draft-max must be between 1 and {MAX_DRAFT_TOKENS}, got {self.max_tokens}")
+        if self.model_fingerprint and not _is_sha256_hex(self.model_fingerprint):
+            raise InputError(
+                f"a draft model's fingerprint is 64 hex digits, not {self.model_fingerprint[:80]!r}"
+            )
+        if self.model_fingerprint and self.method != "model":
+            raise InputError(f"a draft model was named with --draft {self.method}; drop one of them")
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens to continue a context. Called once per verification pass with the
+    whole context so far, which only grows: rejected drafts never enter it."""
+
+    def propose(self, context: Sequence[int], n_tokens: int) -> list[int]: ...
+
+
+class DraftSource(Protocol):
+    """A draft model loaded once and shared by generations, each drafting with its own state."""
+
+    def drafter(self, n_ctx: int) -> Drafter: ...
 
 
 class PromptLookup:
@@ -116,6 +146,13 @@ class DraftLength:
         self.length = min(self.max_tokens, kept + 1)
 
 
-def drafter(config: DraftConfig) -> PromptLookup | None:
-    """The drafter of a generation, or None for plain decoding."""
-    return PromptLookup() if config.method == "lookup" else None
+def drafter(config: DraftConfig, n_ctx: int, model: DraftSource | None = None) -> Drafter | None:
+    """The drafter of a generation over a context of `n_ctx` tokens, or None for plain
+    decoding; `model` is the draft model where the generation runs, if it has one."""
+    if config.method == "lookup":
+        return PromptLookup()
+    if config.method == "model":
+        if model is None:
+            raise InputError("--draft model needs a draft model here: give --draft-model PATH_OR_NAME")
+        return model.drafter(n_ctx)
+    return None

@@ -446,6 +446,7 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         draft=req.draft.method,
         draft_max=req.draft.max_tokens,
         want_hidden_states=req.want_hidden_states,
+        draft_model=req.draft.model_fingerprint,
     )
 
 
@@ -463,7 +464,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> 
         ubatch=msg.ubatch,
         want_prompt_logits=msg.want_prompt_logits,
         first_step=msg.first_step,
-        draft=DraftConfig(msg.draft or "none", msg.draft_max or DEFAULT_DRAFT_MAX),
+        draft=DraftConfig(msg.draft or "none", msg.draft_max or DEFAULT_DRAFT_MAX, msg.draft_model),
         want_hidden_states=msg.want_hidden_states,
     )
 

@@ -216,3 +216,32 @@ def test_draft_lookup_gives_the_same_tokens_and_reports_its_counts(
 def test_too_many_draft_tokens_is_an_error_naming_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--local", "-m", "no-such-model.gguf", "-p", "x", "--draft-max", "99"]) == 1
     assert "--draft-max must be between 1 and 16, got 99" in capsys.readouterr().err
+
+
+def test_draft_model_gives_llama_cpps_tokens_and_reports_its_counts(
+    tiny_capital: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tiny-qwen3 drafts for tiny-qwen2 (the same vocabulary, other random weights)."""
+    model, prompt = tiny_capital
+    draft = tiny_model_path("tiny-qwen3")
+    out, _ = _run_tiny(model, capsys, "-p", prompt["text"], "-n", "8", "--json", "-md", str(draft))
+    doc = json.loads(out)
+    assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:8]
+    assert 0 < doc["timings"]["draft_tokens"]
+    assert doc["timings"]["accepted_tokens"] <= doc["timings"]["draft_tokens"]
+
+
+def test_draft_flags_that_disagree_are_an_error_naming_the_fix(
+    tiny_capital: tuple[Path, dict[str, Any]], gemma3_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, _ = tiny_capital
+    base = ["run", "--local", "-m", str(model), "--ctx", "64", "-p", "x", "-n", "2"]
+    assert main([*base, "--draft", "lookup", "--draft-model", str(model)]) == 1
+    assert "--draft-model drafts with a model, --draft lookup without one" in capsys.readouterr().err
+    assert main([*base, "--draft", "model"]) == 1
+    assert "give --draft-model PATH_OR_NAME" in capsys.readouterr().err
+    assert main([*base, "--model-draft", str(gemma3_path)]) == 1
+    err = capsys.readouterr().err
+    assert "does not share the vocabulary" in err
+    assert str(gemma3_path) in err
+    assert str(model) in err

@@ -85,8 +85,8 @@ def test_draft_length_grows_with_kept_drafts_and_backs_off_after_misses() -> Non
 
 
 def test_draft_config_names_the_bad_value() -> None:
-    with pytest.raises(InputError, match="unknown draft method 'model'"):
-        DraftConfig("model")
+    with pytest.raises(InputError, match="unknown draft method 'medusa'"):
+        DraftConfig("medusa")
     with pytest.raises(InputError, match=f"--draft-max must be between 1 and {MAX_DRAFT_TOKENS}, got 0"):
         DraftConfig("lookup", 0)
 
