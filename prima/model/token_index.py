@@ -14,11 +14,13 @@ import numpy as np
 
 
 class TokenIndex:
-    """Token id by exact text, as a dict {text: id} would give it: where several ids share a text,
-    the last one wins (llama.cpp's token_to_id map keeps the last)."""
+    """Index by exact text, as a dict {text: index} would give it: where several entries share a
+    text, the last one wins (llama.cpp's token_to_id map), or with `later_duplicates_win` off
+    the first (its bpe_ranks map of merges)."""
 
-    def __init__(self, tokens: Sequence[str]) -> None:
+    def __init__(self, tokens: Sequence[str], *, later_duplicates_win: bool = True) -> None:
         self._tokens = tokens
+        self._last = later_duplicates_win
         # str hashes are salted per process, and this index lives only in this one.
         hashes = np.fromiter((hash(t) for t in tokens), dtype=np.int64, count=len(tokens))
         order = np.argsort(hashes, kind="stable")  # equal hashes stay in id order
@@ -29,13 +31,16 @@ class TokenIndex:
         return len(self._tokens)
 
     def get(self, text: str) -> int | None:
-        """The id of the token whose text is `text`, or None."""
+        """The index of the entry whose text is `text`, or None."""
         h = hash(text)
         hashes = self._hashes
-        i = int(np.searchsorted(hashes, h, side="right")) - 1  # the highest id with this hash
-        while i >= 0 and hashes[i] == h:
+        if self._last:  # from the highest index with this hash down
+            i, step = int(np.searchsorted(hashes, h, side="right")) - 1, -1
+        else:
+            i, step = int(np.searchsorted(hashes, h, side="left")), 1
+        while 0 <= i < hashes.size and hashes[i] == h:
             tid = int(self._ids[i])
             if self._tokens[tid] == text:
                 return tid
-            i -= 1
+            i += step
         return None

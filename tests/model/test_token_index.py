@@ -36,3 +36,9 @@ def test_gemma_vocabulary_indexed_without_a_str_per_token(gemma3_path: Path) -> 
         as_dict = {t: i for i, t in enumerate(tokens)}
         for text in (tokens[i] for i in range(0, len(tokens), 97)):
             assert index.get(text) == as_dict[text]
+
+
+def test_earlier_duplicates_win_when_asked() -> None:
+    merges = ["a b", "ab c", "a b", "x y"]
+    index = TokenIndex(merges, later_duplicates_win=False)
+    assert [index.get(m) for m in ("a b", "ab c", "x y", "b c")] == [0, 1, 3, None]
