@@ -2,11 +2,11 @@
 
 Text is split by the pre-tokenizer regexes llama.cpp uses for the vocabulary's `tokenizer.ggml.pre`
 (`prima.model.pre_tokenizers`), each piece is mapped byte-by-byte onto printable characters (GPT-2's
-byte-to-unicode table), and merges are applied by rank. HF `tokenizers` runs the regexes and the
-byte mapping; the merges run here, over the vocabulary and merge list as the GGUF maps them
-(prima.model.token_index): HF's own BPE model would hold both as hash maps of strings, ~12 MiB
-for a 49k vocabulary, more than the KV cache of a small model. Special tokens are handled in
-`prima.model.tokenizer`.
+byte-to-unicode table), and merges are applied by rank, over the vocabulary and merge list as
+the GGUF maps them (prima.model.token_index). HF `tokenizers` would hold both as hash maps of
+strings (~12 MiB for a 49k vocabulary, more than a small model's KV cache) and its library
+another ~5 MiB resident; the `regex` module runs the same patterns in ~1.5 MiB. Special tokens
+are handled in `prima.model.tokenizer`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from tokenizers import Regex, pre_tokenizers
+import regex
 
 from prima.errors import TokenizerError
 from prima.model.pre_tokenizers import pre_tokenizer
@@ -36,7 +36,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_DECODER = {ch: b for b, ch in bytes_to_unicode().items()}
+_BYTE_ENCODER = bytes_to_unicode()
+_BYTE_DECODER = {ch: b for b, ch in _BYTE_ENCODER.items()}
 
 
 class ByteLevelBPE:
@@ -54,17 +55,17 @@ class ByteLevelBPE:
         self._vocab = TokenIndex(tokens)
         self._ranks = TokenIndex(merges, later_duplicates_win=False)
         self._ignore_merges = spec.ignore_merges
-        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in spec.regexes]
-        self._pre = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        try:
+            self._splits = [regex.compile(p) for p in spec.regexes]
+        except regex.error as exc:  # prima's own table: a bad pattern is a bug, named here
+            raise TokenizerError(f"pre-tokenizer {pre!r} has a pattern regex rejects: {exc}") from exc
         self._words: dict[str, list[int]] = {}
 
     def encode_fragment(self, text: str, *, after_special: bool) -> list[int]:
         """Token ids of `text`; `after_special` is irrelevant for byte-level BPE."""
         del after_special
         ids: list[int] = []
-        for word, _ in self._pre.pre_tokenize_str(text) if text else ():
+        for word in self.words(text):
             word_ids = self._words.get(word)
             if word_ids is None:
                 if len(self._words) >= _WORD_CACHE_SIZE:
@@ -72,6 +73,23 @@ class ByteLevelBPE:
                 word_ids = self._words[word] = self._encode_word(word)
             ids.extend(word_ids)
         return ids
+
+    def words(self, text: str) -> list[str]:
+        """`text` split by each pattern in turn (every match and every gap between matches a
+        piece of its own, empty ones dropped), each piece's UTF-8 bytes as byte-level chars."""
+        pieces = [text] if text else []
+        for pattern in self._splits:
+            split: list[str] = []
+            for piece in pieces:
+                end = 0
+                for match in pattern.finditer(piece):
+                    a, b = match.span()
+                    split += [part for part in (piece[end:a], piece[a:b]) if part]
+                    end = b
+                if end < len(piece):
+                    split.append(piece[end:])
+            pieces = split
+        return ["".join(_BYTE_ENCODER[b] for b in piece.encode("utf-8")) for piece in pieces]
 
     def _encode_word(self, word: str) -> list[int]:
         """One pre-tokenized word: lowest-rank pair merged first (leftmost on ties), over a linked
