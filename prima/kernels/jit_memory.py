@@ -30,6 +30,8 @@ from pathlib import Path
 from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
+from prima import heap
+
 log = logging.getLogger("prima.kernels")
 
 KERNEL_PACKAGE = "prima.kernels"
@@ -311,9 +313,7 @@ def release_compiler_pages() -> int:
     for m in compiler_mappings():
         if m.rss and libc.madvise(m.start, m.end - m.start, _MADV_DONTNEED) == 0:
             released += m.rss
-    trim = getattr(libc, "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)
+    heap.trim()
     return released
 
 
