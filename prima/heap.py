@@ -1,8 +1,11 @@
-"""Give the C allocator's free pages back to the OS.
+"""Keep the C allocator's free memory out of resident memory (glibc; elsewhere a no-op).
 
 Building a large structure in Python (a vocabulary index, numba loading kernels) leaves freed
 memory in glibc's heap, still resident; peak RSS counts it as if it were in use. `trim()` after
-such a step returns it. Elsewhere (no glibc) it does nothing.
+such a step returns it. And glibc gives every thread that allocates its own arena, each keeping
+its own freed blocks: prefill's tile threads each hold their last tiles (~5 MiB at a SmolLM2
+prefill). prima's threads allocate little once a model runs (weights are the mmap; a few arrays
+per layer), so `one_arena()` has them share the main one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ def trim() -> bool:
         return False
     trim_fn(0)
     return True
+
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def one_arena() -> bool:
+    """Threads that allocate from now on share the main arena (threads that already allocated
+    keep theirs); False where mallopt is unavailable."""
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    return mallopt is not None and mallopt(_M_ARENA_MAX, 1) == 1
 
 
 @cache
