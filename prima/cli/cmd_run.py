@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prima.api.cluster_view import ClusterMonitor, read_ring
 from prima.cli.arg_types import non_negative_int
 from prima.cli.engine_options import add_model_args, open_session
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
@@ -194,6 +193,8 @@ def _write_stdout(text: str) -> None:
 def _hop_times(ring: Ring, loaded: LoadedModel, n_ctx: int) -> list[dict[str, object]]:
     """Each hop of the ring's forward pass: Halda's predicted ms and what its node measured per
     decode step, so a run shows where a prediction and the ring part (bench/bench_scale.py)."""
+    from prima.api.cluster_view import ClusterMonitor, read_ring  # a ring's: gRPC loads with it
+
     model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=n_ctx)  # as Halda planned
     monitor = ClusterMonitor(loaded.name, lambda: read_ring(ring), model)
     return monitor.snapshot().to_dict()["hops"]

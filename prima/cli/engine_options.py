@@ -32,7 +32,7 @@ from prima.engine.thread_tuning import tuned_setting
 from prima.engine.warmup import ensure_compiled
 from prima.errors import InputError, NodeError, PlanError
 from prima.model.registry import DEFAULT_MODEL, resolve_model
-from prima.net import discovery
+from prima.net import mdns_names
 
 # The engines, the ring and the model code (numba, grpc) load when a session opens, not when
 # the flags are declared: `--help` stays fast.
@@ -174,8 +174,8 @@ def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     parser.add_argument(
         "--discover-timeout",
         type=non_negative_float,
-        default=discovery.DEFAULT_BROWSE_S,
-        help=f"seconds to look for daemons over mDNS (default {discovery.DEFAULT_BROWSE_S:g})",
+        default=mdns_names.DEFAULT_BROWSE_S,
+        help=f"seconds to look for daemons over mDNS (default {mdns_names.DEFAULT_BROWSE_S:g})",
     )
     parser.add_argument(
         "--expect",
@@ -189,7 +189,7 @@ def add_discovery_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         action="append",
         type=mdns_interface,
         metavar="IP",
-        help=f"this device's address to look for daemons on (default: ${discovery.INTERFACES_ENV}, else all)",
+        help=f"this device's address to look for daemons on (default: ${mdns_names.INTERFACES_ENV}, else all)",
     )
 
 
@@ -207,6 +207,8 @@ def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> lis
     )
     if args.expect and len(found.node_ids) < args.expect:
         shown = ", ".join(f"{a.node_id} at {a.address}" for a in found.adverts)
+        from prima.net import discovery
+
         clashes = [p.message for p in discovery.check_adverts(found.adverts) if p.kind == "duplicate_id"]
         advice = "; ".join(clashes) or (
             "start the others or pass --nodes host:port,... (multicast is often blocked by Wi-Fi "
@@ -324,6 +326,8 @@ def _with_draft_model(args: argparse.Namespace, session: Session, draft: DraftCo
 
 
 def _open_session(args: argparse.Namespace) -> Session:
+    if args.local:  # before the ring's modules: one device loads no gRPC, mDNS or TLS (memory)
+        return _local_session(args, resolve_model(args.model))
     from prima.coordinator.failover import FailoverRing, RingSpec
     from prima.coordinator.local_ring import LocalRing
     from prima.model.files import open_model
@@ -331,8 +335,6 @@ def _open_session(args: argparse.Namespace) -> Session:
 
     local_ring = getattr(args, "local_ring", None)
     nodes = getattr(args, "nodes", None)
-    if args.local:
-        return _local_session(args, resolve_model(args.model))
     n_nodes = local_ring or len(nodes or ())
     if args.windows is not None and n_nodes and len(args.windows) != n_nodes:
         # Refused before the model is resolved (and perhaps downloaded) for nothing.
@@ -400,6 +402,7 @@ def _watch_adverts(
     """For a discovered ring: the addresses of this model's daemons advertised at any moment (a
     browse kept open until the session closes), so a re-plan also uses daemons that came back."""
     from prima.coordinator.failover import advertised
+    from prima.net import discovery
 
     try:
         watch = discovery.AdvertWatch(interfaces=args.mdns_interface)

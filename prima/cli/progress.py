@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from prima.coordinator.readiness import RingFetch
+if TYPE_CHECKING:  # the ring's types: a run on one device loads no gRPC
+    from prima.coordinator.readiness import RingFetch
 
 
 def stage(message: str, prog: str = "prima") -> None:

@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from prima import heap
 from prima.backends import get_backend
 from prima.forward.transformer import Transformer
 from prima.kernels import jit_memory
@@ -33,6 +34,7 @@ def load_model(
     limits validation to the layers this node will run. `mode` is the backend's arithmetic:
     "q8" (int8 decode activations, fast) or "exact"; `npu_ctx` the KV slots of an NPU backend's
     compiled windows."""
+    heap.one_arena()  # before compute threads start: see prima.heap (peak RSS)
     files = open_model(name_or_path, layers=layers, download=download)
     model = Transformer(
         files.weights, get_backend(backend, files.weights, threads=threads, mode=mode, npu_ctx=npu_ctx)

@@ -30,6 +30,8 @@ from pathlib import Path
 from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
+from prima import heap
+
 log = logging.getLogger("prima.kernels")
 
 KERNEL_PACKAGE = "prima.kernels"
@@ -174,22 +176,42 @@ def preload_cached(dispatchers: Iterable[Any]) -> int:
     pending = [(disp, sig) for disp in dispatchers for sig in _safe_signatures(disp)]
     if not pending:
         return 0
-    with _without_scipy_linalg():
-        # numba's first cache load imports every lowering module; one asks for scipy's BLAS,
-        # which prima's kernels never use (numba imports it again if a later compile does).
-        try:
-            pending[0][0].targetctx.refresh()
-        except Exception as exc:  # noqa: BLE001 - numba private API; compile() refreshes anyway
-            log.debug("numba's target refresh failed: %s", exc)
     loaded = 0
-    for disp, sig in pending:
-        try:
-            disp.compile(sig)
-            _park_linking_module(disp.overloads[tuple(sig)].library)
-            loaded += 1
-        except Exception as exc:  # noqa: BLE001 - best effort: the first call loads it instead
-            log.debug("could not preload %s%s from numba's cache: %s", disp.__name__, sig, exc)
+    with _lowering_left_unloaded(pending[0][0].targetctx):
+        for disp, sig in pending:
+            try:
+                disp.compile(sig)
+                _park_linking_module(disp.overloads[tuple(sig)].library)
+                loaded += 1
+            except Exception as exc:  # noqa: BLE001 - best effort: the first call loads it instead
+                log.debug("could not preload %s%s from numba's cache: %s", disp.__name__, sig, exc)
     return loaded
+
+
+@contextmanager
+def _lowering_left_unloaded(targetctx: Any) -> Iterator[None]:
+    """numba's cache load first refreshes the target context: it imports every lowering module
+    (~100 modules, ~11 MiB resident) that only compiling uses. Loading machine code from the
+    cache needs just the runtime (NRT) whose functions that code calls, so while preloading,
+    refresh initializes that alone. A later compile still refreshes (numba's compiler does so
+    itself), and so does a cache load on a kernel's first call."""
+    try:
+        from numba.core.runtime import nrt
+
+        nrt.rtsys.initialize(targetctx)
+    except Exception as exc:  # noqa: BLE001 - numba private API: refresh fully, as numba would
+        log.debug("numba's runtime did not initialize on its own: %s", exc)
+        yield
+        return
+    targetctx.refresh = _no_refresh
+    try:
+        yield
+    finally:
+        del targetctx.refresh
+
+
+def _no_refresh() -> None:
+    """The target context's refresh while preloading (see _lowering_left_unloaded)."""
 
 
 def _cached_signatures(disp: Any) -> Iterator[tuple]:
@@ -212,20 +234,6 @@ def _safe_signatures(disp: Any) -> list[tuple]:
         return [sig for sig in _cached_signatures(disp) if tuple(sig) not in disp.overloads]
     except Exception:  # noqa: BLE001 - numba private API
         return []
-
-
-@contextmanager
-def _without_scipy_linalg() -> Iterator[None]:
-    """`import scipy.linalg` fails inside (unless it is already imported): ~16 MiB not loaded."""
-    if "scipy.linalg" in sys.modules:
-        yield
-        return
-    sys.modules["scipy.linalg"] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        if "scipy.linalg" in sys.modules and sys.modules["scipy.linalg"] is None:
-            del sys.modules["scipy.linalg"]
 
 
 def _park_linking_module(library: Any) -> None:
@@ -305,9 +313,7 @@ def release_compiler_pages() -> int:
     for m in compiler_mappings():
         if m.rss and libc.madvise(m.start, m.end - m.start, _MADV_DONTNEED) == 0:
             released += m.rss
-    trim = getattr(libc, "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)
+    heap.trim()
     return released
 
 

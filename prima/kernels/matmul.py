@@ -77,7 +77,14 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
         return out
     if len(ws) == 1:
         return _matmul_one(ws[0], x)
-    return np.concatenate([_matmul_one(w, x) for w in ws], axis=1)
+    # Each weight's product straight into its columns: no per-weight arrays to concatenate
+    # (a prefill's gate|up would hold twice its 1.5 MiB at the peak of its block).
+    out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
+    col = 0
+    for w in ws:
+        _matmul_one(w, x, out[:, col : col + w.rows])
+        col += w.rows
+    return out
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -91,16 +98,20 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return xq, xd, xs
 
 
-def _matmul_one(w: QTensor, x: np.ndarray) -> np.ndarray:
+def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x @ dequantize(W).T, into `out` (n, rows) when given (it may be a column slice)."""
     if w.qtype == Q.F32:
-        return x @ w.raw.view(np.float32).T
+        return np.matmul(x, w.raw.view(np.float32).T, out=out)
     if not HAVE_NUMBA:
-        return matmul_fallback(w, x)
+        return _tiled_matmul(w, x, _reference_tile, out)
     if int(w.qtype) in drivers.QUANTIZED_IDS and x.shape[0] <= FUSED_MAX_N:
-        out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-        drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, out)
+        rows = np.empty((x.shape[0], w.rows), dtype=np.float32)  # the kernel's own C layout
+        drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, rows)
+        if out is None:
+            return rows
+        out[...] = rows
         return out
-    return _tiled_matmul(w, x, _dequantize_tile)
+    return _tiled_matmul(w, x, _dequantize_tile, out)
 
 
 def _same_kind(raws: list[np.ndarray]) -> list[np.ndarray]:
@@ -149,9 +160,13 @@ def _row_ids(w: QTensor, ids: np.ndarray) -> np.ndarray:
 
 
 def _tiled_matmul(
-    w: QTensor, x: np.ndarray, dequantize: Callable[[QTensor, int, int], np.ndarray]
+    w: QTensor,
+    x: np.ndarray,
+    dequantize: Callable[[QTensor, int, int], np.ndarray],
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    out = np.empty((x.shape[0], w.rows), dtype=np.float32)
+    if out is None:
+        out = np.empty((x.shape[0], w.rows), dtype=np.float32)
     tile_rows = max(1, TILE_ELEMENTS // w.cols)
     starts = range(0, w.rows, tile_rows)
 

@@ -61,6 +61,7 @@ _NUMPY_DTYPES: dict[GGUFValueType, str] = {
 # Sanity bounds so a hostile header cannot make us allocate the world.
 _MAX_STRING_BYTES = 1 << 26
 _MAX_COUNT = 1 << 31
+_ITER_CHUNK = 4096  # strings decoded per slice of the header when iterating a StringArray
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
@@ -112,13 +113,15 @@ class StringArray(Sequence[str]):
         return self._data[start:end].tobytes().decode("utf-8", errors="replace")
 
     def __iter__(self) -> Iterator[str]:
-        if not len(self):
-            return
-        base = int(self._starts[0])
-        raw = self._data[base : int(self._starts[-1]) - 8].tobytes()
-        starts = (self._starts - base).tolist()
-        for start, nxt in zip(starts, starts[1:], strict=False):
-            yield raw[start : nxt - 8].decode("utf-8", errors="replace")
+        # In chunks: the offsets of a whole 262k vocabulary as Python ints would be ~10 MiB at
+        # once, freed only into the allocator's free lists (resident all the same).
+        for first in range(0, len(self), _ITER_CHUNK):
+            starts = self._starts[first : first + _ITER_CHUNK + 1]
+            base = int(starts[0])
+            raw = self._data[base : int(starts[-1]) - 8].tobytes()
+            offsets = (starts - base).tolist()
+            for start, nxt in zip(offsets, offsets[1:], strict=False):
+                yield raw[start : nxt - 8].decode("utf-8", errors="replace")
 
     def __contains__(self, value: object) -> bool:
         if not isinstance(value, str):

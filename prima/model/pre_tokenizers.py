@@ -3,8 +3,8 @@
 Before merging, llama.cpp splits text into words with a list of regexes chosen by the vocabulary's
 `pre` name (llama-vocab.cpp, the `LLAMA_VOCAB_PRE_TYPE_*` switch); each regex splits every piece the
 previous one left, and a piece never merges across a split. The patterns below are llama.cpp's, in
-the syntax of the Oniguruma engine that HF `tokenizers` runs them with, where a piece is split on
-its own exactly as in llama.cpp's `unicode_regex_split`. Each name here is checked against
+the syntax of the `regex` module that runs them (Oniguruma's too), where a piece is split on its
+own exactly as in llama.cpp's `unicode_regex_split`. Each name here is checked against
 llama.cpp's own tokenization in tests/model/test_pre_tokenizers.py.
 """
 

@@ -26,12 +26,13 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
-
-from tqdm import tqdm
+from typing import IO, TYPE_CHECKING, Any
 
 from prima import paths
 from prima.errors import InputError, ModelFetchError, ModelFileError
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger("prima.model")
 
@@ -184,6 +185,8 @@ def pull(name: str, *, progress: bool = True) -> Path:
     fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=f".{spec.filename}.", suffix=PARTIAL_SUFFIX)
     partial = Path(partial_name)
     digest = hashlib.sha256()
+    from tqdm import tqdm  # only a download shows progress: not loaded by every run (peak RSS)
+
     try:
         with (
             os.fdopen(fd, "wb") as out,
@@ -288,6 +291,8 @@ def verify(name: str, *, progress: bool = False) -> Verification:
     if not path.is_file():
         return Verification(name, path, None, expected)
     digest = hashlib.sha256()
+    from tqdm import tqdm
+
     with (
         open(path, "rb") as fh,
         tqdm(

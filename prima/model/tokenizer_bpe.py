@@ -2,20 +2,25 @@
 
 Text is split by the pre-tokenizer regexes llama.cpp uses for the vocabulary's `tokenizer.ggml.pre`
 (`prima.model.pre_tokenizers`), each piece is mapped byte-by-byte onto printable characters (GPT-2's
-byte-to-unicode table), and merges are applied by rank. HF `tokenizers` runs those merges; we only
-hand it the GGUF's vocab, merges and the right regexes, and keep special-token handling in
-`prima.model.tokenizer`.
+byte-to-unicode table), and merges are applied by rank, over the vocabulary and merge list as
+the GGUF maps them (prima.model.token_index). HF `tokenizers` would hold both as hash maps of
+strings (~12 MiB for a 49k vocabulary, more than a small model's KV cache) and its library
+another ~5 MiB resident; the `regex` module runs the same patterns in ~1.5 MiB. Special tokens
+are handled in `prima.model.tokenizer`.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
-from tokenizers import Regex, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
+import regex
 
 from prima.errors import TokenizerError
 from prima.model.pre_tokenizers import pre_tokenizer
+from prima.model.token_index import TokenIndex
+
+_WORD_CACHE_SIZE = 8192  # words kept with their ids; cleared when full (a prompt repeats words)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -31,7 +36,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_DECODER = {ch: b for b, ch in bytes_to_unicode().items()}
+_BYTE_ENCODER = bytes_to_unicode()
+_BYTE_DECODER = {ch: b for b, ch in _BYTE_ENCODER.items()}
 
 
 class ByteLevelBPE:
@@ -39,34 +45,103 @@ class ByteLevelBPE:
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], pre: str) -> None:
         spec = pre_tokenizer(pre)
-        # Later duplicates win, as in llama.cpp's token_to_id map.
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        pairs = []
         for line in merges:
-            left, sep, right = line.partition(" ")
-            if not sep:
+            if " " not in line:
                 raise TokenizerError(
                     f"malformed merge {line!r} in tokenizer.ggml.merges; the GGUF is damaged"
                 )
-            pairs.append((left, right))
+        # Later duplicate tokens win, as in llama.cpp's token_to_id map; earlier duplicate merges
+        # win, as in its bpe_ranks map. A merge's rank is its line number.
+        self._vocab = TokenIndex(tokens)
+        self._ranks = TokenIndex(merges, later_duplicates_win=False)
+        self._ignore_merges = spec.ignore_merges
         try:
-            hf = HFTokenizer(
-                models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=spec.ignore_merges)
-            )
-        except Exception as exc:  # tokenizers raises a bare Exception on inconsistent vocab/merges
-            raise TokenizerError(f"cannot build the BPE vocabulary from the GGUF: {exc}") from exc
-        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in spec.regexes]
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        self._hf = hf
+            self._splits = [regex.compile(p) for p in spec.regexes]
+        except regex.error as exc:  # prima's own table: a bad pattern is a bug, named here
+            raise TokenizerError(f"pre-tokenizer {pre!r} has a pattern regex rejects: {exc}") from exc
+        self._words: dict[str, list[int]] = {}
 
     def encode_fragment(self, text: str, *, after_special: bool) -> list[int]:
         """Token ids of `text`; `after_special` is irrelevant for byte-level BPE."""
         del after_special
-        if not text:
-            return []
-        return self._hf.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for word in self.words(text):
+            word_ids = self._words.get(word)
+            if word_ids is None:
+                if len(self._words) >= _WORD_CACHE_SIZE:
+                    self._words.clear()
+                word_ids = self._words[word] = self._encode_word(word)
+            ids.extend(word_ids)
+        return ids
+
+    def words(self, text: str) -> list[str]:
+        """`text` split by each pattern in turn (every match and every gap between matches a
+        piece of its own, empty ones dropped), each piece's UTF-8 bytes as byte-level chars."""
+        pieces = [text] if text else []
+        for pattern in self._splits:
+            split: list[str] = []
+            for piece in pieces:
+                end = 0
+                for match in pattern.finditer(piece):
+                    a, b = match.span()
+                    split += [part for part in (piece[end:a], piece[a:b]) if part]
+                    end = b
+                if end < len(piece):
+                    split.append(piece[end:])
+            pieces = split
+        return ["".join(_BYTE_ENCODER[b] for b in piece.encode("utf-8")) for piece in pieces]
+
+    def _encode_word(self, word: str) -> list[int]:
+        """One pre-tokenized word: lowest-rank pair merged first (leftmost on ties), over a linked
+        list of symbols (spans of `word`), as llama.cpp's llm_tokenizer_bpe_session does."""
+        vocab = self._vocab
+        if self._ignore_merges:
+            whole = vocab.get(word)
+            if whole is not None:
+                return [whole]
+        n = len(word)
+        start = list(range(n))
+        length = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = [*range(1, n), -1]
+        # Heap entries: (rank, left, merged length); smallest tuple = best pair, leftmost on ties.
+        heap: list[tuple[int, int, int]] = []
+
+        def push(left: int, right: int) -> None:
+            a, b = start[left], start[right]
+            rank = self._ranks.get(f"{word[a : a + length[left]]} {word[b : b + length[right]]}")
+            if rank is not None:
+                heapq.heappush(heap, (rank, left, length[left] + length[right]))
+
+        for i in range(n - 1):
+            push(i, i + 1)
+        while heap:
+            _, left, size = heapq.heappop(heap)
+            right = nxt[left]
+            # Stale entry: the left symbol was merged away or grew since this pair was queued.
+            if length[left] == 0 or right == -1 or length[left] + length[right] != size:
+                continue
+            length[left] = size
+            length[right] = 0
+            nxt[left] = nxt[right]
+            if nxt[left] != -1:
+                prev[nxt[left]] = left
+            if prev[left] != -1:
+                push(prev[left], left)
+            if nxt[left] != -1:
+                push(left, nxt[left])
+
+        out: list[int] = []
+        i = 0
+        while i != -1:
+            piece = word[start[i] : start[i] + length[i]]
+            tid = vocab.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:  # llama.cpp falls back to the symbol's single bytes that are tokens
+                out.extend(t for t in (vocab.get(ch) for ch in piece if ch < "\x80") if t is not None)
+            i = nxt[i]
+        return out
 
     @staticmethod
     def normal_piece(text: str) -> bytes:

@@ -15,24 +15,27 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prima.model.token_index import TokenIndex
+
 SPACE_MARK = "\u2581"
 
 
 class SentencePieceBPE:
     """Encodes raw text fragments (no special tokens inside) to ids; decodes normal tokens to bytes.
 
-    Build once per vocabulary: the text -> id dict over a 262k vocabulary costs tens of ms.
+    Build once per vocabulary: indexing a 262k vocabulary costs tens of ms.
     """
 
     def __init__(
         self, tokens: Sequence[str], scores: np.ndarray, *, add_space_prefix: bool, unk_id: int
     ) -> None:
         # Later duplicates win, as in llama.cpp's token_to_id map.
-        self._ids = {tok: i for i, tok in enumerate(tokens)}
+        self._index = TokenIndex(tokens)
         # array('f'): 4 bytes a score and Python floats on indexing (a list of floats costs ~32).
         self._scores = array("f", scores.astype(np.float32).tobytes())
         self._add_space_prefix = add_space_prefix
-        self._byte_ids = [self._ids.get(f"<0x{b:02X}>", unk_id) for b in range(256)]
+        byte_ids = (self._index.get(f"<0x{b:02X}>") for b in range(256))
+        self._byte_ids = [unk_id if i is None else i for i in byte_ids]
 
     def encode_fragment(self, text: str, *, after_special: bool) -> list[int]:
         """Token ids of one raw-text fragment. llama.cpp prefixes a space only to fragments that
@@ -46,7 +49,16 @@ class SentencePieceBPE:
 
     def _merge(self, text: str) -> list[int]:
         """Highest-score-first pair merging over a linked list of symbols (spans of `text`)."""
-        ids, scores = self._ids, self._scores
+        scores = self._scores
+        index = self._index
+        known: dict[str, int | None] = {}  # this text's lookups: its pieces recur as merges go on
+
+        def lookup(piece: str) -> int | None:
+            tid = known.get(piece, -1)
+            if tid == -1:
+                tid = known[piece] = index.get(piece)
+            return tid
+
         n = len(text)
         start = list(range(n))
         length = [1] * n
@@ -57,7 +69,7 @@ class SentencePieceBPE:
 
         def push(left: int, right: int) -> None:
             size = length[left] + length[right]
-            tid = ids.get(text[start[left] : start[left] + size])
+            tid = lookup(text[start[left] : start[left] + size])
             if tid is not None:
                 heapq.heappush(heap, (-scores[tid], left, right, size))
 
@@ -83,7 +95,7 @@ class SentencePieceBPE:
         i = 0
         while i != -1:
             piece = text[start[i] : start[i] + length[i]]
-            tid = ids.get(piece)
+            tid = lookup(piece)
             if tid is not None:
                 out.append(tid)
             else:

@@ -38,14 +38,10 @@ from zeroconf import (
 
 from prima.errors import InputError, NodeError, PlanError, ProtocolError
 from prima.net.codec import PROTOCOL_VERSION
+from prima.net.mdns_names import DEFAULT_BROWSE_S, INTERFACES_ENV, SERVICE_TYPE, SERVICE_TYPE_ENV
 
 log = logging.getLogger("prima.net")
 
-SERVICE_TYPE = "_prima._tcp.local."
-INTERFACES_ENV = "PRIMA_MDNS_INTERFACES"
-# A private service type (e.g. "_prima-t1._tcp.local.") keeps test rings apart from each other.
-SERVICE_TYPE_ENV = "PRIMA_MDNS_SERVICE"
-DEFAULT_BROWSE_S = 3.0
 SHORT_FINGERPRINT = 12  # hex digits shown to people, as the coordinator's messages do
 
 # TXT limits: a DNS label holds at most 63 bytes, and DNS-SD advises keeping the whole TXT

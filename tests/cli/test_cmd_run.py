@@ -245,3 +245,30 @@ def test_draft_flags_that_disagree_are_an_error_naming_the_fix(
     assert "does not share the vocabulary" in err
     assert str(gemma3_path) in err
     assert str(model) in err
+
+
+# Runs `prima run --local` in this interpreter, then names the ring-only packages it loaded.
+RING_ONLY = """
+import sys
+from prima.cli.main import main
+
+code = main(["run", "--local", "-m", sys.argv[1], "-p", "Hi", "-n", "2"])
+print(sorted(m for m in ("grpc", "zeroconf", "cryptography", "prima.net.client") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_run_on_one_device_loads_no_ring_packages(smollm2_path: Path) -> None:
+    """gRPC, mDNS and TLS serve only a ring; on one device they were ~27 MiB of peak RSS."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(compile_cache.cache_dir())}
+    done = subprocess.run(
+        [sys.executable, "-c", RING_ONLY, str(smollm2_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -79,3 +79,27 @@ def test_matmul_unsupported_type_names_tensor() -> None:
     w = QTensor("blk.0.ffn_up.weight", Q.IQ2_XXS, (1, 256), np.zeros((1, 66), np.uint8))
     with pytest.raises(UnsupportedModelError, match="blk.0.ffn_up.weight"):
         mm.matmul(w, np.zeros((1, 256), np.float32))
+
+
+@pytest.mark.parametrize("n", [3, mm.FUSED_MAX_N + 1])
+def test_matmul_many_writes_each_weight_into_its_columns(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights that cannot share one launch (here two formats) each write their product into
+    their columns of the one output (no per-weight arrays concatenated at the peak of a prefill
+    block), with the bits each weight's own matmul gives."""
+    ws = [
+        random_qtensor(Q.Q4_K, rows=40, cols=512, seed=2),
+        random_qtensor(Q.Q6_K, rows=24, cols=512, seed=3),
+    ]
+    x = np.random.default_rng(4).standard_normal((n, 512)).astype(np.float32)
+    targets: list[np.ndarray | None] = []
+    one = mm._matmul_one
+
+    def recording(w: QTensor, xs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        targets.append(out)
+        return one(w, xs, out)
+
+    monkeypatch.setattr(mm, "_matmul_one", recording)
+    y = mm.matmul_many(ws, x)
+    assert len(targets) == 2
+    assert all(t is not None and np.shares_memory(t, y) for t in targets)
+    np.testing.assert_array_equal(y, np.concatenate([one(w, x) for w in ws], axis=1))

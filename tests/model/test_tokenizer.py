@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +183,33 @@ def test_spm_space_prefix_and_space_marker() -> None:
 def test_spm_user_defined_tokens_split_out_without_parse_special() -> None:
     tok = Tokenizer.from_gguf(_spm_meta({"a": -1.0, "b": -1.0}, user_defined=("\n", "\n\n")))
     assert _texts(tok, tok.encode("a\n\n\nb")) == ["a", "\n\n", "\n", "b"]
+
+
+# -- memory: the vocabulary stays in the mapped GGUF ------------------------------------------------
+
+HELD_IN_PROCESS = """
+import sys
+from prima.model.files import open_model
+
+for name in sys.argv[1:]:
+    tok = open_model(name, layers=range(0)).tokenizer
+    assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"
+print(sorted(m for m in ("tokenizers", "sentencepiece") if m in sys.modules))
+"""
+
+
+def test_tokenizers_build_without_hf_tokenizers(smollm2_path: Path, gemma3_path: Path) -> None:
+    """Both vocabularies index the GGUF's own strings (prima.model.token_index); HF's library
+    (its string maps and ~5 MiB of code resident) is never loaded."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_IN_PROCESS, str(smollm2_path), str(gemma3_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
