@@ -112,7 +112,9 @@ def _dot4(builder, acc, u4, xv):  # noqa: ANN001, ANN202
     pairs = builder.add(builder.shuffle_vector(wide, wide, even), builder.shuffle_vector(wide, wide, odd))
     even8 = ir.Constant(i32x8, list(range(0, 16, 2)))
     odd8 = ir.Constant(i32x8, list(range(1, 16, 2)))
-    quads = builder.add(builder.shuffle_vector(pairs, pairs, even8), builder.shuffle_vector(pairs, pairs, odd8))
+    quads = builder.add(
+        builder.shuffle_vector(pairs, pairs, even8), builder.shuffle_vector(pairs, pairs, odd8)
+    )
     return builder.add(acc, quads)
 
 
@@ -215,20 +217,37 @@ def tile_product(
                 xo = xg + b * PACKED_BLOCK
                 xd = dg + b * GROUP
                 xs = 2 * dg + b * 2 * GROUP
-                s = 2 * b
-                gemm_step(a0, m0, u, i0 * u.strides[0] + b * QK8, xt, xo, xdt, xd, xst, xs,
-                          sc[i0, s], sc[i0, s + 1], mn[i0, s], mn[i0, s + 1])
-                gemm_step(a1, m1, u, i1 * u.strides[0] + b * QK8, xt, xo, xdt, xd, xst, xs,
-                          sc[i1, s], sc[i1, s + 1], mn[i1, s], mn[i1, s + 1])
-                gemm_step(a2, m2, u, i2 * u.strides[0] + b * QK8, xt, xo, xdt, xd, xst, xs,
-                          sc[i2, s], sc[i2, s + 1], mn[i2, s], mn[i2, s + 1])
-                gemm_step(a3, m3, u, i3 * u.strides[0] + b * QK8, xt, xo, xdt, xd, xst, xs,
-                          sc[i3, s], sc[i3, s + 1], mn[i3, s], mn[i3, s + 1])
+                _row_step(a0, m0, u, sc, mn, i0, b, xt, xo, xdt, xd, xst, xs)
+                _row_step(a1, m1, u, sc, mn, i1, b, xt, xo, xdt, xd, xst, xs)
+                _row_step(a2, m2, u, sc, mn, i2, b, xt, xo, xdt, xd, xst, xs)
+                _row_step(a3, m3, u, sc, mn, i3, b, xt, xo, xdt, xd, xst, xs)
             for q in range(min(4, m - i0)):
                 av = carray(accs[q], GROUP)
                 mv = carray(mins[q], GROUP)
                 for lane in range(lanes):
                     out[g * GROUP + lane, c0 + i0 + q] = av[lane] + mv[lane]
+
+
+@njit(cache=True, inline="always")
+def _row_step(acc, accm, u, sc, mn, i, b, xt, xo, xdt, xd, xst, xs) -> None:  # noqa: ANN001
+    """gemm_step for block b of unpacked row i."""
+    s = 2 * b
+    gemm_step(
+        acc,
+        accm,
+        u,
+        i * u.strides[0] + b * QK8,
+        xt,
+        xo,
+        xdt,
+        xd,
+        xst,
+        xs,
+        sc[i, s],
+        sc[i, s + 1],
+        mn[i, s],
+        mn[i, s + 1],
+    )
 
 
 @njit(cache=True, inline="always")

@@ -60,6 +60,7 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
 
 qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
 
+
 @njit(cache=True)
 def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
     """row -> nibbles u, sc = d, mn = -8 d (prima.kernels.int8_gemm)."""

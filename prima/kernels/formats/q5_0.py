@@ -69,6 +69,7 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
 
 qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
 
+
 @njit(cache=True)
 def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
     """row -> 5-bit u, sc = d, mn = -16 d (prima.kernels.int8_gemm)."""
@@ -78,8 +79,12 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
         qh = u32(row, o + QH)
         for j in range(HALF):
             q = row[o + QS + j]
-            u[b * QK + j] = (q & np.uint8(15)) | np.uint8(((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
-            u[b * QK + HALF + j] = (q >> np.uint8(4)) | np.uint8(((qh >> np.uint32(j + HALF)) & np.uint32(1)) << np.uint32(4))
+            u[b * QK + j] = (q & np.uint8(15)) | np.uint8(
+                ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+            )
+            u[b * QK + HALF + j] = (q >> np.uint8(4)) | np.uint8(
+                ((qh >> np.uint32(j + HALF)) & np.uint32(1)) << np.uint32(4)
+            )
         for p in range(2):
             sc[2 * b + p] = d
             mn[2 * b + p] = np.float32(-16.0) * d

@@ -87,7 +87,9 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
                 q = row[o + QS + g * 32 + j]
                 qh = row[o + QH + j]
                 u[ub + j] = (q & np.uint8(15)) | (((qh >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4))
-                u[ub + 32 + j] = (q >> np.uint8(4)) | (((qh >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4))
+                u[ub + 32 + j] = (q >> np.uint8(4)) | (
+                    ((qh >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4)
+                )
             for h in range(2):
                 sc_, m = scale_min(row, o + SCALES, 2 * g + h)
                 p = (sb * QK + g * 64 + h * 32) // 16

@@ -55,6 +55,7 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202, ARG0
 
 qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
 
+
 @njit(cache=True)
 def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
     """row -> u = q + 128 (the int8 quant as an unsigned byte), sc = d, mn = -128 d
