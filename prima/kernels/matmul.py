@@ -1,9 +1,11 @@
 """y = x @ W.T and W[ids] straight from raw GGUF blocks, choosing the kernel per tensor format.
 
 Decode (n = 1) and short batches run fused numba kernels that read each weight byte once and
-never materialize W. Longer batches (prefill) dequantize ~1 MiB tiles of rows and hand them to
-BLAS, which beats a hand-written loop once the dequantize cost is shared by many activation rows.
-Without numba, the same tiling runs on gguf-py's numpy dequantizer (slow, but correct)."""
+never materialize W. Longer batches (prefill) in int8 mode run the int8 GEMM (drivers.gemm_q8:
+each weight row unpacked once for all activation rows); in exact mode, or for a format without
+an unpack step, they dequantize ~1 MiB tiles of rows and hand them to BLAS, which beats a
+hand-written float loop once the dequantize cost is shared by many activation rows. Without
+numba, the same tiling runs on gguf-py's numpy dequantizer (slow, but correct)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ except ImportError:  # numba is optional at runtime: fall back to gguf-py + BLAS
 
 Q = GGMLQuantizationType
 
-# Up to this many activation rows the fused kernels win; above, dequantized tiles + BLAS do.
+# Up to this many activation rows the fused per-row kernels run; above, the int8 GEMM (int8 mode)
+# or dequantized tiles + BLAS.
 FUSED_MAX_N = 4
 # Elements per dequantized tile (float32: 1 MiB), small enough to stay in L2 while BLAS reads it.
 TILE_ELEMENTS = 1 << 18
@@ -52,25 +55,28 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
     """x (n, cols) -> float32 (n, sum of rows) = x @ [W0; W1; ...].T for weights sharing `cols`.
     Up to three weights of one quantized format run as a single fused launch (q/k/v, gate/up).
     With `int8`, fused launches of formats in drivers.INT8_IDS quantize x to int8 blocks first
-    (llama.cpp's decode arithmetic: faster, within activation-quantization error of exact)."""
+    (llama.cpp's decode arithmetic: faster, within activation-quantization error of exact), and
+    so do longer batches of formats in drivers.GEMM_IDS (the int8 GEMM)."""
     x = _activations(ws[0], x)
     for w in ws[1:]:
         _activations(w, x)
     n = x.shape[0]
+    fmt = int(ws[0].qtype)
     if (
         HAVE_NUMBA
-        and n <= FUSED_MAX_N
         and len(ws) <= 3
-        and int(ws[0].qtype) in drivers.QUANTIZED_IDS
+        and fmt in drivers.QUANTIZED_IDS
         and all(w.qtype == ws[0].qtype for w in ws)
+        and (n <= FUSED_MAX_N or (int8 and fmt in drivers.GEMM_IDS))
     ):
         out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
         raws = _same_kind([w.raw for w in ws])
         a = raws[0]
         b = raws[1] if len(raws) > 1 else a[:0]
         c = raws[2] if len(raws) > 2 else a[:0]
-        fmt = int(ws[0].qtype)
-        if int8 and fmt in drivers.INT8_IDS:
+        if n > FUSED_MAX_N:
+            drivers.gemm_q8(fmt, a, b, c, x, out)
+        elif int8 and fmt in drivers.INT8_IDS:
             drivers.matvec_q8(fmt, a, b, c, x, out)
         else:
             drivers.matvec(fmt, a, b, c, x, F16_TABLE, out)
