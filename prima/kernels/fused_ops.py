@@ -233,15 +233,30 @@ def attention(
     return run(q, k_cache, v_cache, t, positions, scale, window)
 
 
+@njit(cache=True, inline="always")
+def _silu_row(gate_up: np.ndarray, ffn_dim: int, out: np.ndarray, i: int) -> None:
+    for j in range(ffn_dim):
+        g = gate_up[i, j]
+        out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, ffn_dim + j]
+
+
 @njit(cache=True)
 def silu_mul(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
     """gate_up (n, 2 ffn) = [gate | up] -> silu(gate) * up (n, ffn), as ops.silu."""
     n = gate_up.shape[0]
     out = np.empty((n, ffn_dim), dtype=np.float32)
     for i in range(n):
-        for j in range(ffn_dim):
-            g = gate_up[i, j]
-            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, ffn_dim + j]
+        _silu_row(gate_up, ffn_dim, out, i)
+    return out
+
+
+@njit(parallel=True, cache=True)
+def _silu_mul_parallel(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
+    """silu_mul with rows split over the threads (the same bits)."""
+    n = gate_up.shape[0]
+    out = np.empty((n, ffn_dim), dtype=np.float32)
+    for i in prange(n):
+        _silu_row(gate_up, ffn_dim, out, i)
     return out
 
 
@@ -278,29 +293,51 @@ def f16_bits(v: np.float32) -> np.uint16:
     return np.uint16(sign | (r >> np.uint32(13)))
 
 
+@njit(cache=True, inline="always")
+def _gelu_row(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray, out: np.ndarray, i: int) -> None:
+    for j in range(ffn_dim):
+        g = gate_up[i, j]
+        if g <= np.float32(-10.0):
+            y = np.float32(0.0)
+        elif g >= np.float32(10.0):
+            y = g
+        else:
+            y = table[f16_bits(g)]
+        out[i, j] = y * gate_up[i, ffn_dim + j]
+
+
 @njit(cache=True)
 def gelu_mul(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray) -> np.ndarray:
     """gelu(gate) * up through ggml's fp16 table (ops.gelu_fp16_table), bit for bit as ops.gelu."""
     n = gate_up.shape[0]
     out = np.empty((n, ffn_dim), dtype=np.float32)
     for i in range(n):
-        for j in range(ffn_dim):
-            g = gate_up[i, j]
-            if g <= np.float32(-10.0):
-                y = np.float32(0.0)
-            elif g >= np.float32(10.0):
-                y = g
-            else:
-                y = table[f16_bits(g)]
-            out[i, j] = y * gate_up[i, ffn_dim + j]
+        _gelu_row(gate_up, ffn_dim, table, out, i)
     return out
+
+
+@njit(parallel=True, cache=True)
+def _gelu_mul_parallel(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray) -> np.ndarray:
+    """gelu_mul with rows split over the threads (the same bits)."""
+    n = gate_up.shape[0]
+    out = np.empty((n, ffn_dim), dtype=np.float32)
+    for i in prange(n):
+        _gelu_row(gate_up, ffn_dim, table, out, i)
+    return out
+
+
+# Above this many rows (prefill) the activation runs on every thread; at decode a parallel
+# launch would cost more than the few rows' math.
+GLU_PARALLEL_MIN_ROWS = 8
 
 
 def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
     """act(gate) * up from the merged gate/up projection; GELU through ggml's fp16 table."""
+    parallel = gate_up.shape[0] >= GLU_PARALLEL_MIN_ROWS
     if activation == "gelu":
-        return gelu_mul(gate_up, ffn_dim, ops.gelu_fp16_table())
-    return silu_mul(gate_up, ffn_dim)
+        gelu = _gelu_mul_parallel if parallel else gelu_mul
+        return gelu(gate_up, ffn_dim, ops.gelu_fp16_table())
+    return (_silu_mul_parallel if parallel else silu_mul)(gate_up, ffn_dim)
 
 
 def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:

@@ -69,8 +69,10 @@ def test_attention_matches_reference(window: int, parallel_min: int, monkeypatch
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_glu_matches_reference() -> None:
-    gate_up = _f32(2, 48)
+@pytest.mark.parametrize("rows", [2, fused_ops.GLU_PARALLEL_MIN_ROWS + 3])
+def test_glu_matches_reference(rows: int) -> None:
+    """A decode's few rows on one thread, a prefill's over the threads: the same arithmetic."""
+    gate_up = _f32(rows, 48)
     np.testing.assert_allclose(
         fused_ops.glu(gate_up, 24, "silu"), ops.silu(gate_up[:, :24]) * gate_up[:, 24:], rtol=1e-6, atol=1e-6
     )
