@@ -118,7 +118,21 @@ def gemm_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray
                 dispatch.unpack(fmt, b[r - ra], u[i], sc[i], mn[i])
             else:
                 dispatch.unpack(fmt, c[r - rab], u[i], sc[i], mn[i])
-        g8.tile_product(u, sc, mn, m, xt, xdt, xst, n, out, r0)
+        if _halves_share_maps(sc, mn, m):
+            g8.tile_product_joint(u, sc, mn, m, xt, xdt, xst, n, out, r0)
+        else:
+            g8.tile_product(u, sc, mn, m, xt, xdt, xst, n, out, r0)
+
+
+@njit(cache=True, inline="always")
+def _halves_share_maps(sc: np.ndarray, mn: np.ndarray, m: int) -> bool:
+    """Whether both 16-element halves of every block of the first m unpacked rows have one affine
+    map (every format but Q6_K's): then one int32 sum per block, not two."""
+    for i in range(m):
+        for p in range(0, sc.shape[1], 2):
+            if sc[i, p] != sc[i, p + 1] or mn[i, p] != mn[i, p + 1]:
+                return False
+    return True
 
 
 @njit(parallel=True, cache=True)

@@ -126,128 +126,154 @@ def _splat_f(builder, value):  # noqa: ANN001, ANN202
     )
 
 
-@intrinsic
-def gemm_step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):  # noqa: ANN001, ANN201, ARG001
-    """One weight block against one packed activation group, into 8 float lanes (one per row):
-    acc += (s0 * xd) * dot(u[uo:uo+16], xq half 0) + (s1 * xd) * dot(u[uo+16:uo+32], xq half 1)
-    and accm += m0 * xs half 0 + m1 * xs half 1, with xt's block at byte xo, xd at element xdo of
-    xdt and the half sums at element xso of xst (pack_activations' layout)."""
+def _gemm_step(split: bool):  # noqa: ANN202
+    """The intrinsic gemm_step (split: the two halves of a block have their own sc and mn, as
+    Q6_K's) or gemm_step_joint (they share them: one conversion and one multiply-add fewer)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        a = sig.args
-        i32x8 = ir.VectorType(_I32, GROUP)
-        i8x32 = ir.VectorType(_I8, 32)
-        f32x8 = ir.VectorType(_F32, GROUP)
-        uo = _i64(builder, args[3], a[3])
-        xo = _i64(builder, args[5], a[5])
-        halves = []
-        for h in range(2):
-            # Two chains of two steps per half, so consecutive steps do not wait on each other.
+    @intrinsic
+    def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            a = sig.args
+            i32x8 = ir.VectorType(_I32, GROUP)
+            i8x32 = ir.VectorType(_I8, 32)
+            f32x8 = ir.VectorType(_F32, GROUP)
+            uo = _i64(builder, args[3], a[3])
+            xo = _i64(builder, args[5], a[5])
+            # Four chains of two steps (two per half), so consecutive steps do not wait on
+            # each other.
             chains = []
-            for c in range(2):
+            for c in range(4):
                 part = ir.Constant(i32x8, [0] * GROUP)
                 for s in range(2):
-                    t = h * 4 + c * 2 + s
+                    t = c * 2 + s
                     off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
                     u4 = builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1)
                     off_x = builder.add(xo, ir.Constant(xo.type, 32 * t))
                     xv = builder.load(_ptr(context, builder, a[4], args[4], off_x, i8x32), align=1)
                     part = _dot4(builder, part, u4, xv)
                 chains.append(part)
-            halves.append(builder.sitofp(builder.add(chains[0], chains[1]), f32x8))
-        xdo = builder.mul(_i64(builder, args[7], a[7]), ir.Constant(ir.IntType(64), 4))
-        xd = builder.load(_ptr(context, builder, a[6], args[6], xdo, f32x8), align=4)
-        xso = builder.mul(_i64(builder, args[9], a[9]), ir.Constant(ir.IntType(64), 4))
-        xs0 = builder.load(_ptr(context, builder, a[8], args[8], xso, f32x8), align=4)
-        xso1 = builder.add(xso, ir.Constant(ir.IntType(64), 4 * GROUP))
-        xs1 = builder.load(_ptr(context, builder, a[8], args[8], xso1, f32x8), align=4)
-        fmuladd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f32x8, [f32x8, f32x8, f32x8]), f"llvm.fmuladd.v{GROUP}f32"
+            xdo = builder.mul(_i64(builder, args[7], a[7]), ir.Constant(ir.IntType(64), 4))
+            xd = builder.load(_ptr(context, builder, a[6], args[6], xdo, f32x8), align=4)
+            xso = builder.mul(_i64(builder, args[9], a[9]), ir.Constant(ir.IntType(64), 4))
+            xs0 = builder.load(_ptr(context, builder, a[8], args[8], xso, f32x8), align=4)
+            xso1 = builder.add(xso, ir.Constant(ir.IntType(64), 4 * GROUP))
+            xs1 = builder.load(_ptr(context, builder, a[8], args[8], xso1, f32x8), align=4)
+            fmuladd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(f32x8, [f32x8, f32x8, f32x8]), f"llvm.fmuladd.v{GROUP}f32"
+            )
+            accp = builder.bitcast(args[0], f32x8.as_pointer())
+            accmp = builder.bitcast(args[1], f32x8.as_pointer())
+            v = builder.load(accp, align=4)
+            m = builder.load(accmp, align=4)
+            if split:
+                for h in range(2):
+                    ints = builder.add(chains[2 * h], chains[2 * h + 1])
+                    scale = builder.fmul(_splat_f(builder, args[10 + h]), xd)
+                    v = builder.call(fmuladd, [builder.sitofp(ints, f32x8), scale, v])
+                m = builder.call(fmuladd, [_splat_f(builder, args[12]), xs0, m])
+                m = builder.call(fmuladd, [_splat_f(builder, args[13]), xs1, m])
+            else:
+                ints = builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))
+                scale = builder.fmul(_splat_f(builder, args[10]), xd)
+                v = builder.call(fmuladd, [builder.sitofp(ints, f32x8), scale, v])
+                m = builder.call(fmuladd, [_splat_f(builder, args[12]), builder.fadd(xs0, xs1), m])
+            builder.store(v, accp, align=4)
+            builder.store(m, accmp, align=4)
+
+        f32 = types.float32
+        return types.void(acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, f32, f32, f32, f32), codegen
+
+    return step
+
+
+# One weight block against one packed activation group, into 8 float lanes (one per row):
+#   acc += (s0 * xd) * dot(u[uo:uo+16], xq half 0) + (s1 * xd) * dot(u[uo+16:uo+32], xq half 1)
+#   accm += m0 * xs half 0 + m1 * xs half 1
+# with xt's block at byte xo, xd at element xdo of xdt and the half sums at element xso of xst
+# (pack_group's layout). The joint step assumes s0 == s1 and m0 == m1.
+gemm_step = _gemm_step(split=True)
+gemm_step_joint = _gemm_step(split=False)
+
+
+def _tile_product(step):  # noqa: ANN001, ANN202
+    """tile_product over the step `step` (split or joint), uncompiled."""
+
+    @njit(cache=True, inline="always")
+    def row_step(acc, accm, u, sc, mn, i, b, xt, xo, xdt, xd, xst, xs) -> None:  # noqa: ANN001
+        """`step` for block b of unpacked row i."""
+        s = 2 * b
+        step(
+            acc,
+            accm,
+            u,
+            i * u.strides[0] + b * QK8,
+            xt,
+            xo,
+            xdt,
+            xd,
+            xst,
+            xs,
+            sc[i, s],
+            sc[i, s + 1],
+            mn[i, s],
+            mn[i, s + 1],
         )
-        accp = builder.bitcast(args[0], f32x8.as_pointer())
-        v = builder.load(accp, align=4)
-        v = builder.call(fmuladd, [halves[0], builder.fmul(_splat_f(builder, args[10]), xd), v])
-        v = builder.call(fmuladd, [halves[1], builder.fmul(_splat_f(builder, args[11]), xd), v])
-        builder.store(v, accp, align=4)
-        accmp = builder.bitcast(args[1], f32x8.as_pointer())
-        m = builder.load(accmp, align=4)
-        m = builder.call(fmuladd, [_splat_f(builder, args[12]), xs0, m])
-        m = builder.call(fmuladd, [_splat_f(builder, args[13]), xs1, m])
-        builder.store(m, accmp, align=4)
 
-    f32 = types.float32
-    return types.void(acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, f32, f32, f32, f32), codegen
+    def tile_product(
+        u: np.ndarray,
+        sc: np.ndarray,
+        mn: np.ndarray,
+        m: int,
+        xt: np.ndarray,
+        xdt: np.ndarray,
+        xst: np.ndarray,
+        n: int,
+        out: np.ndarray,
+        c0: int,
+    ) -> None:
+        """out[k, c0 + i] = x_k . w_i for the first m unpacked weight rows (u, sc, mn) and the n
+        packed activation rows: four weight rows at a time, so each activation vector loaded serves
+        four rows and the four rows' chains of adds run side by side."""
+        nb = u.shape[1] // QK8
+        a0, a1, a2, a3 = stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP)
+        m0, m1, m2, m3 = stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP)
+        accs = (a0, a1, a2, a3)
+        mins = (m0, m1, m2, m3)
+        for g in range(xt.shape[0]):
+            xg = g * xt.strides[0]
+            dg = g * nb * GROUP
+            lanes = min(GROUP, n - g * GROUP)
+            for i0 in range(0, m, 4):
+                # Rows past m repeat the last one (computed, not stored).
+                i1 = min(i0 + 1, m - 1)
+                i2 = min(i0 + 2, m - 1)
+                i3 = min(i0 + 3, m - 1)
+                for p in accs:
+                    _zero(p)
+                for p in mins:
+                    _zero(p)
+                for b in range(nb):
+                    xo = xg + b * PACKED_BLOCK
+                    xd = dg + b * GROUP
+                    xs = 2 * dg + b * 2 * GROUP
+                    row_step(a0, m0, u, sc, mn, i0, b, xt, xo, xdt, xd, xst, xs)
+                    row_step(a1, m1, u, sc, mn, i1, b, xt, xo, xdt, xd, xst, xs)
+                    row_step(a2, m2, u, sc, mn, i2, b, xt, xo, xdt, xd, xst, xs)
+                    row_step(a3, m3, u, sc, mn, i3, b, xt, xo, xdt, xd, xst, xs)
+                for q in range(min(4, m - i0)):
+                    av = carray(accs[q], GROUP)
+                    mv = carray(mins[q], GROUP)
+                    for lane in range(lanes):
+                        out[g * GROUP + lane, c0 + i0 + q] = av[lane] + mv[lane]
 
-
-@njit(cache=True)
-def tile_product(
-    u: np.ndarray,
-    sc: np.ndarray,
-    mn: np.ndarray,
-    m: int,
-    xt: np.ndarray,
-    xdt: np.ndarray,
-    xst: np.ndarray,
-    n: int,
-    out: np.ndarray,
-    c0: int,
-) -> None:
-    """out[k, c0 + i] = x_k . w_i for the first m unpacked weight rows (u, sc, mn) and the n
-    packed activation rows: four weight rows at a time, so each activation vector loaded serves
-    four rows and the four rows' chains of adds run side by side."""
-    nb = u.shape[1] // QK8
-    a0, a1, a2, a3 = stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP)
-    m0, m1, m2, m3 = stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP)
-    accs = (a0, a1, a2, a3)
-    mins = (m0, m1, m2, m3)
-    for g in range(xt.shape[0]):
-        xg = g * xt.strides[0]
-        dg = g * nb * GROUP
-        lanes = min(GROUP, n - g * GROUP)
-        for i0 in range(0, m, 4):
-            # Rows past m repeat the last one (computed, not stored).
-            i1 = min(i0 + 1, m - 1)
-            i2 = min(i0 + 2, m - 1)
-            i3 = min(i0 + 3, m - 1)
-            for p in accs:
-                _zero(p)
-            for p in mins:
-                _zero(p)
-            for b in range(nb):
-                xo = xg + b * PACKED_BLOCK
-                xd = dg + b * GROUP
-                xs = 2 * dg + b * 2 * GROUP
-                _row_step(a0, m0, u, sc, mn, i0, b, xt, xo, xdt, xd, xst, xs)
-                _row_step(a1, m1, u, sc, mn, i1, b, xt, xo, xdt, xd, xst, xs)
-                _row_step(a2, m2, u, sc, mn, i2, b, xt, xo, xdt, xd, xst, xs)
-                _row_step(a3, m3, u, sc, mn, i3, b, xt, xo, xdt, xd, xst, xs)
-            for q in range(min(4, m - i0)):
-                av = carray(accs[q], GROUP)
-                mv = carray(mins[q], GROUP)
-                for lane in range(lanes):
-                    out[g * GROUP + lane, c0 + i0 + q] = av[lane] + mv[lane]
+    return tile_product
 
 
-@njit(cache=True, inline="always")
-def _row_step(acc, accm, u, sc, mn, i, b, xt, xo, xdt, xd, xst, xs) -> None:  # noqa: ANN001
-    """gemm_step for block b of unpacked row i."""
-    s = 2 * b
-    gemm_step(
-        acc,
-        accm,
-        u,
-        i * u.strides[0] + b * QK8,
-        xt,
-        xo,
-        xdt,
-        xd,
-        xst,
-        xs,
-        sc[i, s],
-        sc[i, s + 1],
-        mn[i, s],
-        mn[i, s + 1],
-    )
+# tile_product(u, sc, mn, m, xt, xdt, xst, n, out, c0): out[k, c0 + i] = x_k . w_i for the first
+# m unpacked weight rows and the n packed activation rows; the joint one for tiles whose halves
+# share sc and mn.
+tile_product = njit(cache=True)(_tile_product(gemm_step))
+tile_product_joint = njit(cache=True)(_tile_product(gemm_step_joint))
 
 
 @njit(cache=True, inline="always")
