@@ -173,6 +173,17 @@ def _tiled_matmul(
     return out
 
 
+def prefill_map(fn: Callable[[tuple[int, int]], np.ndarray], n: int) -> list[np.ndarray]:
+    """fn over [start, stop) spans splitting range(n) evenly between the prefill threads (numpy
+    and BLAS release the GIL), results in span order."""
+    parts = min(_prefill_threads, n)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    if parts <= 1:
+        return [fn(spans[0])] if spans else []
+    return list(_thread_pool().map(fn, spans))
+
+
 def _thread_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None or _pool._max_workers < _prefill_threads:  # noqa: SLF001

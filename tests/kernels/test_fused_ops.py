@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from prima.kernels import fused_ops, ops
+from prima.kernels import matmul as mm
 from prima.model.config import ROPE_NEOX, ROPE_NORM
 
 RNG = np.random.default_rng(7)
@@ -66,6 +67,24 @@ def test_attention_matches_reference(window: int, parallel_min: int, monkeypatch
     q = _f32(3, heads, hd)
     got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
     want = ops.attention(q, kc, vc, positions, 0.25, window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefill_attention_equals_per_pair_kernel(
+    window: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's second micro-batch (queries after cached keys) through the batched matmuls,
+    split between threads and cut to the sliding window, against the decode kernel's loop."""
+    monkeypatch.setattr(mm, "_prefill_threads", threads)
+    t, heads, kv_heads, hd = 29, 4, 2, 16
+    kc, vc = _f32(32, kv_heads, hd), _f32(32, kv_heads, hd)  # rows past t must not be read
+    kc[t:] = np.nan
+    positions = np.arange(t - fused_ops.ATTENTION_BATCHED_MIN_ROWS - 2, t)
+    q = _f32(positions.size, heads, hd)
+    got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
+    want = fused_ops._attention_serial(q, kc, vc, t, positions, 0.25, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
