@@ -30,6 +30,7 @@ GEMM_IDS = dispatch.GEMM_IDS
 has_int8 = dispatch.has_int8
 quantize_rows = i8.quantize_rows
 QK8 = i8.QK8  # elements per int8 activation block
+VNNI = i8.VNNI  # the int8 dots use vpdpbusd
 
 # Rows per parallel work item: fewer scheduling steps, still enough items to balance 2-8 threads.
 CHUNK_ROWS = 16

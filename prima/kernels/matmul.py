@@ -2,10 +2,11 @@
 
 Decode (n = 1) and short batches run fused numba kernels that read each weight byte once and
 never materialize W. Longer batches (prefill) in int8 mode run the int8 GEMM (drivers.gemm_q8:
-each weight row unpacked once for all activation rows); in exact mode, or for a format without
-an unpack step, they dequantize ~1 MiB tiles of rows and hand them to BLAS, which beats a
-hand-written float loop once the dequantize cost is shared by many activation rows. Without
-numba, the same tiling runs on gguf-py's numpy dequantizer (slow, but correct)."""
+each weight row unpacked once for all activation rows) where the CPU has vpdpbusd (INT8_GEMM).
+In exact mode, on other CPUs, or for a format without an unpack step, they dequantize ~1 MiB
+tiles of rows and hand them to BLAS, which beats a hand-written float loop once the dequantize
+cost is shared by many activation rows. Without numba, the same tiling runs on gguf-py's numpy
+dequantizer (slow, but correct)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ Q = GGMLQuantizationType
 # Up to this many activation rows the fused per-row kernels run; above, the int8 GEMM (int8 mode)
 # or dequantized tiles + BLAS.
 FUSED_MAX_N = 4
+# Whether q8 prefill runs the int8 GEMM: where the CPU has vpdpbusd (AVX-512 VNNI or AVX-VNNI),
+# which made a 128-row Gemma ffn_gate ~2.5x faster than dequantized tiles + BLAS. Its generic
+# vector code (AVX2 alone, ARM) lost to BLAS (21 vs 14 ms on that matmul), so there prefill keeps
+# BLAS and float activations.
+INT8_GEMM = HAVE_NUMBA and drivers.VNNI
 # Elements per dequantized tile (float32: 1 MiB), small enough to stay in L2 while BLAS reads it.
 TILE_ELEMENTS = 1 << 18
 # Prefill splits a weight's row tiles over this many Python threads; each dequantizes without the
@@ -56,7 +62,7 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
     Up to three weights of one quantized format run as a single fused launch (q/k/v, gate/up).
     With `int8`, fused launches of formats in drivers.INT8_IDS quantize x to int8 blocks first
     (llama.cpp's decode arithmetic: faster, within activation-quantization error of exact), and
-    so do longer batches of formats in drivers.GEMM_IDS (the int8 GEMM)."""
+    so do longer batches of formats in drivers.GEMM_IDS where INT8_GEMM (the int8 GEMM)."""
     x = _activations(ws[0], x)
     for w in ws[1:]:
         _activations(w, x)
@@ -67,7 +73,7 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
         and len(ws) <= 3
         and fmt in drivers.QUANTIZED_IDS
         and all(w.qtype == ws[0].qtype for w in ws)
-        and (n <= FUSED_MAX_N or (int8 and fmt in drivers.GEMM_IDS))
+        and (n <= FUSED_MAX_N or (int8 and INT8_GEMM and fmt in drivers.GEMM_IDS))
     ):
         out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
         raws = _same_kind([w.raw for w in ws])

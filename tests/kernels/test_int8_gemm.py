@@ -23,6 +23,13 @@ GEMM_QTYPES = [q for q in FORMATS if int(q) in drivers.GEMM_IDS]
 TOL = 1e-5  # float32 rounding of sums of ~1e3 terms, as test_int8_dots' exactness tests
 
 
+@pytest.fixture(autouse=True)
+def _gemm_on_any_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """matmul takes the GEMM only where the CPU has vpdpbusd; these tests run it everywhere (the
+    generic build below included)."""
+    monkeypatch.setattr(mm, "INT8_GEMM", True)
+
+
 def _cols(qtype: GGMLQuantizationType) -> int:
     return 512 if qtype.name.endswith("_K") else 160
 
@@ -95,6 +102,14 @@ def test_exact_mode_batches_stay_exact() -> None:
     w = random_qtensor(Q.Q4_K, rows=9, cols=512, seed=7)
     x = np.random.default_rng(8).standard_normal((16, w.cols)).astype(np.float32)
     assert relative_error(mm.matmul(w, x), x, reference(w)) < TOL
+
+
+def test_cpus_without_vpdpbusd_prefill_on_blas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GEMM would lose to BLAS (INT8_GEMM off), q8 batches keep float activations."""
+    monkeypatch.setattr(mm, "INT8_GEMM", False)
+    w = random_qtensor(Q.Q5_0, rows=9, cols=160, seed=7)
+    x = np.random.default_rng(8).standard_normal((16, w.cols)).astype(np.float32)
+    assert relative_error(mm.matmul(w, x, int8=True), x, reference(w)) < TOL
 
 
 @pytest.mark.slow

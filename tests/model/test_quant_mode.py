@@ -54,7 +54,7 @@ def test_q8_decode_logits_match_llama_cpp_quant(tag: str, prompt: dict[str, Any]
 def test_q8_prefill_logits_match_llama_cpp_quant(tag: str, prompt: dict[str, Any]) -> None:
     loaded = _load(tag)
     ids = prompt["prompt_token_ids"]
-    assert len(ids) > FUSED_MAX_N  # more rows than the decode kernels take: the int8 GEMM runs
+    assert len(ids) > FUSED_MAX_N  # more rows than the decode kernels take: the int8 GEMM (or BLAS)
     logits = LocalEngine(loaded.model, n_ctx=512).forward(ids)
     quant = np.load(ORACLE_DIR / prompt["quant"]["logits_file"])
     assert int(np.argmax(logits)) == int(np.argmax(quant))
