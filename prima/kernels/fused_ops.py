@@ -41,8 +41,21 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return y
 
 
+@njit(cache=True, inline="always")
+def _residual_row(x, y, post_w, norm_w, eps, h, hn, tmp, i) -> None:  # noqa: ANN001
+    """Row i of residual_norm_rows into h and hn (tmp: scratch of d floats)."""
+    if post_w.size:
+        _norm_row(y[i], post_w, eps, tmp)
+    else:
+        tmp[:] = y[i]
+    for j in range(x.shape[1]):
+        h[i, j] = x[i, j] + tmp[j]
+    if norm_w.size:
+        _norm_row(h[i], norm_w, eps, hn[i])
+
+
 @njit(cache=True)
-def residual_norm(
+def residual_norm_rows(
     x: np.ndarray, y: np.ndarray, post_w: np.ndarray, norm_w: np.ndarray, eps: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """h = x + post_norm(y) (post_norm skipped when post_w is empty); returns (h, norm(h) * norm_w)
@@ -52,19 +65,89 @@ def residual_norm(
     tmp = np.empty(d, dtype=np.float32)
     hn = np.empty((n if norm_w.size else 0, d), dtype=np.float32)
     for i in range(n):
-        if post_w.size:
-            _norm_row(y[i], post_w, eps, tmp)
-        else:
-            tmp[:] = y[i]
-        for j in range(d):
-            h[i, j] = x[i, j] + tmp[j]
-        if norm_w.size:
-            _norm_row(h[i], norm_w, eps, hn[i])
+        _residual_row(x, y, post_w, norm_w, eps, h, hn, tmp, i)
     return h, hn
 
 
+@njit(parallel=True, cache=True)
+def _residual_norm_parallel(
+    x: np.ndarray, y: np.ndarray, post_w: np.ndarray, norm_w: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """residual_norm_rows with rows split over the threads (the same bits)."""
+    n, d = x.shape
+    h = np.empty_like(x)
+    hn = np.empty((n if norm_w.size else 0, d), dtype=np.float32)
+    for i in prange(n):
+        tmp = np.empty(d, dtype=np.float32)
+        _residual_row(x, y, post_w, norm_w, eps, h, hn, tmp, i)
+    return h, hn
+
+
+# From this many rows (prefill) the row-wise glue runs on every thread; at decode a parallel
+# launch would cost more than the few rows' math.
+PARALLEL_MIN_ROWS = 8
+
+
+def residual_norm(
+    x: np.ndarray, y: np.ndarray, post_w: np.ndarray, norm_w: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """residual_norm_rows, its rows over the threads from PARALLEL_MIN_ROWS rows."""
+    run = _residual_norm_parallel if x.shape[0] >= PARALLEL_MIN_ROWS else residual_norm_rows
+    return run(x, y, post_w, norm_w, eps)
+
+
+@njit(cache=True, inline="always")
+def _qkv_row(
+    qkv: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    q_bias: np.ndarray,
+    k_bias: np.ndarray,
+    v_bias: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    neox: bool,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    i: int,
+) -> None:
+    """Row i of qkv_rope_rows into q, k, v (cos and sin: scratch of rope_dim / 2 floats)."""
+    half = inv_freq.shape[0]
+    kv0 = n_heads * head_dim
+    v0 = kv0 + n_kv_heads * head_dim
+    for f in range(half):
+        angle = np.float64(positions[i]) * inv_freq[f]
+        cos[f] = np.float32(math.cos(angle))
+        sin[f] = np.float32(math.sin(angle))
+    for h in range(n_heads + n_kv_heads):
+        if h < n_heads:
+            dst = q[i, h]
+            src = qkv[i, h * head_dim : (h + 1) * head_dim]
+            bias, norm, b0 = q_bias, q_norm, h * head_dim
+        else:
+            dst = k[i, h - n_heads]
+            src = qkv[i, kv0 + (h - n_heads) * head_dim : kv0 + (h - n_heads + 1) * head_dim]
+            bias, norm, b0 = k_bias, k_norm, (h - n_heads) * head_dim
+        for j in range(head_dim):
+            dst[j] = src[j] + bias[b0 + j] if bias.size else src[j]
+        if norm.size:
+            _norm_row(dst, norm, eps, dst)
+        _rope_row(dst, cos, sin, neox)
+    for h in range(n_kv_heads):
+        for j in range(head_dim):
+            val = qkv[i, v0 + h * head_dim + j]
+            v[i, h, j] = val + v_bias[h * head_dim + j] if v_bias.size else val
+
+
 @njit(cache=True)
-def qkv_rope(
+def qkv_rope_rows(
     qkv: np.ndarray,
     n_heads: int,
     n_kv_heads: int,
@@ -85,35 +168,113 @@ def qkv_rope(
     q = np.empty((n, n_heads, head_dim), dtype=np.float32)
     k = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
     v = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
-    half = inv_freq.shape[0]
-    cos = np.empty(half, dtype=np.float32)
-    sin = np.empty(half, dtype=np.float32)
-    kv0 = n_heads * head_dim
-    v0 = kv0 + n_kv_heads * head_dim
+    cos = np.empty(inv_freq.shape[0], dtype=np.float32)
+    sin = np.empty(inv_freq.shape[0], dtype=np.float32)
     for i in range(n):
-        for f in range(half):
-            angle = np.float64(positions[i]) * inv_freq[f]
-            cos[f] = np.float32(math.cos(angle))
-            sin[f] = np.float32(math.sin(angle))
-        for h in range(n_heads + n_kv_heads):
-            if h < n_heads:
-                dst = q[i, h]
-                src = qkv[i, h * head_dim : (h + 1) * head_dim]
-                bias, norm, b0 = q_bias, q_norm, h * head_dim
-            else:
-                dst = k[i, h - n_heads]
-                src = qkv[i, kv0 + (h - n_heads) * head_dim : kv0 + (h - n_heads + 1) * head_dim]
-                bias, norm, b0 = k_bias, k_norm, (h - n_heads) * head_dim
-            for j in range(head_dim):
-                dst[j] = src[j] + bias[b0 + j] if bias.size else src[j]
-            if norm.size:
-                _norm_row(dst, norm, eps, dst)
-            _rope_row(dst, cos, sin, neox)
-        for h in range(n_kv_heads):
-            for j in range(head_dim):
-                val = qkv[i, v0 + h * head_dim + j]
-                v[i, h, j] = val + v_bias[h * head_dim + j] if v_bias.size else val
+        _qkv_row(
+            qkv,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            q_bias,
+            k_bias,
+            v_bias,
+            q_norm,
+            k_norm,
+            eps,
+            positions,
+            inv_freq,
+            neox,
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            i,
+        )
     return q, k, v
+
+
+@njit(parallel=True, cache=True)
+def _qkv_rope_parallel(
+    qkv: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    q_bias: np.ndarray,
+    k_bias: np.ndarray,
+    v_bias: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    neox: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """qkv_rope_rows with rows split over the threads (the same bits)."""
+    n = qkv.shape[0]
+    q = np.empty((n, n_heads, head_dim), dtype=np.float32)
+    k = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
+    v = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
+    for i in prange(n):
+        cos = np.empty(inv_freq.shape[0], dtype=np.float32)
+        sin = np.empty(inv_freq.shape[0], dtype=np.float32)
+        _qkv_row(
+            qkv,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            q_bias,
+            k_bias,
+            v_bias,
+            q_norm,
+            k_norm,
+            eps,
+            positions,
+            inv_freq,
+            neox,
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            i,
+        )
+    return q, k, v
+
+
+def qkv_rope(
+    qkv: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    q_bias: np.ndarray,
+    k_bias: np.ndarray,
+    v_bias: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    neox: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """qkv_rope_rows, its rows over the threads from PARALLEL_MIN_ROWS rows."""
+    run = _qkv_rope_parallel if qkv.shape[0] >= PARALLEL_MIN_ROWS else qkv_rope_rows
+    return run(
+        qkv,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        q_bias,
+        k_bias,
+        v_bias,
+        q_norm,
+        k_norm,
+        eps,
+        positions,
+        inv_freq,
+        neox,
+    )
 
 
 @njit(cache=True, inline="always")
@@ -359,14 +520,9 @@ def _gelu_mul_parallel(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray) -> 
     return out
 
 
-# Above this many rows (prefill) the activation runs on every thread; at decode a parallel
-# launch would cost more than the few rows' math.
-GLU_PARALLEL_MIN_ROWS = 8
-
-
 def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
     """act(gate) * up from the merged gate/up projection; GELU through ggml's fp16 table."""
-    parallel = gate_up.shape[0] >= GLU_PARALLEL_MIN_ROWS
+    parallel = gate_up.shape[0] >= PARALLEL_MIN_ROWS
     if activation == "gelu":
         gelu = _gelu_mul_parallel if parallel else gelu_mul
         return gelu(gate_up, ffn_dim, ops.gelu_fp16_table())
