@@ -1,7 +1,8 @@
 """Throughput of the CPU kernels: GB/s of weight bytes streamed per matvec, ms per call.
 
 Run: python bench/bench_kernels.py [--threads N] [--repeat R]
-Prints one line per (format, shape, n); real-model tensors are used when the models are cached."""
+Prints one line per (format, shape, n); real-model tensors are used when the models are cached.
+In the default q8 mode n <= 4 runs the decode kernels, larger n the int8 GEMM (prefill)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--n", type=int, nargs="*", default=[1, 3, 64])
+    parser.add_argument("--n", type=int, nargs="*", default=[1, 3, 64, 128])
     args = parser.parse_args()
     backend = CpuOps(threads=args.threads)
     for model, name in REAL:

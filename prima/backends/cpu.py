@@ -35,9 +35,10 @@ MODES: tuple[str, ...] = ("q8", "exact")
 
 class CpuOps:
     """Matmuls on the host CPU with at most `threads` workers (None: one per core): numba's pool
-    for decode kernels, as many Python threads for prefill tiles. `mode` "q8" quantizes decode
-    activations to int8 blocks for the integer kernels (llama.cpp's arithmetic, logits within
-    ~1e-3 of exact); "exact" keeps float32 activations throughout."""
+    for decode kernels and the int8 GEMM, as many Python threads for BLAS prefill tiles. `mode`
+    "q8" quantizes activations to int8 blocks for the integer kernels, at decode and prefill
+    (llama.cpp's arithmetic, logits within ~1e-3 of exact); "exact" keeps float32 activations
+    throughout."""
 
     def __init__(self, threads: int | None = None, mode: str = "q8") -> None:
         if threads is not None and threads < 1:
@@ -93,7 +94,8 @@ class CpuBackend:
         self.mode = mode
         # Blocks of up to this many tokens run as one compiled call; 0 turns the fast path off.
         self.fused_max_tokens = kernels.FUSED_MAX_N if kernels.HAVE_NUMBA else 0
-        # The fused kernels compute each row on its own; BLAS tiles (float weights, prefill) do not.
+        # The fused kernels compute each row as a pass of that row alone would; the int8 GEMM and
+        # BLAS tiles (longer batches, float weights) do it in another order.
         self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
 
     def load_window(self, layers: range) -> CpuWindow:
@@ -126,8 +128,8 @@ class CpuBackend:
     @property
     def decode_batch_rows(self) -> int:
         """Rows a decode pass may carry with each row's arithmetic that of a pass alone: up to
-        here the matmuls run the fused per-row kernels; above, dequantized tiles and BLAS
-        compute in another order (and without int8 activations)."""
+        here the matmuls run the fused per-row kernels; above, the int8 GEMM or dequantized
+        tiles and BLAS compute in another order."""
         return self.fused_max_tokens
 
     def run_window_sessions(

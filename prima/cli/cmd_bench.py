@@ -170,7 +170,7 @@ def _warm_worker(path: str, threads: int, mode: str) -> None:
 
     loaded = load_model(path, threads=threads, mode=mode)
     engine = LocalEngine(loaded.model, n_ctx=32)
-    engine.forward(list(range(1, 17)))  # a prefill batch (tiled BLAS path)
+    engine.forward(list(range(1, 17)))  # a prefill batch (int8 GEMM, or tiled BLAS in exact mode)
     engine.forward([1])  # a decode step (fused block, int8 or exact matvec)
 
 

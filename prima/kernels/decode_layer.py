@@ -86,7 +86,7 @@ def decode_layer(  # noqa: ANN201
     attn_norm, ffn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, post_attn, post_ffw = vecs
     xn = fused_ops.rms_norm(x, attn_norm, eps)
     qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
-    q, k, v = fused_ops.qkv_rope(
+    q, k, v = fused_ops.qkv_rope_rows(
         qkv,
         n_heads,
         n_kv_heads,
@@ -109,12 +109,12 @@ def decode_layer(  # noqa: ANN201
     else:
         attn = fused_ops._attention_serial(q, k_cache, v_cache, t, positions, attn_scale, window)
     o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
-    x, xn = fused_ops.residual_norm(x, o, post_attn, ffn_norm, eps)
+    x, xn = fused_ops.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)
     if gelu:
         act = fused_ops.gelu_mul(gate_up, ffn_dim, gelu_table)
     else:
         act = fused_ops.silu_mul(gate_up, ffn_dim)
     ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)
-    x, _ = fused_ops.residual_norm(x, ffn, post_ffw, post_ffw[:0], eps)
+    x, _ = fused_ops.residual_norm_rows(x, ffn, post_ffw, post_ffw[:0], eps)
     return x

@@ -37,6 +37,7 @@ FORMATS: dict[GGMLQuantizationType, formats.QuantFormat] = formats.load()
 # GGML type ids as plain ints, for numba.
 QUANTIZED_IDS: frozenset[int] = frozenset(int(q) for q in FORMATS)
 INT8_IDS: frozenset[int] = frozenset(int(q) for q, f in FORMATS.items() if f.qdot is not None)
+GEMM_IDS: frozenset[int] = frozenset(int(q) for q, f in FORMATS.items() if f.unpack is not None)
 _INT8_IDS: tuple[int, ...] = tuple(sorted(INT8_IDS))  # a global tuple is a constant to numba
 
 
@@ -67,11 +68,15 @@ def switch(
 
 
 # The steps of prima.kernels.formats with the format id first:
-#   dot(fmt, row, x, lut, out, r), deq(fmt, row, lut, y), qdot(fmt, w, r0, r1, xq, xd, xs, out, c0)
+#   dot(fmt, row, x, lut, out, r), deq(fmt, row, lut, y), qdot(fmt, w, r0, r1, xq, xd, xs, out, c0),
+#   unpack(fmt, row, u, sc, mn)
 dot = switch("dot", ("row", "x", "lut", "out", "r"), [(q, f.dot) for q, f in FORMATS.items()])
 deq = switch("deq", ("row", "lut", "y"), [(q, f.deq) for q, f in FORMATS.items()])
 qdot = switch(
     "qdot",
     ("w", "r0", "r1", "xq", "xd", "xs", "out", "c0"),
     [(q, f.qdot) for q, f in FORMATS.items() if f.qdot is not None],
+)
+unpack = switch(
+    "unpack", ("row", "u", "sc", "mn"), [(q, f.unpack) for q, f in FORMATS.items() if f.unpack is not None]
 )

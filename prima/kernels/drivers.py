@@ -8,6 +8,8 @@ format table, so they compile once for every format.
 
   matvec(fmt, a, b, c, x, lut, out)        out (n, ra + rb + rc) = x @ [A; B; C].T
   matvec_q8(fmt, a, b, c, x, out)          the same with x quantized to int8 blocks (int8_dots)
+  gemm_q8(fmt, a, b, c, x, out)            matvec_q8 for many rows of x: each weight row unpacked
+                                           once for all of them (int8_gemm)
   dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
   dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
 """
@@ -19,13 +21,16 @@ from numba import njit, prange
 
 from prima.kernels import dispatch
 from prima.kernels import int8_dots as i8
+from prima.kernels import int8_gemm as g8
 
 # What callers check before a launch: formats with kernels, and those with int8 ones.
 QUANTIZED_IDS = dispatch.QUANTIZED_IDS
 INT8_IDS = dispatch.INT8_IDS
+GEMM_IDS = dispatch.GEMM_IDS
 has_int8 = dispatch.has_int8
 quantize_rows = i8.quantize_rows
 QK8 = i8.QK8  # elements per int8 activation block
+VNNI = i8.VNNI  # the int8 dots use vpdpbusd
 
 # Rows per parallel work item: fewer scheduling steps, still enough items to balance 2-8 threads.
 CHUNK_ROWS = 16
@@ -76,6 +81,59 @@ def matvec_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarr
         if stop > rab:
             lo = max(start, rab)
             dispatch.qdot(fmt, c, lo - rab, stop - rab, xq, xd, xs, out, lo)
+
+
+# Weight rows unpacked per parallel work item: 16 rows of bytes (32 KiB at 2048 columns) stay in
+# L1/L2 while every packed activation group passes them.
+GEMM_TILE_ROWS = 16
+
+
+@njit(parallel=True, cache=True)
+def gemm_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, ra + rb + rc) = x @ [A; B; C].T for a format in GEMM_IDS, x quantized to int8
+    blocks as matvec_q8 quantizes it: the activations are packed once (int8_gemm.pack_group),
+    then each tile of weight rows is unpacked once and meets every activation row."""
+    n, cols = x.shape
+    nb = cols // i8.QK8
+    groups = (n + g8.GROUP - 1) // g8.GROUP
+    xt = np.empty((groups, nb * g8.PACKED_BLOCK), dtype=np.int8)
+    xdt = np.empty((groups, nb * g8.GROUP), dtype=np.float32)
+    xst = np.empty((groups, nb * 2 * g8.GROUP), dtype=np.float32)
+    for g in prange(groups):
+        g8.pack_group(x, g, xt, xdt, xst)
+    ra = a.shape[0]
+    rab = ra + b.shape[0]
+    total = rab + c.shape[0]
+    n_tiles = (total + GEMM_TILE_ROWS - 1) // GEMM_TILE_ROWS
+    for t in prange(n_tiles):
+        r0 = t * GEMM_TILE_ROWS
+        m = min(GEMM_TILE_ROWS, total - r0)
+        u = np.empty((GEMM_TILE_ROWS, cols), dtype=np.uint8)
+        sc = np.empty((GEMM_TILE_ROWS, cols // g8.PIECE), dtype=np.float32)
+        mn = np.empty((GEMM_TILE_ROWS, cols // g8.PIECE), dtype=np.float32)
+        for i in range(m):
+            r = r0 + i
+            if r < ra:
+                dispatch.unpack(fmt, a[r], u[i], sc[i], mn[i])
+            elif r < rab:
+                dispatch.unpack(fmt, b[r - ra], u[i], sc[i], mn[i])
+            else:
+                dispatch.unpack(fmt, c[r - rab], u[i], sc[i], mn[i])
+        if _halves_share_maps(sc, mn, m):
+            g8.tile_product_joint(u, sc, mn, m, xt, xdt, xst, n, out, r0)
+        else:
+            g8.tile_product(u, sc, mn, m, xt, xdt, xst, n, out, r0)
+
+
+@njit(cache=True, inline="always")
+def _halves_share_maps(sc: np.ndarray, mn: np.ndarray, m: int) -> bool:
+    """Whether both 16-element halves of every block of the first m unpacked rows have one affine
+    map (every format but Q6_K's): then one int32 sum per block, not two."""
+    for i in range(m):
+        for p in range(0, sc.shape[1], 2):
+            if sc[i, p] != sc[i, p + 1] or mn[i, p] != mn[i, p + 1]:
+                return False
+    return True
 
 
 @njit(parallel=True, cache=True)

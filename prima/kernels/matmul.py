@@ -1,9 +1,12 @@
 """y = x @ W.T and W[ids] straight from raw GGUF blocks, choosing the kernel per tensor format.
 
 Decode (n = 1) and short batches run fused numba kernels that read each weight byte once and
-never materialize W. Longer batches (prefill) dequantize ~1 MiB tiles of rows and hand them to
-BLAS, which beats a hand-written loop once the dequantize cost is shared by many activation rows.
-Without numba, the same tiling runs on gguf-py's numpy dequantizer (slow, but correct)."""
+never materialize W. Longer batches (prefill) in int8 mode run the int8 GEMM (drivers.gemm_q8:
+each weight row unpacked once for all activation rows) where the CPU has vpdpbusd (INT8_GEMM).
+In exact mode, on other CPUs, or for a format without an unpack step, they dequantize ~1 MiB
+tiles of rows and hand them to BLAS, which beats a hand-written float loop once the dequantize
+cost is shared by many activation rows. Without numba, the same tiling runs on gguf-py's numpy
+dequantizer (slow, but correct)."""
 
 from __future__ import annotations
 
@@ -27,8 +30,14 @@ except ImportError:  # numba is optional at runtime: fall back to gguf-py + BLAS
 
 Q = GGMLQuantizationType
 
-# Up to this many activation rows the fused kernels win; above, dequantized tiles + BLAS do.
+# Up to this many activation rows the fused per-row kernels run; above, the int8 GEMM (int8 mode)
+# or dequantized tiles + BLAS.
 FUSED_MAX_N = 4
+# Whether q8 prefill runs the int8 GEMM: where the CPU has vpdpbusd (AVX-512 VNNI or AVX-VNNI),
+# which made a 128-row Gemma ffn_gate ~2.5x faster than dequantized tiles + BLAS. Its generic
+# vector code (AVX2 alone, ARM) lost to BLAS (21 vs 14 ms on that matmul), so there prefill keeps
+# BLAS and float activations.
+INT8_GEMM = HAVE_NUMBA and drivers.VNNI
 # Elements per dequantized tile (float32: 1 MiB), small enough to stay in L2 while BLAS reads it.
 TILE_ELEMENTS = 1 << 18
 # Prefill splits a weight's row tiles over this many Python threads; each dequantizes without the
@@ -52,25 +61,28 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
     """x (n, cols) -> float32 (n, sum of rows) = x @ [W0; W1; ...].T for weights sharing `cols`.
     Up to three weights of one quantized format run as a single fused launch (q/k/v, gate/up).
     With `int8`, fused launches of formats in drivers.INT8_IDS quantize x to int8 blocks first
-    (llama.cpp's decode arithmetic: faster, within activation-quantization error of exact)."""
+    (llama.cpp's decode arithmetic: faster, within activation-quantization error of exact), and
+    so do longer batches of formats in drivers.GEMM_IDS where INT8_GEMM (the int8 GEMM)."""
     x = _activations(ws[0], x)
     for w in ws[1:]:
         _activations(w, x)
     n = x.shape[0]
+    fmt = int(ws[0].qtype)
     if (
         HAVE_NUMBA
-        and n <= FUSED_MAX_N
         and len(ws) <= 3
-        and int(ws[0].qtype) in drivers.QUANTIZED_IDS
+        and fmt in drivers.QUANTIZED_IDS
         and all(w.qtype == ws[0].qtype for w in ws)
+        and (n <= FUSED_MAX_N or (int8 and INT8_GEMM and fmt in drivers.GEMM_IDS))
     ):
         out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
         raws = _same_kind([w.raw for w in ws])
         a = raws[0]
         b = raws[1] if len(raws) > 1 else a[:0]
         c = raws[2] if len(raws) > 2 else a[:0]
-        fmt = int(ws[0].qtype)
-        if int8 and fmt in drivers.INT8_IDS:
+        if n > FUSED_MAX_N:
+            drivers.gemm_q8(fmt, a, b, c, x, out)
+        elif int8 and fmt in drivers.INT8_IDS:
             drivers.matvec_q8(fmt, a, b, c, x, out)
         else:
             drivers.matvec(fmt, a, b, c, x, F16_TABLE, out)
@@ -180,6 +192,17 @@ def _tiled_matmul(
     else:
         list(_thread_pool().map(run, range(_prefill_threads)))
     return out
+
+
+def prefill_map(fn: Callable[[tuple[int, int]], np.ndarray], n: int) -> list[np.ndarray]:
+    """fn over [start, stop) spans splitting range(n) evenly between the prefill threads (numpy
+    and BLAS release the GIL), results in span order."""
+    parts = min(_prefill_threads, n)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    if parts <= 1:
+        return [fn(spans[0])] if spans else []
+    return list(_thread_pool().map(fn, spans))
 
 
 def _thread_pool() -> ThreadPoolExecutor:

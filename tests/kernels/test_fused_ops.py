@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from prima.kernels import fused_ops, ops
+from prima.kernels import matmul as mm
 from prima.model.config import ROPE_NEOX, ROPE_NORM
 
 RNG = np.random.default_rng(7)
@@ -31,14 +32,34 @@ def test_residual_norm_matches_reference(post: bool) -> None:
     assert none.shape == (0, 32)
 
 
+def test_prefill_rows_on_threads_have_decode_bits() -> None:
+    """From PARALLEL_MIN_ROWS rows the row-wise glue runs over the threads: each row's bits are
+    those of the one-thread loop the decode block runs."""
+    n, heads, kv_heads, hd = fused_ops.PARALLEL_MIN_ROWS + 3, 4, 2, 16
+    x, y, pw, nw = _f32(n, 32), _f32(n, 32), _f32(32), _f32(32)
+    for got, want in zip(
+        fused_ops.residual_norm(x, y, pw, nw, 1e-6),
+        fused_ops.residual_norm_rows(x, y, pw, nw, 1e-6),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+    args = (
+        _f32(n, (heads + 2 * kv_heads) * hd), heads, kv_heads, hd, _f32(heads * hd), _f32(kv_heads * hd),
+        _f32(kv_heads * hd), _f32(hd), _f32(hd), 1e-6, np.arange(3, 3 + n), fused_ops.rope_inv_freq(hd, 1e4), True,
+    )  # fmt: skip
+    for got, want in zip(fused_ops.qkv_rope(*args), fused_ops.qkv_rope_rows(*args), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("rope_type", [ROPE_NORM, ROPE_NEOX])
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool) -> None:
-    n, heads, kv_heads, hd = 3, 4, 2, 16
+@pytest.mark.parametrize("n", [3, fused_ops.PARALLEL_MIN_ROWS])
+def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool, n: int) -> None:
+    heads, kv_heads, hd = 4, 2, 16
     qkv = _f32(n, (heads + 2 * kv_heads) * hd)
     qb, kb, vb = _f32(heads * hd), _f32(kv_heads * hd), _f32(kv_heads * hd)
     qn, kn = (_f32(hd), _f32(hd)) if qk_norm else (fused_ops.NONE, fused_ops.NONE)
-    positions = np.array([5, 6, 7])
+    positions = np.arange(5, 5 + n)
     base = 10000.0
     q, k, v = fused_ops.qkv_rope(
         qkv, heads, kv_heads, hd, qb, kb, vb, qn, kn, 1e-6, positions,
@@ -69,8 +90,28 @@ def test_attention_matches_reference(window: int, parallel_min: int, monkeypatch
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_glu_matches_reference() -> None:
-    gate_up = _f32(2, 48)
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefill_attention_equals_per_pair_kernel(
+    window: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's second micro-batch (queries after cached keys) through the batched matmuls,
+    split between threads and cut to the sliding window, against the decode kernel's loop."""
+    monkeypatch.setattr(mm, "_prefill_threads", threads)
+    t, heads, kv_heads, hd = 29, 4, 2, 16
+    kc, vc = _f32(32, kv_heads, hd), _f32(32, kv_heads, hd)  # rows past t must not be read
+    kc[t:] = np.nan
+    positions = np.arange(t - fused_ops.ATTENTION_BATCHED_MIN_ROWS - 2, t)
+    q = _f32(positions.size, heads, hd)
+    got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
+    want = fused_ops._attention_serial(q, kc, vc, t, positions, 0.25, window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, fused_ops.PARALLEL_MIN_ROWS + 3])
+def test_glu_matches_reference(rows: int) -> None:
+    """A decode's few rows on one thread, a prefill's over the threads: the same arithmetic."""
+    gate_up = _f32(rows, 48)
     np.testing.assert_allclose(
         fused_ops.glu(gate_up, 24, "silu"), ops.silu(gate_up[:, :24]) * gate_up[:, 24:], rtol=1e-6, atol=1e-6
     )

@@ -1,5 +1,7 @@
-"""The default q8 mode (int8 decode activations) against llama.cpp's logits on the quantized
-model: llama.cpp decodes with int8 activations too, so top-1 must agree and logits stay close."""
+"""The default q8 mode (int8 activations) against llama.cpp's logits on the quantized model:
+llama.cpp decodes and prefills with int8 activations too, so top-1 must agree and logits stay
+close, whether the prompt goes one token per step (the decode kernels) or in one batch (the
+int8 GEMM)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prima.engine.local import LocalEngine
 from prima.forward.loader import LoadedModel, load_model
+from prima.kernels.matmul import FUSED_MAX_N
 from tests.conftest import ORACLE_DIR, ORACLE_TAGS, load_oracle
 
 
@@ -40,6 +44,18 @@ def test_q8_decode_logits_match_llama_cpp_quant(tag: str, prompt: dict[str, Any]
     for pos, t in enumerate(prompt["prompt_token_ids"]):
         h = model.forward_layers(model.embed(np.array([t])), np.array([pos]), 0, n, cache)
     logits = model.output_logits(h[-1:])[0]
+    quant = np.load(ORACLE_DIR / prompt["quant"]["logits_file"])
+    assert int(np.argmax(logits)) == int(np.argmax(quant))
+    cosine = float(logits @ quant / (np.linalg.norm(logits) * np.linalg.norm(quant)))
+    assert cosine >= 0.998
+
+
+@pytest.mark.parametrize(("tag", "prompt"), _prompt_cases())
+def test_q8_prefill_logits_match_llama_cpp_quant(tag: str, prompt: dict[str, Any]) -> None:
+    loaded = _load(tag)
+    ids = prompt["prompt_token_ids"]
+    assert len(ids) > FUSED_MAX_N  # more rows than the decode kernels take: the int8 GEMM (or BLAS)
+    logits = LocalEngine(loaded.model, n_ctx=512).forward(ids)
     quant = np.load(ORACLE_DIR / prompt["quant"]["logits_file"])
     assert int(np.argmax(logits)) == int(np.argmax(quant))
     cosine = float(logits @ quant / (np.linalg.norm(logits) * np.linalg.norm(quant)))

@@ -6,7 +6,10 @@
   deq(row, lut, y)                       y (cols,) = w_r dequantized
   qdot(w, r0, r1, xq, xd, xs, out, c0)   out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks
                                          (prima.kernels.int8_dots), or None: q8 mode runs dot
-  FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
+  unpack(row, u, sc, mn)                 row as bytes u (cols,) and an affine map per 16
+                                         elements, w[j] = sc[j // 16] * u[j] + mn[j // 16]
+                                         (prima.kernels.int8_gemm, q8 prefill), or None
+  FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)
 
 `lut` is quants.F16_TABLE; `row` is one row of raw blocks (uint8), `w` the whole (rows, bytes)
 array. Adding a format is a module here plus its type in QTYPES: the dispatch in
@@ -103,6 +106,7 @@ class QuantFormat:
     dot: Callable[..., None]
     deq: Callable[..., None]
     qdot: Callable[..., None] | None = None
+    unpack: Callable[..., None] | None = None
 
     @property
     def qtype(self) -> GGMLQuantizationType:

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, njit
 
 from prima.kernels.formats import F16, Layout, QuantFormat
-from prima.kernels.int8_dots import dot_nib16, half_at, legacy_rows
+from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, legacy_rows
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q4_0, d=F16, qs=16)
@@ -60,4 +60,20 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
 
 qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
+
+@njit(cache=True)
+def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """row -> nibbles u, sc = d, mn = -8 d (prima.kernels.int8_gemm)."""
+    for b in range(u.shape[0] // QK):
+        o = b * BLOCK
+        d = f16_at(row, o + D)
+        for j in range(HALF):
+            q = row[o + QS + j]
+            u[b * QK + j] = q & np.uint8(15)
+            u[b * QK + HALF + j] = q >> np.uint8(4)
+        for p in range(2):
+            sc[2 * b + p] = d
+            mn[2 * b + p] = np.float32(-8.0) * d
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, njit
 
 from prima.kernels.formats import F16, Layout, QuantFormat
-from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, half_at, hsum, zero_lanes
+from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, f16_at, half_at, hsum, zero_lanes
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q4_K, d=F16, dmin=F16, scales=12, qs=128)
@@ -121,4 +121,27 @@ def qdot(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
             out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) - mins
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
+@njit(cache=True)
+def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """row -> nibbles u, sc = d * scale and mn = -(dmin * min) of each sub-block (for both of
+    its 16-element pieces; prima.kernels.int8_gemm)."""
+    for sb in range(u.shape[0] // QK):
+        o = sb * BLOCK
+        d = f16_at(row, o + D)
+        dmin = f16_at(row, o + DMIN)
+        for g in range(4):
+            ub = sb * QK + g * 64
+            for j in range(32):
+                q = row[o + QS + g * 32 + j]
+                u[ub + j] = q & np.uint8(15)
+                u[ub + 32 + j] = q >> np.uint8(4)
+            for h in range(2):
+                sc_, m = scale_min(row, o + SCALES, 2 * g + h)
+                p = (sb * QK + g * 64 + h * 32) // 16
+                sc[p] = d * sc_
+                sc[p + 1] = d * sc_
+                mn[p] = -(dmin * m)
+                mn[p + 1] = -(dmin * m)
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)

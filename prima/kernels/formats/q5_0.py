@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, njit
 
 from prima.kernels.formats import F16, Layout, QuantFormat
-from prima.kernels.int8_dots import dot_nib16, half_at, legacy_rows, u32_at
+from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, legacy_rows, u32_at
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32, u32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q5_0, d=F16, qh=4, qs=16)
@@ -69,4 +69,25 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
 
 qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
+
+@njit(cache=True)
+def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """row -> 5-bit u, sc = d, mn = -16 d (prima.kernels.int8_gemm)."""
+    for b in range(u.shape[0] // QK):
+        o = b * BLOCK
+        d = f16_at(row, o + D)
+        qh = u32(row, o + QH)
+        for j in range(HALF):
+            q = row[o + QS + j]
+            u[b * QK + j] = (q & np.uint8(15)) | np.uint8(
+                ((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4)
+            )
+            u[b * QK + HALF + j] = (q >> np.uint8(4)) | np.uint8(
+                ((qh >> np.uint32(j + HALF)) & np.uint32(1)) << np.uint32(4)
+            )
+        for p in range(2):
+            sc[2 * b + p] = d
+            mn[2 * b + p] = np.float32(-16.0) * d
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)

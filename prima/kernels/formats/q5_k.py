@@ -11,6 +11,7 @@ from numba import carray, njit
 
 from prima.kernels.formats import F16, Layout, QuantFormat
 from prima.kernels.formats.q4_k import scale_min
+from prima.kernels.int8_dots import f16_at
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q5_K, d=F16, dmin=F16, scales=12, qh=32, qs=128)
@@ -72,4 +73,30 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
                 y[yb + 32 + j] = (d * sc1) * np.float32(hi) - dmin * m1
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq)
+@njit(cache=True)
+def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """row -> 5-bit u, sc = d * scale and mn = -(dmin * min) of each sub-block (for both of its
+    16-element pieces; prima.kernels.int8_gemm)."""
+    for sb in range(u.shape[0] // QK):
+        o = sb * BLOCK
+        d = f16_at(row, o + D)
+        dmin = f16_at(row, o + DMIN)
+        for g in range(4):
+            ub = sb * QK + g * 64
+            for j in range(32):
+                q = row[o + QS + g * 32 + j]
+                qh = row[o + QH + j]
+                u[ub + j] = (q & np.uint8(15)) | (((qh >> np.uint8(2 * g)) & np.uint8(1)) << np.uint8(4))
+                u[ub + 32 + j] = (q >> np.uint8(4)) | (
+                    ((qh >> np.uint8(2 * g + 1)) & np.uint8(1)) << np.uint8(4)
+                )
+            for h in range(2):
+                sc_, m = scale_min(row, o + SCALES, 2 * g + h)
+                p = (sb * QK + g * 64 + h * 32) // 16
+                sc[p] = d * sc_
+                sc[p + 1] = d * sc_
+                mn[p] = -(dmin * m)
+                mn[p + 1] = -(dmin * m)
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, unpack=unpack)

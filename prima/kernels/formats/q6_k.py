@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, njit
 
 from prima.kernels.formats import F16, Layout, QuantFormat
-from prima.kernels.int8_dots import QK8, dot_q6x32, half_at, hsum, zero_lanes
+from prima.kernels.int8_dots import QK8, dot_q6x32, f16_at, half_at, hsum, zero_lanes
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q6_K, ql=128, qh=64, scales=16, d=F16)
@@ -126,4 +126,27 @@ def qdot(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
             out[k, c0 + r - r0] = hsum(acc0p) + hsum(acc1p)
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
+@njit(cache=True)
+def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """row -> 6-bit u, and per 16 elements sc = d * scale, mn = -32 d * scale (the offset of q;
+    prima.kernels.int8_gemm)."""
+    scales = row.view(np.int8)
+    for sb in range(u.shape[0] // QK):
+        o = sb * BLOCK
+        d = f16_at(row, o + D)
+        for h in range(2):
+            for c in range(4):
+                lo = o + QL + h * 64 + (c & 1) * 32
+                ho = o + QH + h * 32
+                ub = sb * QK + h * 128 + c * 32
+                for j in range(32):
+                    u[ub + j] = ((row[lo + j] >> np.uint8(4 * (c >> 1))) & np.uint8(15)) | (
+                        ((row[ho + j] >> np.uint8(2 * c)) & np.uint8(3)) << np.uint8(4)
+                    )
+                for p in range(2):
+                    dl = d * np.float32(scales[o + SCALES + h * 8 + c * 2 + p])
+                    sc[ub // 16 + p] = dl
+                    mn[ub // 16 + p] = np.float32(-32.0) * dl
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)

@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, njit
 
 from prima.kernels.formats import F16, Layout, QuantFormat
-from prima.kernels.int8_dots import dot_i8x32, half_at, legacy_rows
+from prima.kernels.int8_dots import dot_i8x32, f16_at, half_at, legacy_rows
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q8_0, d=F16, qs=32)
@@ -55,4 +55,19 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202, ARG0
 
 qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot)
+
+@njit(cache=True)
+def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """row -> u = q + 128 (the int8 quant as an unsigned byte), sc = d, mn = -128 d
+    (prima.kernels.int8_gemm)."""
+    for b in range(u.shape[0] // QK):
+        o = b * BLOCK
+        d = f16_at(row, o + D)
+        for j in range(QK):
+            u[b * QK + j] = row[o + QS + j] ^ np.uint8(128)
+        for p in range(2):
+            sc[2 * b + p] = d
+            mn[2 * b + p] = np.float32(-128.0) * d
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)

@@ -1,0 +1,283 @@
+"""Int8 GEMM building blocks for prefill: many activation rows against each weight block, the weight
+block unpacked once.
+
+The decode kernels (int8_dots) unpack a weight block for every activation row they meet it with;
+at 64-128 rows that unpacking costs more than dequantizing the weight once and calling BLAS. Here
+each format's `unpack` (prima.kernels.formats) turns a tile of weight rows into plain bytes plus
+an affine map per 16 elements:
+
+    w[j] = sc[j // 16] * u[j] + mn[j // 16]      u uint8, sc and mn float32
+
+and the activations, quantized to int8 per 32-element block as at decode (value = xd * xq), are
+packed so that one 32-byte vector holds 4 consecutive elements of each of 8 rows. A step then
+broadcasts 4 bytes of u to all 8 lanes and adds the 4 products into each row's int32 lane
+(vpdpbusd where the CPU has AVX-512 VNNI, else generic vector code numba's LLVM lowers for the
+host): 8 rows x 4 elements per instruction, no horizontal sums. Per 16 elements
+
+    sum_j w[j] x[j] = sc * xd * (integer dot of u and xq) + mn * (xd * sum of xq)
+
+so the mins and offsets of the formats meet the half-block sums of the activations (xs16).
+
+  pack_group(x, g, xt, xdt, xst)       rows of x (n, cols) f32 -> one packed int8 group, scales, sums
+  gemm_step(acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1)
+                                       one 32-element block of one weight row x 8 activation rows
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from prima.kernels.int8_dots import QK8, VNNI, _i64, _x86
+from prima.kernels.lanes import stack_f32
+
+# Activation rows per packed group: one int32 or float32 lane each in a 256-bit vector.
+GROUP = 8
+# Elements per affine piece of an unpacked weight row (Q6_K's and Q3_K's scale granularity).
+PIECE = 16
+# Bytes of one packed activation block: QK8 elements of GROUP rows.
+PACKED_BLOCK = QK8 * GROUP
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+@njit(cache=True, inline="always")
+def pack_group(x: np.ndarray, g: int, xt: np.ndarray, xdt: np.ndarray, xst: np.ndarray) -> None:
+    """Rows [GROUP g, GROUP g + GROUP) of x (n, cols) f32, quantized as int8_dots.quantize_rows
+    does (xd = max |x| / 127 per 32-element block, xq = x / xd rounded), packed (rows past n are
+    zeros): xt[g, PACKED_BLOCK b + 32 t + 4 l + e] = xq[GROUP g + l, 32 b + 4 t + e],
+    xdt[g, GROUP b + l] = xd and xst[g, 2 GROUP b + GROUP h + l] = xd * (sum of xq, half h)."""
+    n, cols = x.shape
+    nb = cols // QK8
+    for lane in range(GROUP):
+        k = g * GROUP + lane
+        for b in range(nb):
+            xb = b * PACKED_BLOCK + lane * 4
+            if k >= n:
+                xdt[g, b * GROUP + lane] = 0.0
+                xst[g, b * 2 * GROUP + lane] = 0.0
+                xst[g, b * 2 * GROUP + GROUP + lane] = 0.0
+                for j in range(QK8):
+                    xt[g, xb + (j // 4) * 32 + (j % 4)] = 0
+                continue
+            amax = np.float32(0.0)
+            for j in range(QK8):
+                amax = max(amax, abs(x[k, b * QK8 + j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            s0 = 0
+            s1 = 0
+            for j in range(QK8):
+                q = np.int8(np.rint(x[k, b * QK8 + j] * inv))
+                xt[g, xb + (j // 4) * 32 + (j % 4)] = q
+                if j < QK8 // 2:
+                    s0 += q
+                else:
+                    s1 += q
+            xdt[g, b * GROUP + lane] = d
+            xst[g, b * 2 * GROUP + lane] = d * np.float32(s0)
+            xst[g, b * 2 * GROUP + GROUP + lane] = d * np.float32(s1)
+
+
+def _ptr(context, builder, aryty, ary, off, ty):  # noqa: ANN001, ANN202
+    """A `ty` pointer to byte `off` of the contiguous array `ary`."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    base = builder.bitcast(data, _I8.as_pointer())
+    return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
+
+
+def _dot4(builder, acc, u4, xv):  # noqa: ANN001, ANN202
+    """acc (8 x i32) + per lane l: sum over e < 4 of u4[e] * xv[4 l + e], for u4 the 4 weight bytes
+    (unsigned, as one i32) and xv 32 activation bytes (signed)."""
+    i32x8 = ir.VectorType(_I32, GROUP)
+    splat = builder.insert_element(ir.Constant(i32x8, ir.Undefined), u4, ir.Constant(_I32, 0))
+    splat = builder.shuffle_vector(
+        splat, ir.Constant(i32x8, ir.Undefined), ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP)
+    )
+    if VNNI:
+        return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, acc, splat, builder.bitcast(xv, i32x8))
+    # Generic: u8 x s8 products fit int16 (255 * 128), summed in int32 by neighbouring pairs.
+    i8x32 = ir.VectorType(_I8, 32)
+    i16x32 = ir.VectorType(_I16, 32)
+    prod = builder.mul(builder.zext(builder.bitcast(splat, i8x32), i16x32), builder.sext(xv, i16x32))
+    i32x32 = ir.VectorType(_I32, 32)
+    wide = builder.sext(prod, i32x32)
+    even = ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2)))
+    odd = ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2)))
+    pairs = builder.add(builder.shuffle_vector(wide, wide, even), builder.shuffle_vector(wide, wide, odd))
+    even8 = ir.Constant(i32x8, list(range(0, 16, 2)))
+    odd8 = ir.Constant(i32x8, list(range(1, 16, 2)))
+    quads = builder.add(
+        builder.shuffle_vector(pairs, pairs, even8), builder.shuffle_vector(pairs, pairs, odd8)
+    )
+    return builder.add(acc, quads)
+
+
+def _splat_f(builder, value):  # noqa: ANN001, ANN202
+    fty = ir.VectorType(_F32, GROUP)
+    v = builder.insert_element(ir.Constant(fty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(
+        v, ir.Constant(fty, ir.Undefined), ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP)
+    )
+
+
+def _gemm_step(split: bool):  # noqa: ANN202
+    """The intrinsic gemm_step (split: the two halves of a block have their own sc and mn, as
+    Q6_K's) or gemm_step_joint (they share them: one conversion and one multiply-add fewer)."""
+
+    @intrinsic
+    def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            a = sig.args
+            i32x8 = ir.VectorType(_I32, GROUP)
+            i8x32 = ir.VectorType(_I8, 32)
+            f32x8 = ir.VectorType(_F32, GROUP)
+            uo = _i64(builder, args[3], a[3])
+            xo = _i64(builder, args[5], a[5])
+            # Four chains of two steps (two per half), so consecutive steps do not wait on
+            # each other.
+            chains = []
+            for c in range(4):
+                part = ir.Constant(i32x8, [0] * GROUP)
+                for s in range(2):
+                    t = c * 2 + s
+                    off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
+                    u4 = builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1)
+                    off_x = builder.add(xo, ir.Constant(xo.type, 32 * t))
+                    xv = builder.load(_ptr(context, builder, a[4], args[4], off_x, i8x32), align=1)
+                    part = _dot4(builder, part, u4, xv)
+                chains.append(part)
+            xdo = builder.mul(_i64(builder, args[7], a[7]), ir.Constant(ir.IntType(64), 4))
+            xd = builder.load(_ptr(context, builder, a[6], args[6], xdo, f32x8), align=4)
+            xso = builder.mul(_i64(builder, args[9], a[9]), ir.Constant(ir.IntType(64), 4))
+            xs0 = builder.load(_ptr(context, builder, a[8], args[8], xso, f32x8), align=4)
+            xso1 = builder.add(xso, ir.Constant(ir.IntType(64), 4 * GROUP))
+            xs1 = builder.load(_ptr(context, builder, a[8], args[8], xso1, f32x8), align=4)
+            fmuladd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(f32x8, [f32x8, f32x8, f32x8]), f"llvm.fmuladd.v{GROUP}f32"
+            )
+            accp = builder.bitcast(args[0], f32x8.as_pointer())
+            accmp = builder.bitcast(args[1], f32x8.as_pointer())
+            v = builder.load(accp, align=4)
+            m = builder.load(accmp, align=4)
+            if split:
+                for h in range(2):
+                    ints = builder.add(chains[2 * h], chains[2 * h + 1])
+                    scale = builder.fmul(_splat_f(builder, args[10 + h]), xd)
+                    v = builder.call(fmuladd, [builder.sitofp(ints, f32x8), scale, v])
+                m = builder.call(fmuladd, [_splat_f(builder, args[12]), xs0, m])
+                m = builder.call(fmuladd, [_splat_f(builder, args[13]), xs1, m])
+            else:
+                ints = builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))
+                scale = builder.fmul(_splat_f(builder, args[10]), xd)
+                v = builder.call(fmuladd, [builder.sitofp(ints, f32x8), scale, v])
+                m = builder.call(fmuladd, [_splat_f(builder, args[12]), builder.fadd(xs0, xs1), m])
+            builder.store(v, accp, align=4)
+            builder.store(m, accmp, align=4)
+
+        f32 = types.float32
+        return types.void(acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, f32, f32, f32, f32), codegen
+
+    return step
+
+
+# One weight block against one packed activation group, into 8 float lanes (one per row):
+#   acc += (s0 * xd) * dot(u[uo:uo+16], xq half 0) + (s1 * xd) * dot(u[uo+16:uo+32], xq half 1)
+#   accm += m0 * xs half 0 + m1 * xs half 1
+# with xt's block at byte xo, xd at element xdo of xdt and the half sums at element xso of xst
+# (pack_group's layout). The joint step assumes s0 == s1 and m0 == m1.
+gemm_step = _gemm_step(split=True)
+gemm_step_joint = _gemm_step(split=False)
+
+
+def _tile_product(step):  # noqa: ANN001, ANN202
+    """tile_product over the step `step` (split or joint), uncompiled."""
+
+    @njit(cache=True, inline="always")
+    def row_step(acc, accm, u, sc, mn, i, b, xt, xo, xdt, xd, xst, xs) -> None:  # noqa: ANN001
+        """`step` for block b of unpacked row i."""
+        s = 2 * b
+        step(
+            acc,
+            accm,
+            u,
+            i * u.strides[0] + b * QK8,
+            xt,
+            xo,
+            xdt,
+            xd,
+            xst,
+            xs,
+            sc[i, s],
+            sc[i, s + 1],
+            mn[i, s],
+            mn[i, s + 1],
+        )
+
+    def tile_product(
+        u: np.ndarray,
+        sc: np.ndarray,
+        mn: np.ndarray,
+        m: int,
+        xt: np.ndarray,
+        xdt: np.ndarray,
+        xst: np.ndarray,
+        n: int,
+        out: np.ndarray,
+        c0: int,
+    ) -> None:
+        """out[k, c0 + i] = x_k . w_i for the first m unpacked weight rows (u, sc, mn) and the n
+        packed activation rows: four weight rows at a time, so each activation vector loaded serves
+        four rows and the four rows' chains of adds run side by side."""
+        nb = u.shape[1] // QK8
+        a0, a1, a2, a3 = stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP)
+        m0, m1, m2, m3 = stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP), stack_f32(GROUP)
+        accs = (a0, a1, a2, a3)
+        mins = (m0, m1, m2, m3)
+        for g in range(xt.shape[0]):
+            xg = g * xt.strides[0]
+            dg = g * nb * GROUP
+            lanes = min(GROUP, n - g * GROUP)
+            for i0 in range(0, m, 4):
+                # Rows past m repeat the last one (computed, not stored).
+                i1 = min(i0 + 1, m - 1)
+                i2 = min(i0 + 2, m - 1)
+                i3 = min(i0 + 3, m - 1)
+                for p in accs:
+                    _zero(p)
+                for p in mins:
+                    _zero(p)
+                for b in range(nb):
+                    xo = xg + b * PACKED_BLOCK
+                    xd = dg + b * GROUP
+                    xs = 2 * dg + b * 2 * GROUP
+                    row_step(a0, m0, u, sc, mn, i0, b, xt, xo, xdt, xd, xst, xs)
+                    row_step(a1, m1, u, sc, mn, i1, b, xt, xo, xdt, xd, xst, xs)
+                    row_step(a2, m2, u, sc, mn, i2, b, xt, xo, xdt, xd, xst, xs)
+                    row_step(a3, m3, u, sc, mn, i3, b, xt, xo, xdt, xd, xst, xs)
+                for q in range(min(4, m - i0)):
+                    av = carray(accs[q], GROUP)
+                    mv = carray(mins[q], GROUP)
+                    for lane in range(lanes):
+                        out[g * GROUP + lane, c0 + i0 + q] = av[lane] + mv[lane]
+
+    return tile_product
+
+
+# tile_product(u, sc, mn, m, xt, xdt, xst, n, out, c0): out[k, c0 + i] = x_k . w_i for the first
+# m unpacked weight rows and the n packed activation rows; the joint one for tiles whose halves
+# share sc and mn.
+tile_product = njit(cache=True)(_tile_product(gemm_step))
+tile_product_joint = njit(cache=True)(_tile_product(gemm_step_joint))
+
+
+@njit(cache=True, inline="always")
+def _zero(p) -> None:  # noqa: ANN001
+    v = carray(p, GROUP)
+    for j in range(GROUP):
+        v[j] = 0.0
