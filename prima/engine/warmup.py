@@ -138,7 +138,22 @@ def exercise(model: str | os.PathLike[str], on_progress: OnProgress | None = Non
     for j, fmt in enumerate(formats, start=len(modes)):
         say(j, len(steps), steps[j])
         kernel_flops(fmt, repeats=1, budget_s=0.0)
+    _other_activations()
     say(len(steps), len(steps), "done")
+
+
+def _other_activations() -> None:
+    """The gated activations of every architecture, at decode and at prefill row counts: the
+    cache is complete for all models, not only for the one that compiled it (a first prefill of
+    Gemma after a SmolLM2 compile spent seconds and ~100 MiB of RSS compiling GELU)."""
+    import numpy as np
+
+    from prima.kernels import fused_ops
+
+    for rows in (1, fused_ops.PARALLEL_MIN_ROWS):
+        gate_up = np.zeros((rows, 8), dtype=np.float32)
+        for activation in ("gelu", "silu"):
+            fused_ops.glu(gate_up, 4, activation)
 
 
 def _print_progress(done: int, total: int, what: str) -> None:
