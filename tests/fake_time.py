@@ -23,3 +23,7 @@ class FakeTime:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        """A probe's idle time passes at once, and its readings do not move."""
+        self.now += seconds

@@ -42,6 +42,11 @@ LAYER_STEPS = 10  # decode steps through the timed layers: the first warms up, t
 # with 48 MiB (two layers of the 1 GB bench model) an EPYC with 32 MiB of L3 timed 1.7 ms per
 # layer against 2.2 in a whole decode step, and Halda predicted a ring 24% too fast (#18).
 TIMED_BYTES = 128 << 20
+# A ring member idles while the others compute, and its first launches after idling are slower
+# (workers asleep, a VM's idle vCPU descheduled): 4 layers of the 1 GB bench model took 1.6-2.1 ms
+# each back to back and 2.2-3.0 ms after 50 ms idle, as in its ring (2.4-2.5). Each timed step
+# starts after this idle time.
+IDLE_BEFORE_STEP_S = 0.05
 
 
 def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
@@ -121,11 +126,13 @@ def _median_step_ms(
     run: Callable[[np.ndarray, np.ndarray, KVState], object], kv: KVState, loaded: LoadedModel, steps: int
 ) -> float:
     """Median ms of one decode step `run(hidden, positions, kv)` over `steps` steps, the first
-    not counted: what a token typically costs, as the ring will see it (the best step is a lucky
-    one)."""
+    not counted, each after IDLE_BEFORE_STEP_S idle: what a token typically costs a ring member
+    (the best step back to back is a lucky one)."""
     h = np.full((1, loaded.model.config.d_model), 0.01, dtype=np.float32)
     times = []
     for pos in range(steps):
+        if pos:
+            time.sleep(IDLE_BEFORE_STEP_S)
         t0 = time.perf_counter()
         run(h, np.array([pos]), kv)
         if pos:
