@@ -99,8 +99,10 @@ def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> N
     term = Terminal(argv, env)
     try:
         term.read_until(b"> ")
-        # Left arrow twice, then "c": readline edits the line to "cab" (no escape codes reach it).
-        term.write(b"ab\x1b[D\x1b[Dc\r")
+        # Left arrow, then "h": readline edits "knigt" to "knight" (no escape codes reach it).
+        # The story runs to -n 400 tokens (greedy), so Ctrl-C lands mid-reply even when a busy
+        # machine delays the signal; a short reply (65 tokens) once ended first.
+        term.write(b"Write a long story about a dragon and a knigt\x1b[Dh\r")
         term.read_until(b"\n")  # the line as entered
         term.read_some()  # the reply has started: interrupt it at once, long before its end
         term.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -113,7 +115,7 @@ def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> N
         if term.proc.poll() is None:
             term.proc.kill()
     history = (tmp_path / "chat_history").read_text()
-    assert "cab" in history
+    assert "Write a long story about a dragon and a knight" in history
     assert "\x1b" not in history
 
 
