@@ -30,12 +30,21 @@ from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
 WAIT_S = 120.0
 
 
+def _as_in_a_shell() -> None:
+    """Ctrl-C reaches the child as in an interactive shell, however the tests were started: a
+    runner launched in the background (`cmd &`) ignores SIGINT, its children inherit that, and
+    Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Terminal:
     """A child process on a pseudo-terminal; reads are bounded by a deadline."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True, preexec_fn=_as_in_a_shell
+        )
         os.close(slave)
         self.seen = b""
         self.pos = 0  # where the last marker matched ended: the next search starts there
