@@ -11,12 +11,12 @@ are handled in `prima.model.tokenizer`.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import regex
 
 from prima.errors import TokenizerError
+from prima.model.pair_merge import merge_pairs
 from prima.model.pre_tokenizers import pre_tokenizer
 from prima.model.token_index import TokenIndex
 
@@ -99,48 +99,14 @@ class ByteLevelBPE:
             whole = vocab.get(word)
             if whole is not None:
                 return [whole]
-        n = len(word)
-        start = list(range(n))
-        length = [1] * n
-        prev = list(range(-1, n - 1))
-        nxt = [*range(1, n), -1]
-        # Heap entries: (rank, left, merged length); smallest tuple = best pair, leftmost on ties.
-        heap: list[tuple[int, int, int]] = []
-
-        def push(left: int, right: int) -> None:
-            a, b = start[left], start[right]
-            rank = self._ranks.get(f"{word[a : a + length[left]]} {word[b : b + length[right]]}")
-            if rank is not None:
-                heapq.heappush(heap, (rank, left, length[left] + length[right]))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, size = heapq.heappop(heap)
-            right = nxt[left]
-            # Stale entry: the left symbol was merged away or grew since this pair was queued.
-            if length[left] == 0 or right == -1 or length[left] + length[right] != size:
-                continue
-            length[left] = size
-            length[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[left] != -1:
-                prev[nxt[left]] = left
-            if prev[left] != -1:
-                push(prev[left], left)
-            if nxt[left] != -1:
-                push(left, nxt[left])
-
+        ranks = self._ranks
         out: list[int] = []
-        i = 0
-        while i != -1:
-            piece = word[start[i] : start[i] + length[i]]
+        for piece in merge_pairs(word, lambda left, right: ranks.get(f"{left} {right}")):
             tid = vocab.get(piece)
             if tid is not None:
                 out.append(tid)
             else:  # llama.cpp falls back to the symbol's single bytes that are tokens
                 out.extend(t for t in (vocab.get(ch) for ch in piece if ch < "\x80") if t is not None)
-            i = nxt[i]
         return out
 
     @staticmethod

@@ -9,12 +9,12 @@ Spaces are written as U+2581 (`▁`) before merging.
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections.abc import Sequence
 
 import numpy as np
 
+from prima.model.pair_merge import merge_pairs
 from prima.model.token_index import TokenIndex
 
 SPACE_MARK = "\u2581"
@@ -59,48 +59,17 @@ class SentencePieceBPE:
                 tid = known[piece] = index.get(piece)
             return tid
 
-        n = len(text)
-        start = list(range(n))
-        length = [1] * n
-        prev = list(range(-1, n - 1))
-        nxt = [*range(1, n), -1]
-        # Heap entries: (-score, left, right, merged length); smallest tuple = best pair, leftmost on ties.
-        heap: list[tuple[float, int, int, int]] = []
-
-        def push(left: int, right: int) -> None:
-            size = length[left] + length[right]
-            tid = lookup(text[start[left] : start[left] + size])
-            if tid is not None:
-                heapq.heappush(heap, (-scores[tid], left, right, size))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            # Stale entry: one side was merged away or grew since this pair was queued.
-            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
-                continue
-            length[left] = size
-            length[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[left] != -1:
-                prev[nxt[left]] = left
-            if prev[left] != -1:
-                push(prev[left], left)
-            if nxt[left] != -1:
-                push(left, nxt[left])
+        def priority(left: str, right: str) -> float | None:
+            tid = lookup(left + right)
+            return None if tid is None else -scores[tid]
 
         out: list[int] = []
-        i = 0
-        while i != -1:
-            piece = text[start[i] : start[i] + length[i]]
+        for piece in merge_pairs(text, priority):
             tid = lookup(piece)
             if tid is not None:
                 out.append(tid)
             else:
                 out.extend(self._byte_ids[b] for b in piece.encode("utf-8"))
-            i = nxt[i]
         return out
 
     @staticmethod
