@@ -50,11 +50,15 @@ class Ops(Protocol):
 class BlockParams:
     """What a block needs beyond LayerWeights, gathered once per layer: projections grouped into
     merged launches (consecutive weights of one format), the small vectors as writable float32
-    arrays (glue.NONE standing for an absent one), the RoPE frequencies and attention window."""
+    arrays (glue.NONE standing for an absent one; copies even of float32 norms, which the mmap
+    gives read-only, so that every model calls the same compiled kernels), the RoPE frequencies
+    and attention window."""
 
     weights: LayerWeights
     qkv_groups: tuple[tuple[QTensor, ...], ...]
     gate_up_groups: tuple[tuple[QTensor, ...], ...]
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
     q_bias: np.ndarray
     k_bias: np.ndarray
     v_bias: np.ndarray
@@ -71,6 +75,8 @@ class BlockParams:
             weights=lw,
             qkv_groups=_merge_groups((lw.attn_q, lw.attn_k, lw.attn_v)),
             gate_up_groups=_merge_groups((lw.ffn_gate, lw.ffn_up)),
+            attn_norm=_vec(lw.attn_norm),
+            ffn_norm=_vec(lw.ffn_norm),
             q_bias=_vec(lw.attn_q_bias),
             k_bias=_vec(lw.attn_k_bias),
             v_bias=_vec(lw.attn_v_bias),
@@ -119,7 +125,7 @@ def block_sessions(
     eps = cfg.norm_eps
 
     # Attention: norm -> merged q|k|v -> bias, QK norm, RoPE -> cache -> attention -> out.
-    xn = glue.rms_norm(x, lw.attn_norm, eps)
+    xn = glue.rms_norm(x, p.attn_norm, eps)
     qkv = _project(ops_, p.qkv_groups, xn)  # (n, (H + 2 KVH) * hd)
     q, k, v = glue.qkv_rope(
         qkv,
@@ -149,7 +155,7 @@ def block_sessions(
         start += n
     attn = ops_.matmul(lw.attn_output, parts[0] if len(parts) == 1 else np.concatenate(parts))
     # Residual (after Gemma's post-attention norm), then the feed-forward's input norm.
-    x, xn = glue.residual_norm(x, attn, p.post_attention_norm, lw.ffn_norm, eps)
+    x, xn = glue.residual_norm(x, attn, p.post_attention_norm, p.ffn_norm, eps)
 
     # Feed-forward: merged gate|up -> act(gate) * up -> down (-> Gemma's post norm) -> residual.
     gate_up = _project(ops_, p.gate_up_groups, xn)  # (n, 2 * ffn)

@@ -21,14 +21,22 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prima.errors import PrimaError
 from prima.kernels import compile_cache
+
+if TYPE_CHECKING:
+    from prima.scheduler.profile import ModelProfile
 
 log = logging.getLogger("prima.engine")
 
 COMPILE_TIMEOUT_S = 1800.0
 PREFILL_TOKENS = 24  # > 1 row (the tiled prefill kernels) and enough pairs for parallel attention
+# A prompt too long for the fused decode rows and too short for the glue's parallel kernels: the
+# README's "The capital of France is" is 6 tokens, and without this its first prefill compiled
+# for 4 s on a fresh daemon.
+SHORT_PROMPT_TOKENS = 6
 DECODE_STEPS = 2
 
 
@@ -113,8 +121,8 @@ def _parse_progress(line: str) -> tuple[int, int, str] | None:
 
 
 def exercise(model: str | os.PathLike[str], on_progress: OnProgress | None = None) -> None:
-    """Call every kernel the forward pass and the profiler call, with the argument types they
-    pass, so that numba compiles (and caches) each of them."""
+    """Call every kernel the forward pass, the profiler and Halda call, with the argument types
+    they pass, so that numba compiles (and caches) each of them."""
     import numpy as np
 
     from prima.engine.local import LocalEngine
@@ -126,20 +134,59 @@ def exercise(model: str | os.PathLike[str], on_progress: OnProgress | None = Non
     loaded = load_model(model, mode=modes[0], download=False)
     profile = ModelProfile.from_gguf(loaded.gguf)
     formats = sorted({"F32", *profile.layer_flops, *profile.output_flops})
-    steps = [*(f"forward pass ({mode})" for mode in modes), *(f"kernel probe {fmt}" for fmt in formats)]
+    steps = [
+        *(f"forward pass ({mode})" for mode in modes),
+        *(f"kernel probe {fmt}" for fmt in formats),
+        "planner",
+    ]
     say = on_progress or (lambda _done, _total, _what: None)
+    matmuls = []
     for i, mode in enumerate(modes):
         say(i, len(steps), steps[i])
         loaded = load_model(model, mode=mode, download=False)
-        engine = LocalEngine(loaded.model, n_ctx=PREFILL_TOKENS + DECODE_STEPS)
-        logits = engine.forward(np.arange(PREFILL_TOKENS) % loaded.model.config.vocab_size)
-        for _ in range(DECODE_STEPS):
-            logits = engine.forward([int(np.argmax(logits))])
+        vocab = loaded.model.config.vocab_size
+        for prompt in (PREFILL_TOKENS, SHORT_PROMPT_TOKENS):
+            engine = LocalEngine(loaded.model, n_ctx=prompt + DECODE_STEPS)
+            logits = engine.forward(np.arange(prompt) % vocab)
+            for _ in range(DECODE_STEPS):
+                logits = engine.forward([int(np.argmax(logits))])
+        matmuls.append(loaded.model.backend.matmul)
     for j, fmt in enumerate(formats, start=len(modes)):
         say(j, len(steps), steps[j])
-        kernel_flops(fmt, repeats=1, budget_s=0.0)
+        # Without a matmul, the scheduler's own probe; with each mode's, a daemon's profile.
+        for matmul in (None, *matmuls):
+            kernel_flops(fmt, repeats=1, budget_s=0.0, matmul_fn=matmul)
+    say(len(steps) - 1, len(steps), steps[-1])
+    _plan(profile)
     _other_activations()
     say(len(steps), len(steps), "done")
+
+
+def _plan(model: ModelProfile) -> None:
+    """Halda on a made-up ring of this model (two members short of memory), so that a
+    coordinator's first plan loads the search from the cache instead of compiling it (~10 s)."""
+    from prima.errors import PlanError
+    from prima.scheduler import halda
+    from prima.scheduler.profile import DeviceProfile
+
+    whole = max(model.n_layers * model.layer_bytes, 1)
+    flops = dict.fromkeys({"F32", *model.layer_flops, *model.output_flops}, 1e10)
+
+    def device(i: int, ram: int) -> DeviceProfile:
+        return DeviceProfile(
+            node_id=f"warm-up-{i}",
+            ram_total_bytes=2 * whole,
+            ram_available_bytes=ram,
+            disk_read_bytes_per_s=1e9,
+            mem_bandwidth_bytes_per_s=1e10,
+            cpu_flops=flops,
+            net_latency_ms=0.5,
+        )
+
+    try:
+        halda.solve([device(0, 2 * whole), device(1, whole // 3), device(2, whole // 3)], model)
+    except PlanError:  # only the compile matters here
+        pass
 
 
 def _other_activations() -> None:

@@ -45,6 +45,9 @@ def synthetic_weight(fmt: str, rows: int = BENCH_ROWS, cols: int = BENCH_COLS) -
     if qtype not in SUPPORTED_QTYPES:
         raise InputError(f"prima has no kernel for {fmt}; nothing to measure")
     raw = np.full((rows, row_bytes(qtype, cols)), _FILL, dtype=np.uint8)
+    # Read-only, as weights mapped from a GGUF are: numba compiles one variant per array type, and
+    # a writable one would be a kernel the warm-up did not compile (seconds in a first profile).
+    raw.flags.writeable = False
     return QTensor(f"bench.{fmt}", qtype, (rows, cols), raw)
 
 

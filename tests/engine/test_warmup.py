@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from prima import paths
 from prima.engine import warmup
 from prima.kernels import compile_cache
 from tests.conftest import tiny_model_path
@@ -61,9 +62,14 @@ def test_exercise_names_every_step_in_order() -> None:
 
 @pytest.mark.slow
 def test_quick_start_works_on_an_empty_kernel_cache(smollm2_path: Path, tmp_path: Path) -> None:
-    """The README's first command, with nothing compiled yet, then again."""
-    del smollm2_path  # fetched by the fixture; the command names the model
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    """The README's first command, with nothing compiled yet and nothing profiled, then again.
+    After the compile, nothing else compiles: not the daemons' profiles, not Halda's search in
+    the coordinator, not the first (short) prompt."""
+    cache = tmp_path / "prima"
+    cache.mkdir()
+    (cache / "models").symlink_to(smollm2_path.parent)  # the model, but no profiles
+    numba_cache = tmp_path / "numba"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache), paths.CACHE_ENV: str(cache)}
     cmd = [sys.executable, "-m", "prima.cli.main", *QUICK_START]
     runs = [
         subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, check=False)
@@ -74,3 +80,9 @@ def test_quick_start_works_on_an_empty_kernel_cache(smollm2_path: Path, tmp_path
         assert "Paris" in r.stdout
     assert "compiling kernels" in runs[0].stderr
     assert "compiling kernels" not in runs[1].stderr
+    stamps = list(numba_cache.glob("complete-*"))
+    assert len(stamps) == 1
+    compiled_after = [
+        f.name for f in numba_cache.rglob("*.nbc") if f.stat().st_mtime_ns > stamps[0].stat().st_mtime_ns
+    ]
+    assert compiled_after == [], "compiled after the warm-up: " + ", ".join(sorted(compiled_after))
