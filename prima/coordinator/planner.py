@@ -95,12 +95,13 @@ def plan_ring(
         devices.append(dataclasses.replace(device, node_id=client.name, address=client.address))
         cost = device_cost(device, model, is_head=m == 0)
         log.info(
-            "profile of %s: %.2f GiB for layers, %.2f ms per layer, disk %.0f MB/s, hop %.2f ms",
+            "profile of %s: %.2f GiB for layers, %.2f ms per layer, disk %.0f MB/s, hop %.2f ms%s",
             client.name,
             device.ram_available_bytes / (1 << 30),
             cost.cpu_ms_per_layer,
             device.disk_read_bytes_per_s / 1e6,
             device.net_latency_ms,
+            f", output head {cost.fixed_ms:.2f} ms" if m == 0 else "",
         )
     for names in shared_disks(devices):
         log.info("%s read one disk: what they stream from it shares its bandwidth", ", ".join(names))

@@ -64,6 +64,12 @@ def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
         log.warning("could not time a layer of %s (%s); planning from kernel speeds alone", loaded.name, exc)
     else:
         device = calibrate_to_layer(device, model, layer_ms)
+    try:
+        output_ms = time_output_head(loaded)
+        if math.isfinite(output_ms):
+            device = dataclasses.replace(device, output_ms=output_ms)
+    except (ValueError, OSError) as exc:
+        log.warning("could not time the output head of %s (%s); planning from its FLOPs", loaded.name, exc)
     if backend.accelerator:
         device = dataclasses.replace(device, accelerator=measure_accelerator(loaded, device))
     return device
@@ -86,6 +92,16 @@ def time_one_layer(loaded: LoadedModel, steps: int = LAYER_STEPS) -> float:
         )
         / n
     )
+
+
+def time_output_head(loaded: LoadedModel, steps: int = LAYER_STEPS) -> float:
+    """Median ms of the output head for one token (final norm, projection onto the vocabulary),
+    each step after idling as the head does while the token goes round the ring. Timed, not
+    derived from FLOPs at a layer's speed: a head of one big matrix streams from RAM at its
+    own rate (the 1 GB bench model's took ~2x its FLOP estimate, #18)."""
+    model = loaded.model
+    h = np.full((1, model.config.d_model), 0.01, dtype=np.float32)
+    return _median_ms(lambda: model.output_logits(h), steps)
 
 
 def measure_accelerator(
@@ -129,13 +145,20 @@ def _median_step_ms(
     not counted, each after IDLE_BEFORE_STEP_S idle: what a token typically costs a ring member
     (the best step back to back is a lucky one)."""
     h = np.full((1, loaded.model.config.d_model), 0.01, dtype=np.float32)
+    positions = iter(range(steps))
+    return _median_ms(lambda: run(h, np.array([next(positions)]), kv), steps)
+
+
+def _median_ms(step: Callable[[], object], steps: int) -> float:
+    """Median ms of `step()` over `steps` calls, the first not counted, each after
+    IDLE_BEFORE_STEP_S idle."""
     times = []
-    for pos in range(steps):
-        if pos:
+    for i in range(steps):
+        if i:
             time.sleep(IDLE_BEFORE_STEP_S)
         t0 = time.perf_counter()
-        run(h, np.array([pos]), kv)
-        if pos:
+        step()
+        if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3 if times else math.inf
 
@@ -180,6 +203,8 @@ def node_profile(
     )
     if store is not None:
         device = with_holdings(device, loaded.gguf, store, disk_budget_bytes)
+        if not device.holds_head_tensors:  # its head was timed on holes in the file
+            device = dataclasses.replace(device, output_ms=0.0)
     if peer_address:
         peer = NodeClient(peer_address, identity=identity)
         try:

@@ -13,7 +13,7 @@ For a ring of M devices (head first), k rounds, window sizes w_m and accelerator
        after its KV cache and a stream buffer of u_m + 1 layers, and rereads the rest every token.
 - c_m  ms to send one activation to the next ring member: latency + bytes / bandwidth. A lone
        device sends nothing, so c is 0 when M == 1. (The original system sets c_m = 0.)
-- kappa  the output head on the head node.
+- kappa  the output head on the head node: as the head timed it, else from its FLOPs.
 
 Y_m = k*u_m - P_m are the layers device m rereads per token. Its disk reads them while the rest
 of the ring computes (the prefetch thread runs ahead of compute), so they bound T next to the
@@ -108,7 +108,9 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
             shares = accel.shares_ram
     disk = _transfer_ms(model.layer_bytes, device.disk_read_bytes_per_s)
     hop = device.net_latency_ms + _transfer_ms(model.activation_bytes, device.net_bandwidth_bytes_per_s)
-    fixed_ms = gemv_ms(model.output_flops, device.cpu_flops) if is_head else 0.0
+    fixed_ms = 0.0
+    if is_head:
+        fixed_ms = device.output_ms if device.output_ms > 0 else gemv_ms(model.output_flops, device.cpu_flops)
     return DeviceCost(
         held_layers=None if device.held_layers is None else frozenset(device.held_layers),
         fetch_room_layers=fetch_room_layers(device, model, is_head=is_head),

@@ -49,7 +49,9 @@ class DeviceProfile:
     has (None: the whole file), `holds_head_tensors` whether it has the embedding and output
     head, `held_bytes` all it holds of the file; `disk_budget_bytes` caps what it may hold after
     fetching (primad --disk-budget; 0 = no cap). `shared_disk` names the disk it streams from
-    when other members may read the same one (scheduler.disk_sharing; "" = a disk of its own)."""
+    when other members may read the same one (scheduler.disk_sharing; "" = a disk of its own).
+    `output_ms` is the output head's time for one token as this device measured it (0: not
+    measured; the planner then derives it from the head's FLOPs)."""
 
     node_id: str
     address: str = ""
@@ -69,6 +71,7 @@ class DeviceProfile:
     held_bytes: int = 0
     disk_budget_bytes: int = 0
     shared_disk: str = ""
+    output_ms: float = 0.0  # the output head for one token, timed here (0: not timed)
 
     def holds_layer(self, layer: int) -> bool:
         return self.held_layers is None or layer in self.held_layers
@@ -97,6 +100,7 @@ class DeviceProfile:
             "held_bytes": self.held_bytes,
             "disk_budget_bytes": self.disk_budget_bytes,
             "shared_disk": self.shared_disk,
+            "output_ms": self.output_ms,
         }
 
     @classmethod
@@ -134,6 +138,7 @@ class DeviceProfile:
             held_bytes=r.count("held_bytes", 0),
             disk_budget_bytes=r.count("disk_budget_bytes", 0),
             shared_disk=r.text("shared_disk", ""),
+            output_ms=r.number("output_ms", 0.0),
         )
 
 

@@ -4,6 +4,7 @@ Time is injected (tests/fake_time.py): nothing here depends on how fast this mac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -96,6 +97,24 @@ def test_layer_time_is_the_median_step_after_the_warm_up(
     assert node_profile.time_one_layer(tiny, steps=4) == pytest.approx(6.0 / tiny.model.config.n_layers)
 
 
+def test_output_head_time_is_the_median_step_after_the_warm_up(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logits = []
+    real = tiny.model.output_logits
+
+    def spy(h: np.ndarray) -> np.ndarray:
+        logits.append(h.shape)
+        return real(h)
+
+    monkeypatch.setattr(tiny.model, "output_logits", spy)
+    # As for a layer: the warm-up's start, then three timed calls of 9, 4 and 6 ms.
+    readings = [0.0, 0.0, 9e-3, 0.0, 4e-3, 0.0, 6e-3]
+    monkeypatch.setattr(node_profile, "time", FakeTime(readings))
+    assert node_profile.time_output_head(tiny, steps=4) == pytest.approx(6.0)
+    assert logits == [(1, tiny.model.config.d_model)] * 4  # one token each time
+
+
 @pytest.fixture
 def measured(monkeypatch: pytest.MonkeyPatch, smollm2_path: Path) -> Measure:
     """measure_node on SmolLM2 with small probes, a kernel bench with a distinct speed per
@@ -116,6 +135,7 @@ def measured(monkeypatch: pytest.MonkeyPatch, smollm2_path: Path) -> Measure:
         time_layer: Callable[[LoadedModel], float],
     ) -> tuple[DeviceProfile, ModelProfile, dict[str, float]]:
         monkeypatch.setattr(node_profile, "time_one_layer", time_layer)
+        monkeypatch.setattr(node_profile, "time_output_head", lambda loaded: 3.25)
         return node_profile.measure_node(loaded, "node7"), ModelProfile.from_gguf(loaded.gguf), bench
 
     return run
@@ -131,6 +151,19 @@ def test_kernel_speeds_are_calibrated_to_the_timed_layer(measured: Measure) -> N
     # ...and the formats keep the speeds the bench measured relative to each other.
     for fmt in bench:
         assert dev.cpu_flops[fmt] / dev.cpu_flops["F32"] == pytest.approx(bench[fmt] / bench["F32"])
+
+
+def test_the_timed_output_head_is_the_heads_fixed_cost(measured: Measure) -> None:
+    dev, model, _ = measured(lambda loaded: 7.5)
+    assert dev.output_ms == 3.25
+    assert DeviceProfile.from_dict(dev.to_dict()).output_ms == 3.25  # as a daemon sends it
+    assert device_cost(dev, model, is_head=True).fixed_ms == 3.25
+    assert device_cost(dev, model, is_head=False).fixed_ms == 0.0
+    # Not timed (a profile from before, or a head that could not run): from the head's FLOPs.
+    untimed = dataclasses.replace(dev, output_ms=0.0)
+    assert device_cost(untimed, model, is_head=True).fixed_ms == pytest.approx(
+        gemv_ms(model.output_flops, dev.cpu_flops)
+    )
 
 
 def test_kernel_speeds_stand_when_no_layer_can_be_timed(
@@ -158,6 +191,7 @@ def test_an_npu_node_profiles_its_accelerator(monkeypatch: pytest.MonkeyPatch, t
         loaded = load_model(tiny_model_path("tiny-qwen3"), backend="acl", mode="exact", npu_ctx=64)
         monkeypatch.setattr(node_profile, "time", FakeTime(2e-3))  # every step "takes" 2 ms
         monkeypatch.setattr(node_profile, "time_one_layer", lambda loaded: 5.0)
+        monkeypatch.setattr(node_profile, "time_output_head", lambda loaded: 1.0)
         monkeypatch.setattr(
             node_profile, "profile_device", functools.partial(profiler.profile_device, sizes=SMALL)
         )
