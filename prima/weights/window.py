@@ -290,6 +290,12 @@ class LayerWindows:
 
     def before_layer(self, layer: int) -> float:
         """Block until `layer` is in memory; returns the seconds waited."""
+        if not self.limited and layer in self._loaded:
+            # Nothing streams and the layer is in: no news for the prefetch thread, which would
+            # otherwise wake, twice a layer, onto a core the compute threads are using.
+            self._pos = self._index[layer]  # kept, should a smaller budget make layers stream
+            self._layer_t0 = time.perf_counter()
+            return 0.0
         t0 = time.perf_counter()
         with self._cv:
             self._pos = self._index[layer]
@@ -307,7 +313,10 @@ class LayerWindows:
     def after_layer(self, layer: int) -> None:
         """`layer` is computed: drop it if it streams, and let the prefetch thread move on."""
         self.stats.compute_ms += (time.perf_counter() - self._layer_t0) * 1e3
-        if layer in self._window_end and self.limited:
+        if not self.limited:  # every layer stays: nothing to drop, nothing to read ahead
+            self._pos = (self._index[layer] + 1) % len(self.order)
+            return
+        if layer in self._window_end:
             self._peak = max(self._peak, self.resident_bytes())
         with self._cv:
             if layer not in self.pinned and layer in self._loaded:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,37 @@ def test_unlimited_prefetch_reads_every_window(private_model: Path) -> None:
     assert lw.resident_bytes() == lw.owned_bytes
     assert not lw.limited
     lw.close()
+
+
+def test_layers_that_all_stay_do_not_wake_the_prefetch_thread(
+    private_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every layer of an unlimited node is in, computing them is no news to the prefetch
+    thread: woken twice a layer, it took a core from the compute threads (#18)."""
+    gguf = GGUFFile(private_model)
+    lw = LayerWindows(gguf, ModelWeights(gguf), [Window(0, 10)])
+    looks: list[int | None] = []
+    next_target = lw._next_target
+
+    def spy() -> int | None:
+        looks.append(next_target())
+        return looks[-1]
+
+    monkeypatch.setattr(lw, "_next_target", spy)
+    lw.start()
+    for layer in lw.order:
+        lw.before_layer(layer)  # waits for each layer to be read
+    before = len(looks)
+    for _ in range(5):
+        for layer in lw.order:
+            lw.before_layer(layer)
+            time.sleep(0.002)  # the kernels run without the GIL: a woken thread gets its turn
+            lw.after_layer(layer)
+            time.sleep(0.002)
+    lw.close()  # joins the thread: any wake-up it had is counted by now
+    # 100 before/after calls; the thread may still wake on its own 1 s timeout and at close.
+    assert len(looks) - before <= 2
+    assert lw.resident_bytes() == lw.owned_bytes
 
 
 def test_budget_below_one_layer_is_a_plan_error(private_model: Path) -> None:
