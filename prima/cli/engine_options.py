@@ -491,11 +491,17 @@ def _report_transfers(view: ClusterView) -> None:
 
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:
-    """How Halda plans the ring, or None when --windows or --rounds plan it by hand."""
+    """How Halda plans the ring, or None when --windows or --rounds plan it by hand. With
+    --draft-model the head's memory holds that model too."""
     from prima.coordinator.planner import HaldaOptions
     from prima.scheduler.profile import ModelProfile
 
     if args.windows is not None or args.rounds is not None:
         return None
     model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
+    draft_model = getattr(args, "draft_model", None)
+    if draft_model is not None:
+        from prima.model.files import open_model
+
+        model = model.with_draft(open_model(draft_model, layers=range(0)).gguf)
     return HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
