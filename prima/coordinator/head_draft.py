@@ -45,11 +45,16 @@ def head_draft_problem(draft: DraftConfig, head: NodeStatus) -> str:
 def check_head_drafts(draft: DraftConfig, head: NodeStatus) -> None:
     """InputError, naming the head and the fix, when it cannot draft as `draft` asks."""
     problem = head_draft_problem(draft, head)
-    if problem:
+    if not problem:
+        return
+    if not head.draft_model_fingerprint:
         raise InputError(
-            f"{problem}: start its primad with --draft-model of the file given here, "
-            "or omit --draft-model to use the head's own, or use --draft lookup"
+            f"{problem}: start its primad with --draft-model PATH_OR_NAME, or use --draft lookup"
         )
+    raise InputError(
+        f"{problem}: start its primad with --draft-model of the file given here, "
+        "or omit --draft-model to draft with the head's own, or use --draft lookup"
+    )
 
 
 def fall_back(request: GenerateRequest, head: NodeStatus) -> tuple[GenerateRequest, str]:

@@ -63,5 +63,11 @@ def test_head_with_another_draft_model_is_named_with_both_fingerprints() -> None
 
 
 def test_fresh_start_on_a_head_without_it_is_refused_with_the_fix() -> None:
-    with pytest.raises(InputError, match="has no draft model: start its primad with --draft-model"):
+    with pytest.raises(
+        InputError, match="has no draft model: start its primad with --draft-model PATH_OR_NAME"
+    ):
         check_head_drafts(DraftConfig("model", 3), _head())
+    with pytest.raises(
+        InputError, match="drafts with Qwen-tiny .*omit --draft-model to draft with the head's own"
+    ):
+        check_head_drafts(DraftConfig("model", 3, OURS), _head(OTHER, "Qwen-tiny"))
