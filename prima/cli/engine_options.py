@@ -492,16 +492,24 @@ def _report_transfers(view: ClusterView) -> None:
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:
     """How Halda plans the ring, or None when --windows or --rounds plan it by hand. With
-    --draft-model the head's memory holds that model too."""
+    --draft-model the head's memory holds that model too; with a draft model, a node that has it
+    heads a ring whose head Halda picks."""
     from prima.coordinator.planner import HaldaOptions
     from prima.scheduler.profile import ModelProfile
 
     if args.windows is not None or args.rounds is not None:
         return None
     model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
+    draft = draft_from_args(args)
     draft_model = getattr(args, "draft_model", None)
     if draft_model is not None:
+        from dataclasses import replace
+
         from prima.model.files import open_model
 
-        model = model.with_draft(open_model(draft_model, layers=range(0)).gguf)
-    return HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
+        gguf = open_model(draft_model, layers=range(0)).gguf
+        model = model.with_draft(gguf)
+        draft = replace(draft, model_fingerprint=gguf.fingerprint())
+    return HaldaOptions(
+        model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head, draft=draft
+    )
