@@ -3,10 +3,16 @@ run: on this device and on a local ring of 3 primad, for repetitive text (code, 
 the prompt) and for free text.
 
     python bench/bench_speculative.py [--model smollm2-135m] [-n 64] [--threads 1] [--draft-max 3]
-                                      [--draft-model PATH_OR_NAME] [--skip-ring]
+                                      [--draft-model PATH_OR_NAME | --pair ceiling|floor]
+                                      [--ceiling-type F32|F16] [--cache-dir DIR] [--skip-ring]
 
 With --draft-model the drafts come from that model (on the ring, the head daemon's) instead of
-prompt lookup.
+prompt lookup. --pair measures the bounds of a draft model with pairs made from --model (see
+speculative_pairs.py; written once into --cache-dir): `ceiling` runs a dequantized F32 (or
+--ceiling-type F16) copy of the model drafted for by the model itself (nearly every draft
+accepted, a cheap draft: the best a real pair can do); `floor` runs the model drafted for by a
+tiny random Qwen with its vocabulary (drafts almost always rejected: what a useless draft costs
+with the back-off).
 
 Prints, per setup and text: ms per generated token plain and with drafts, the ratio
 (plain / drafts: above 1 is a speed-up) and how many drafted tokens were accepted. Greedy, so
@@ -20,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from speculative_pairs import CEILING_TYPES, ceiling_target, floor_draft
+
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
 from prima.engine.draft_model import load_draft_model
@@ -29,6 +37,8 @@ from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.engine.speculative import DraftConfig
 from prima.forward.loader import LoadedModel, load_model
+from prima.model.registry import resolve_model
+from prima.paths import cache_root
 
 TEXTS = {
     "code": (
@@ -58,6 +68,7 @@ def compare(name: str, generator: Generator, files: LoadedModel, n: int, draft: 
         ids = tuple(prompt_ids(files.tokenizer, text))
         plain_req = GenerateRequest(ids, n, SamplerConfig(), stops, n_ctx=1024)
         decode(generator, replace(plain_req, max_tokens=4))  # warm up (kernels, windows)
+        decode(generator, replace(plain_req, max_tokens=4, draft=draft))  # and the draft's
         plain = decode(generator, plain_req)
         spec = decode(generator, replace(plain_req, draft=draft))
         if spec.token_ids != plain.token_ids:
@@ -69,6 +80,14 @@ def compare(name: str, generator: Generator, files: LoadedModel, n: int, draft: 
             f"{draft.method} {s.ms_per_token:7.2f} ms/tok  x{ratio:5.2f}  "
             f"accepted {s.accepted_tokens}/{s.draft_tokens}"
         )
+
+
+def pair(bound: str, model: str, ceiling_type: str, cache_dir: Path) -> tuple[str, str]:
+    """(target, draft) paths of the pair that measures `bound` from `model`."""
+    source = resolve_model(model)
+    if bound == "ceiling":
+        return str(ceiling_target(source, cache_dir, ceiling_type)), str(source)
+    return str(source), str(floor_draft(source, cache_dir))
 
 
 def cpu_name() -> str:
@@ -88,8 +107,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--draft-model", default=None, help="draft with this model instead of prompt lookup")
+    ap.add_argument("--pair", choices=("ceiling", "floor"), help="a draft model's bounds (see above)")
+    ap.add_argument("--ceiling-type", choices=sorted(CEILING_TYPES), default="F32")
+    ap.add_argument("--cache-dir", type=Path, default=cache_root() / "bench-pairs")
     ap.add_argument("--skip-ring", action="store_true", help="only this device")
     args = ap.parse_args()
+    if args.pair and args.draft_model:
+        ap.error("--pair makes its own draft model: drop --draft-model")
+    if args.pair:
+        args.model, args.draft_model = pair(args.pair, args.model, args.ceiling_type, args.cache_dir)
     draft = DraftConfig("model" if args.draft_model else "lookup", args.draft_max)
     drafts_from = f"--draft-model {args.draft_model}" if args.draft_model else "prompt lookup"
     print(

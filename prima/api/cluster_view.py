@@ -189,7 +189,7 @@ class ServedTimes:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     ms_per_token: float | None = None  # mean over every decode step served
-    last: dict[str, float] | None = None  # the latest generation's Timings.as_dict()
+    last: dict[str, float | str] | None = None  # the latest generation's Timings.as_dict()
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"context length to size the KV cache for (tokens; default {DEFAULT_CTX}, as run)",
     )
     parser.add_argument("--max-rounds", type=int, help="consider at most this many rounds k")
+    parser.add_argument(
+        "-md",
+        "--draft-model",
+        dest="draft_model",
+        metavar="PATH_OR_NAME",
+        help="the head also holds this draft model (as with run --draft-model): its weights and KV "
+        "cache leave the head that much less memory for layers",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
@@ -77,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.devices:
         devices, file_model = load_cluster_file(args.devices)
-        model = _model_profile(args.model, file_model, args.ctx)
+        model = _with_draft(_model_profile(args.model, file_model, args.ctx), args.draft_model)
         plan = halda.solve(devices, model, max_rounds=args.max_rounds)
     else:
         devices, model, plan = _plan_running(args)
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             "ctx_tokens": model.ctx_tokens,
             "rounds": plan.rounds,
             "predicted_ms_per_token": plan.predicted_ms_per_token,
+            "draft_bytes": model.draft_bytes,
             "nodes": rows,
             "dropped": [{"node_id": d.node_id, "reason": d.reason} for d in plan.dropped],
             "transfer_bytes": transfers.n_bytes,
@@ -109,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
         f"{model.name}: {plan.n_layers} layers, ctx {model.ctx_tokens}, {plan.rounds} round(s), "
         f"predicted {plan.predicted_ms_per_token:.1f} ms/token"
     )
+    if model.draft_bytes:
+        print(
+            f"the head {plan.head.node_id} also holds a draft model: {model.draft_bytes / (1 << 20):.0f} MiB "
+            f"(weights and KV cache), counted in its RAM"
+        )
     width = max(len(r["node_id"]) for r in rows) + 2
     print(
         f"{'NODE':<{width}}{'LAYERS':>6} {'ACCEL':>5} {'RAM GiB':>13} {'READ/TOK':>8} {'MS/TOK':>8}  WINDOWS"
@@ -133,7 +147,7 @@ def _plan_running(args: argparse.Namespace) -> tuple[list[DeviceProfile], ModelP
     if args.model is None or not args.model.endswith(".json"):
         loaded = open_model(args.model or DEFAULT_MODEL, layers=range(0))
         fingerprint = loaded.gguf.fingerprint()
-    model = _model_profile(args.model, None, args.ctx)
+    model = _with_draft(_model_profile(args.model, None, args.ctx), args.draft_model)
     if args.nodes:
         addresses = args.nodes
     else:
@@ -168,6 +182,14 @@ def _model_profile(arg: str | None, from_file: ModelProfile | None, ctx: int | N
         return _with_ctx(ModelProfile.from_dict(raw), ctx)
     with GGUFFile(resolve_model(target, download=False)) as gguf:
         return ModelProfile.from_gguf(gguf, ctx_tokens=ctx or DEFAULT_CTX)
+
+
+def _with_draft(model: ModelProfile, draft: str | None) -> ModelProfile:
+    """`model` with the --draft-model file's memory on the head (none without one)."""
+    if draft is None:
+        return model
+    with GGUFFile(resolve_model(draft, download=False)) as gguf:
+        return model.with_draft(gguf)
 
 
 def _with_ctx(model: ModelProfile, ctx: int | None) -> ModelProfile:

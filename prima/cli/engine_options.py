@@ -306,7 +306,8 @@ def open_session(args: argparse.Namespace) -> Session:
 
 def _with_draft_model(args: argparse.Namespace, session: Session, draft: DraftConfig) -> DraftConfig:
     """The draft config with the --draft-model file's fingerprint, its vocabulary checked
-    against the model's here, before any generation (a ring's head checks both again)."""
+    against the model's here and a ring's head checked to draft with it, before any generation
+    (refused now; after a failover the ring falls back instead: prima.coordinator.head_draft)."""
     from dataclasses import replace
 
     from prima.engine.draft_model import shared_vocabulary
@@ -314,15 +315,19 @@ def _with_draft_model(args: argparse.Namespace, session: Session, draft: DraftCo
 
     if draft.method != "model":
         return draft
-    if args.draft_model is None:
-        if session.ring is None:
-            raise InputError(
-                "--draft model on this device needs the draft's file: give --draft-model PATH_OR_NAME"
-            )
-        return draft  # the head's own draft model (primad --draft-model)
-    files = open_model(args.draft_model, layers=range(0))
-    shared_vocabulary(session.loaded, files)
-    return replace(draft, model_fingerprint=files.gguf.fingerprint())
+    if args.draft_model is None and session.ring is None:
+        raise InputError(
+            "--draft model on this device needs the draft's file: give --draft-model PATH_OR_NAME"
+        )
+    if args.draft_model is not None:
+        files = open_model(args.draft_model, layers=range(0))
+        shared_vocabulary(session.loaded, files)
+        draft = replace(draft, model_fingerprint=files.gguf.fingerprint())
+    if session.ring is not None:
+        from prima.coordinator.head_draft import check_head_drafts
+
+        check_head_drafts(draft, session.ring.head.info())
+    return draft
 
 
 def _open_session(args: argparse.Namespace) -> Session:
@@ -486,11 +491,25 @@ def _report_transfers(view: ClusterView) -> None:
 
 
 def halda_options(args: argparse.Namespace, loaded: ModelFiles, *, pick_head: bool) -> HaldaOptions | None:
-    """How Halda plans the ring, or None when --windows or --rounds plan it by hand."""
+    """How Halda plans the ring, or None when --windows or --rounds plan it by hand. With
+    --draft-model the head's memory holds that model too; with a draft model, a node that has it
+    heads a ring whose head Halda picks."""
     from prima.coordinator.planner import HaldaOptions
     from prima.scheduler.profile import ModelProfile
 
     if args.windows is not None or args.rounds is not None:
         return None
     model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx)
-    return HaldaOptions(model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head)
+    draft = draft_from_args(args)
+    draft_model = getattr(args, "draft_model", None)
+    if draft_model is not None:
+        from dataclasses import replace
+
+        from prima.model.files import open_model
+
+        gguf = open_model(draft_model, layers=range(0)).gguf
+        model = model.with_draft(gguf)
+        draft = replace(draft, model_fingerprint=gguf.fingerprint())
+    return HaldaOptions(
+        model, max_rounds=args.max_rounds, refresh=args.reprofile, pick_head=pick_head, draft=draft
+    )

@@ -16,6 +16,10 @@ advertised now (a browse kept open for the ring's life): a daemon that came back
 or joined, is used from the next re-plan. When no plan fits the nodes left, every survivor still
 holding the broken plan is handed that plan again at a newer epoch, which ends the sessions left
 behind by a dead head, so none stays open.
+
+A new head that lacks the draft model a generation asks for (`--draft model`) does not refuse
+it: the generation goes on drafting by prompt lookup, with a warning here and the reason in its
+GenerationDone.draft_off (prima.coordinator.head_draft says why).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from prima.net.liveness import Liveness, probe_nodes, wait_for
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
+from .head_draft import fall_back
 from .planner import HaldaOptions, plan_ring
 from .ring import Ring, check_same_model
 
@@ -151,6 +156,10 @@ class FailoverRing:
         self.clock = clock
         self.recoveries: list[Recovery] = []  # of the generation started last
         self._replanning = threading.Lock()
+        # The head's Info since the last re-plan; None before one (a fresh start's head refuses
+        # a draft model it lacks, see head_draft).
+        self.head_status: NodeStatus | None = None
+        self._warned_epoch = -1  # the plan whose head's lack of a draft model was logged
 
     @property
     def plan(self) -> Plan:
@@ -164,7 +173,8 @@ class FailoverRing:
         self.recoveries = recoveries
         emitted: list[int] = []
         epoch = self.ring.plan.epoch
-        events = watched_stream(self.ring.head, request, self.liveness)
+        first, draft_off = self._as_head_drafts(request)
+        events = watched_stream(self.ring.head, first, self.liveness)
         last = self.clock()
         replaying: _Replay | None = None  # a recovery until its first token arrives
         try:
@@ -175,7 +185,7 @@ class FailoverRing:
                             recoveries.append(replaying.done(self.clock()))
                             replaying = None
                         if isinstance(event, GenerationDone):
-                            yield self._finish(event, request, bool(recoveries))
+                            yield self._finish(event, request, bool(recoveries), draft_off)
                             return
                         emitted.append(event)
                         last = self.clock()
@@ -200,11 +210,12 @@ class FailoverRing:
                         nodes = tuple(n.node_id for n in self.ring.plan.nodes)
                     now = self.clock()
                     replaying = _Replay(str(exc), len(emitted), detected - last, now - detected, now, nodes)
-                    rest = continuation(request, emitted)
+                    rest, off = self._as_head_drafts(continuation(request, emitted))
+                    draft_off = draft_off or off
                     if rest.max_tokens <= 0 and not request.want_hidden_states:
                         # Every token was out; only the closing reply was lost.
                         recoveries.append(replaying.done(now))
-                        yield self._finish(GenerationDone("length", 0.0, 0.0), request, True)
+                        yield self._finish(GenerationDone("length", 0.0, 0.0), request, True, draft_off)
                         return
                     last = now
                     events = watched_stream(head, rest, self.liveness)
@@ -233,6 +244,7 @@ class FailoverRing:
             by_address = {c.address: c for c in clients}
             members = [by_address[n.address] for n in plan.nodes]
             Ring(members, plan, devices).load_plan(plan, self.spec.wire_dtype)
+            head_status = next(i for c, i in zip(clients, infos, strict=True) if c is members[0])
         except PrimaError:
             members = []
             retire_sessions(clients, infos, old, self.spec.wire_dtype)
@@ -244,6 +256,7 @@ class FailoverRing:
         for c in self.ring.clients:
             c.close()
         self.ring.clients, self.ring.devices, self.ring.plan = members, tuple(devices), plan
+        self.head_status = head_status
 
     def _plan(
         self, clients: list[NodeClient], infos: list[NodeStatus], epoch: int
@@ -257,12 +270,30 @@ class FailoverRing:
         nodes = [(i.node_id, c.address) for c, i in zip(clients, infos, strict=True)]
         return plan_from_window_sizes(nodes, sizes, self.spec.rounds, n_layers, epoch=epoch), ()
 
-    def _finish(self, done: GenerationDone, request: GenerateRequest, resumed: bool) -> GenerationDone:
-        """The closing event; after a failover the prompt's logits (if asked for) come from one
-        more prefill of the caller's prompt, as the last request's prompt was not it."""
+    def _as_head_drafts(self, request: GenerateRequest) -> tuple[GenerateRequest, str]:
+        """`request` as the head of the last re-plan can draft it, and why its drafts changed
+        ("" if not); logged as a warning once per plan."""
+        head = self.head_status
+        if head is None:
+            return request, ""
+        request, reason = fall_back(request, head)
+        if reason:
+            epoch = self.ring.plan.epoch
+            (log.debug if self._warned_epoch == epoch else log.warning)("drafts changed: %s", reason)
+            self._warned_epoch = epoch
+        return request, reason
+
+    def _finish(
+        self, done: GenerationDone, request: GenerateRequest, resumed: bool, draft_off: str = ""
+    ) -> GenerationDone:
+        """The closing event, with why the drafts changed; after a failover the prompt's logits
+        (if asked for) come from one more prefill of the caller's prompt, as the last request's
+        prompt was not it."""
+        if draft_off:
+            done = dataclasses.replace(done, draft_off=draft_off)
         if not (resumed and request.want_prompt_logits):
             return done
-        ask = dataclasses.replace(request, max_tokens=0, first_step=0)
+        ask, _ = self._as_head_drafts(dataclasses.replace(request, max_tokens=0, first_step=0))
         for event in watched_stream(self.ring.head, ask, self.liveness):
             if isinstance(event, GenerationDone):
                 return dataclasses.replace(done, prompt_logits=event.prompt_logits)

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from prima.engine.speculative import DraftConfig
 from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile
 from prima.plan import Plan
@@ -17,6 +18,8 @@ from prima.scheduler import halda
 from prima.scheduler.cost_model import device_cost
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.transfer import TransferEstimate, estimate_transfers
+
+from .head_draft import head_draft_problem
 
 log = logging.getLogger("prima.coordinator")
 
@@ -29,6 +32,9 @@ class HaldaOptions:
     max_rounds: int | None = None
     refresh: bool = False  # nodes measure themselves again instead of answering from their cache
     pick_head: bool = False  # reorder: the node with the most memory heads the ring
+    # The drafts generations ask for: with pick_head, a node that can draft so heads the ring
+    # (only the head drafts), the roomiest of those.
+    draft: DraftConfig = DraftConfig()
 
 
 @dataclass(frozen=True)
@@ -59,11 +65,15 @@ def budgeted_device(profile: NodeProfile, model: ModelProfile, *, is_head: bool)
     return dataclasses.replace(dev, ram_available_bytes=min(dev.ram_available_bytes, ram))
 
 
-def ring_order(profiles: Sequence[NodeProfile], model: ModelProfile) -> list[int]:
+def ring_order(
+    profiles: Sequence[NodeProfile], model: ModelProfile, can_head: Sequence[bool] | None = None
+) -> list[int]:
     """Indices of `profiles` in ring order: the node with the most memory for layers first (the
-    head also holds the embedding and output head), the rest as given."""
+    head also holds the embedding and output head), the rest as given. With `can_head`, the
+    head is the roomiest of the nodes it allows, if any (those with the draft model asked for)."""
     room = [budgeted_device(p, model, is_head=False).ram_available_bytes for p in profiles]
-    head = max(range(len(profiles)), key=lambda i: (room[i], -i))
+    able = list(can_head) if can_head is not None else [True] * len(profiles)
+    head = max(range(len(profiles)), key=lambda i: (able[i], room[i], -i))
     return [head, *(i for i in range(len(profiles)) if i != head)]
 
 
@@ -82,7 +92,10 @@ def plan_ring(
     order = list(range(len(clients)))
     if options.pick_head and len(clients) > 1:
         first = [c.profile(refresh=options.refresh) for c in clients]
-        order = ring_order(first, model)
+        can_head = None
+        if options.draft.method == "model":
+            can_head = [not head_draft_problem(options.draft, c.info()) for c in clients]
+        order = ring_order(first, model, can_head)
     ring = [clients[i] for i in order]
     devices = []
     for m, client in enumerate(ring):

@@ -120,6 +120,7 @@ class NodeRuntime:
         cfg = self.model.config
         fetch = self._fetch.progress() if self._fetch else None
         status = "ready" if layout else "idle: waiting for a plan"
+        draft = self.head.draft_model
         if layout is None and fetch is not None:
             status = describe_fetch(fetch)
         return NodeStatus(
@@ -138,6 +139,8 @@ class NodeRuntime:
             fetch=fetch,
             holds_full_file=self.store.complete,
             hop_times=self.worker.hop_times.snapshot(layout.plan.epoch) if layout else (),
+            draft_model_name=draft.name if draft else "",
+            draft_model_fingerprint=draft.fingerprint if draft else "",
         )
 
     def manifest(self) -> Manifest:

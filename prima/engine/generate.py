@@ -56,6 +56,7 @@ class Timings:
     generate_ms: float = 0.0
     draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
     accepted_tokens: int = 0
+    draft_off: str = ""  # why the drafts asked for were not made as asked ("" = they were)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -72,7 +73,7 @@ class Timings:
         steps = max(self.generated_tokens - 1, 0)
         return self.generate_ms / steps if steps else 0.0
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | str]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "prompt_ms": round(self.prompt_ms, 3),
@@ -83,6 +84,7 @@ class Timings:
             "ms_per_token": round(self.ms_per_token, 3),
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "draft_off": self.draft_off,
         }
 
 
@@ -131,6 +133,7 @@ class GenerationDone:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     hidden_states: np.ndarray | None = None  # (n_prompt, d_model), when asked for
+    draft_off: str = ""  # why the drafts asked for were not made as asked ("" = they were)
 
 
 TokenEvent = int | GenerationDone
@@ -269,6 +272,7 @@ def stream_text(
                 result.prompt_logits = event.prompt_logits
                 result.timings.draft_tokens = event.draft_tokens
                 result.timings.accepted_tokens = event.accepted_tokens
+                result.timings.draft_off = event.draft_off
                 break
             result.token_ids.append(int(event))
             piece = text.feed(int(event))

@@ -35,7 +35,8 @@ class DraftConfig:
     "model" (a draft model where the generation runs), proposing up to `max_tokens` tokens per
     verification pass. `model_fingerprint` names the draft model the caller expects (its
     GGUFFile.fingerprint; "" for whichever the engine has), so a ring's head drafting with
-    another model is an error, not a silent change of speed."""
+    another model is an error, not a silent change of speed (after a failover, a logged fallback
+    to prompt lookup: prima.coordinator.head_draft)."""
 
     method: str = "none"
     max_tokens: int = DEFAULT_DRAFT_MAX

@@ -267,6 +267,8 @@ class NodeStatus:
     fetch: FetchProgress | None = None
     holds_full_file: bool = False
     hop_times: tuple[HopTiming, ...] = ()
+    draft_model_name: str = ""  # primad --draft-model, "" for none: what it drafts with as a head
+    draft_model_fingerprint: str = ""
 
 
 def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
@@ -287,6 +289,8 @@ def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
             pb.HopTiming(hop_index=h.hop_index, steps=h.steps, compute_ms=h.compute_ms, relay_ms=h.relay_ms)
             for h in s.hop_times
         ],
+        draft_model_name=s.draft_model_name,
+        draft_model_fingerprint=s.draft_model_fingerprint,
     )
     if s.fetch is not None:
         f = s.fetch
@@ -357,6 +361,8 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
         fetch=_fetch_progress_from_proto(msg.fetch) if msg.HasField("fetch") else None,
         holds_full_file=msg.holds_full_file,
         hop_times=tuple(HopTiming(h.hop_index, h.steps, h.compute_ms, h.relay_ms) for h in msg.hop_times),
+        draft_model_name=msg.draft_model_name[:MAX_SHOWN_CHARS],
+        draft_model_fingerprint=msg.draft_model_fingerprint[:MAX_SHOWN_CHARS],
     )
 
 

@@ -54,7 +54,7 @@ class DeviceCost:
     fixed_ms: float  # this device's share of kappa (only the head's is non-zero)
     layer_weight_bytes: int
     layer_kv_bytes: int
-    fixed_bytes: int  # embedding + output head on the head, 0 elsewhere
+    fixed_bytes: int  # embedding + output head (+ a draft model) on the head, 0 elsewhere
     ram_budget_bytes: int
     accel_budget_bytes: int  # 0 without an accelerator
     accel_shares_ram: bool

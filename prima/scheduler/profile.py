@@ -8,6 +8,7 @@ Units are in the field names: bytes, bytes/s, FLOP/s, ms.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -148,7 +149,8 @@ class ModelProfile:
 
     `layer_bytes` is the largest layer's weight bytes (memory checks stay conservative);
     `layer_flops` maps weight format -> FLOPs per token of one average layer (2 per weight);
-    `output_flops` likewise for the output head, which the head node runs.
+    `output_flops` likewise for the output head, which the head node runs;
+    `draft_bytes` is what a draft model on the head holds (`draft_resident_bytes`), 0 for none.
     """
 
     name: str
@@ -163,12 +165,18 @@ class ModelProfile:
     activation_bytes: int
     ctx_tokens: int = DEFAULT_CTX_TOKENS
     tied_output: bool = False  # the output head is token_embd itself
+    draft_bytes: int = 0  # a draft model on the head: its weights and KV cache
 
     @property
     def head_resident_bytes(self) -> int:
         """What the head keeps in memory besides its layers: the output head, read in full every
-        token (a tied one is the whole embedding). An untied embedding costs a row per token."""
-        return self.output_bytes + (self.input_bytes if self.tied_output else 0)
+        token (a tied one is the whole embedding), and its draft model if it has one. An untied
+        embedding costs a row per token."""
+        return self.output_bytes + (self.input_bytes if self.tied_output else 0) + self.draft_bytes
+
+    def with_draft(self, draft: GGUFFile) -> ModelProfile:
+        """This model as planned with `draft` drafting for it on the head, over the same context."""
+        return dataclasses.replace(self, draft_bytes=draft_resident_bytes(draft, self.ctx_tokens))
 
     @property
     def kv_bytes_per_layer(self) -> int:
@@ -253,6 +261,7 @@ class ModelProfile:
             "activation_bytes": self.activation_bytes,
             "ctx_tokens": self.ctx_tokens,
             "tied_output": self.tied_output,
+            "draft_bytes": self.draft_bytes,
         }
 
     @classmethod
@@ -275,7 +284,17 @@ class ModelProfile:
             activation_bytes=r.count("activation_bytes"),
             ctx_tokens=r.count("ctx_tokens", DEFAULT_CTX_TOKENS),
             tied_output=bool(raw.get("tied_output", True)),
+            draft_bytes=r.count("draft_bytes", 0),
         )
+
+
+def draft_resident_bytes(draft: GGUFFile, ctx_tokens: int) -> int:
+    """Bytes a draft model keeps in the head's memory: every weight (each guess runs all its
+    layers and its output head, so the whole file stays resident, not just a window) and one KV
+    cache of `ctx_tokens` (capped at its own context, as prima.engine.draft_model sizes it)."""
+    own = ModelProfile.from_gguf(draft, ctx_tokens=ctx_tokens)
+    weights = sum(info.n_bytes for info in draft.tensors.values())
+    return weights + own.n_layers * own.kv_bytes_per_layer
 
 
 def devices_to_json(devices: Sequence[DeviceProfile], model: ModelProfile | None = None) -> str:

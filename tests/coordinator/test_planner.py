@@ -61,6 +61,18 @@ def test_ring_order_puts_the_roomiest_node_first() -> None:
     assert ring_order(profiles, model) == [2, 0, 1]
 
 
+def test_ring_order_puts_a_node_with_the_draft_model_first() -> None:
+    """Only the head drafts: the roomiest node that can draft heads the ring, even with less
+    memory than another; when none can, memory decides alone."""
+    model = make_model(layer_mib=10)
+    profiles = [
+        NodeProfile(make_device(n, ram_gib=ram), 0) for n, ram in (("a", 2.0), ("b", 8.0), ("c", 4.0))
+    ]
+    assert ring_order(profiles, model, [True, False, True]) == [2, 0, 1]
+    assert ring_order(profiles, model, [True, False, False]) == [0, 1, 2]
+    assert ring_order(profiles, model, [False, False, False]) == [1, 0, 2]
+
+
 def _model() -> ModelProfile:
     return make_model(n_layers=12, layer_mib=100, kv_mib=1)
 
