@@ -30,6 +30,7 @@ class ModelFiles:
         a vocabulary prima cannot tokenize does not stop it serving."""
         tokenizer = Tokenizer.from_gguf(self.gguf.metadata)
         heap.trim()  # indexing the vocabulary freed several MiB (gemma's: ~5) that stay resident
+        self.gguf.release_header_pages()  # and read every page of its strings
         return tokenizer
 
     @property

@@ -289,6 +289,7 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
+        self.release_header_pages()  # a node that never tokenizes never reads them again
 
     # -- parsing -------------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -402,6 +403,18 @@ class GGUFFile:
         for start, end in fingerprint_spans(data.size, self.data_offset):
             h.update(data[start:end].tobytes())
         return h.hexdigest()
+
+    def release_header_pages(self) -> int:
+        """Drop this process's resident pages of the header (metadata, the vocabulary's strings)
+        below the first tensor's page; returns the bytes advised, 0 where madvise is missing.
+        Parsing and indexing the vocabulary read every one of them (SmolLM2's ~2 MiB, Gemma's
+        several) and peak RSS would count them for the process's life; the mapping is read-only,
+        so a later access (a token's text) refaults the page from the page cache unchanged."""
+        end = self.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        if end == 0 or self._mmap.closed or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        self._mmap.madvise(mmap.MADV_DONTNEED, 0, end)
+        return end
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of tensor `name` shaped (rows, row_bytes): a view, never a copy."""

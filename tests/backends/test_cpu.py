@@ -3,6 +3,8 @@ gguf-py's dequantization."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,9 @@ from gguf import GGMLQuantizationType
 
 from prima.backends import get_backend
 from prima.backends.cpu import CpuBackend, CpuOps
+from prima.backends.reference import BlockParams, block
 from prima.errors import InputError
+from prima.kernels.tensor import QTensor
 from prima.model.files import open_model
 from prima.model.weights import ModelWeights
 from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
@@ -85,3 +89,48 @@ def test_batches_keep_single_token_bits_only_on_fused_kernels(
     assert CpuBackend(weights).batch_identical_tokens == 1
     quantized = CpuBackend(open_model(smollm2_path).weights)
     assert quantized.batch_identical_tokens == quantized.fused_max_tokens > 1
+
+
+class _KeepingWeakRefs:
+    """CpuOps whose every product is also remembered weakly, so a test can ask which of them
+    the caller still holds when the next matmul starts."""
+
+    def __init__(self, ops: CpuOps) -> None:
+        self.ops = ops
+        self.products: list[weakref.ref[np.ndarray]] = []
+        self.alive_at_call: list[int] = []
+
+    def _run(self, product: np.ndarray) -> np.ndarray:
+        self.products.append(weakref.ref(product))
+        return product
+
+    def _starting(self) -> None:
+        self.alive_at_call.append(sum(ref() is not None for ref in self.products))
+
+    def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        self._starting()
+        return self._run(self.ops.matmul(w, x))
+
+    def matmul_many(self, ws: Sequence[QTensor], x: np.ndarray) -> np.ndarray:
+        self._starting()
+        return self._run(self.ops.matmul_many(ws, x))
+
+    def get_rows(self, w: QTensor, ids: np.ndarray) -> np.ndarray:
+        return self.ops.get_rows(w, ids)
+
+
+def test_a_prefill_block_drops_each_projection_once_read(smollm2_path: Path) -> None:
+    """Peak memory: at a 128-token prefill the block's (n, 2 ffn) products dominate a short
+    prompt's resident memory, so each matmul starts with none of the earlier ones still held
+    (before, ffn_down ran with q|k|v, the attention output and gate|up all alive)."""
+    backend = CpuBackend(open_model(smollm2_path).weights, threads=1)
+    cfg = backend.config
+    params = BlockParams.of(backend.weights.layer(0), cfg)
+    n = 128
+    x = np.random.default_rng(0).standard_normal((n, cfg.d_model)).astype(np.float32)
+    ops = _KeepingWeakRefs(backend.ops)
+    out = block(cfg, params, ops, x, np.arange(n), backend.new_kv(n, range(1)))
+    assert len(ops.alive_at_call) == 4  # q|k|v, attn_output, gate|up, ffn_down
+    assert ops.alive_at_call == [0, 0, 0, 0]
+    expected = block(cfg, params, backend.ops, x, np.arange(n), backend.new_kv(n, range(1)))
+    assert np.array_equal(out, expected)

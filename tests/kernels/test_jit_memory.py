@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -117,16 +118,42 @@ def test_preload_loads_cached_overloads_without_compiling(kernel_package: str) -
     assert len(leaf.outer.overloads) == 1
 
 
-def test_preloaded_kernel_links_into_a_new_compile(kernel_package: str) -> None:
+def test_preloaded_kernel_links_into_a_new_compile(
+    kernel_package: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="prima.kernels")
     importlib.import_module(f"{kernel_package}.leaf").call(3)
     _forget(kernel_package)
     table = importlib.import_module(f"{kernel_package}.table")
     assert jit_memory.preload_cached(jit_memory.entry_dispatchers(kernel_package)) == 1
     library = next(iter(table.leaf.outer.overloads.values())).library
-    assert library._shared_module is None  # parked as bitcode
-    # via_outer is compiled now and links outer's preloaded library: the module is parsed again.
+    assert library._shared_module is None  # dropped: no IR kept in memory, not even as bitcode
+    cells = library._get_module_for_linking.__closure__
+    assert not any(isinstance(c.cell_contents, bytes) for c in cells)
+    # via_outer is compiled now and links outer's preloaded library: its IR is read again from
+    # numba's cache entry.
     assert table.via_outer(3) == 108
     assert library._shared_module is not None
+    assert not [r for r in caplog.records if "again to link" in r.getMessage()]
+
+
+def test_preloaded_kernel_links_after_its_cache_entry_is_gone(
+    kernel_package: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="prima.kernels")
+    importlib.import_module(f"{kernel_package}.leaf").call(3)
+    _forget(kernel_package)
+    table = importlib.import_module(f"{kernel_package}.table")
+    assert jit_memory.preload_cached(jit_memory.entry_dispatchers(kernel_package)) == 1
+    cache_dir = Path(table.leaf.outer._cache._cache_path)
+    removed = [p for p in cache_dir.iterdir() if p.name.startswith("leaf.outer")]
+    assert removed
+    for p in removed:
+        p.unlink()
+    # Compiled again to link it: slower, but the new kernel compiles and is right.
+    assert table.via_outer(3) == 108
+    assert [r for r in caplog.records if "again to link" in r.getMessage()]
+    assert table.leaf.call(3) == 8  # the preloaded code itself still runs
 
 
 def test_preload_skips_entries_of_edited_source(kernel_package: str, tmp_path: Path) -> None:

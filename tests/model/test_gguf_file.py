@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 
 from prima.errors import ModelFileError, UnsupportedModelError
+from prima.model.files import open_model
 from prima.model.gguf_file import GGUFFile
 from prima.model.weights import ModelWeights
 from tests.tiny_models import write_tiny_model
@@ -75,3 +77,40 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
     weights = ModelWeights(GGUFFile(path))
     with pytest.raises(ModelFileError, match=r"blk\.1\.ffn_up\.weight.*missing"):
         weights.validate()
+
+
+def _resident_bytes_of_mapping(address: int) -> int:
+    """Rss of the mapping of this process that holds `address` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_header_pages_are_released_after_parsing_and_indexing(smollm2_path: Path) -> None:
+    """Peak memory: the header (SmolLM2's vocabulary and merges, 1.7 MiB) is read to parse it
+    and to index the vocabulary, then dropped from this process's resident pages; the strings
+    still read back, refaulted from the page cache."""
+    files = open_model(smollm2_path)
+    gguf = files.gguf
+    address = gguf.data.ctypes.data
+    header = gguf.data_offset
+    assert header > 1 << 20
+    # Linux maps up to 16 pages around a faulting one: allow that much, a fraction of the header.
+    allowance = 32 * mmap.PAGESIZE
+    assert _resident_bytes_of_mapping(address) <= allowance
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
+    merges = gguf.metadata["tokenizer.ggml.merges"]
+    texts = (tokens[:5], tokens[-1], merges[:3])
+    tokenizer = files.tokenizer  # indexing the vocabulary reads every token string
+    assert _resident_bytes_of_mapping(address) <= allowance
+    assert (tokens[:5], tokens[-1], merges[:3]) == texts
+    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+    assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert gguf.release_header_pages() == header // mmap.PAGESIZE * mmap.PAGESIZE
