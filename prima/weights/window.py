@@ -140,11 +140,17 @@ def window_spans(gguf: GGUFFile, weights: ModelWeights, window: Window) -> tuple
 
 def resident_bytes(gguf: GGUFFile, span: Span) -> int:
     """Bytes of `span` in memory now, by mincore(2)."""
+    return mapped_resident_bytes(gguf.data.ctypes.data, span)
+
+
+def mapped_resident_bytes(base: int, span: Span) -> int:
+    """Bytes of `span` (page-aligned) of the file mapped at address `base` that are in memory
+    now, by mincore(2)."""
     if span.n_bytes <= 0:
         return 0
-    n_pages = span.n_bytes // PAGE
+    n_pages = -(-span.n_bytes // PAGE)  # mincore reports the last, partial page too
     vec = (ctypes.c_ubyte * n_pages)()
-    if _libc.mincore(gguf.data.ctypes.data + span.start, span.n_bytes, vec) != 0:
+    if _libc.mincore(base + span.start, span.n_bytes, vec) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mincore failed: {os.strerror(err)}")
     return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * PAGE

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import os
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prima.model.gguf_file import GGUFFile
@@ -18,13 +21,14 @@ from prima.net import codec
 from prima.scheduler import profiler
 from prima.scheduler.profile import OS_CLASSES, DeviceProfile, ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
-from prima.weights.window import READAHEAD_CHUNK
+from prima.weights.window import READAHEAD_CHUNK, Span, mapped_resident_bytes
 from tests.fake_time import FakeTime
 
 MiB = 1 << 20
 SMALL = profiler.ProbeSizes(mem_bytes=MiB, disk_bytes=MiB, gemv_rows=64, gemv_cols=64, repeats=2)
 # Readings alternate start, end: timed intervals of 3, 1 and 2 ms (the best is 1 ms).
 THREE_TIMINGS_S = [0.0, 3e-3, 0.0, 1e-3, 0.0, 2e-3]
+_FADVISE = os.posix_fadvise
 
 
 @pytest.fixture
@@ -36,10 +40,40 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
 
 @pytest.fixture
 def fadvised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
-    """(offset, length, advice) of each posix_fadvise call the disk probe makes."""
+    """(offset, length, advice) of each posix_fadvise call the disk probe makes (and makes)."""
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    real = os.posix_fadvise
+
+    def record(fd: int, off: int, n: int, advice: int) -> None:
+        calls.append((off, n, advice))
+        real(fd, off, n, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
     return calls
+
+
+def write_on_disk(path: Path, data: bytes) -> None:
+    """`data` written, synced and out of the page cache, as a model file on disk is: pages just
+    written can stay cached through POSIX_FADV_DONTNEED for a moment (dirty, or queued on
+    another CPU), and the probe skips cached pieces. Bounded: 50 tries over ~2.5 s."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    view = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    pages = np.frombuffer(view, dtype=np.uint8)
+    try:
+        for _ in range(50):
+            _FADVISE(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # not the one the test records
+            if mapped_resident_bytes(pages.ctypes.data, Span(0, len(data))) <= mmap.PAGESIZE:
+                return
+            time.sleep(0.05)
+    finally:
+        del pages
+        view.close()
+        os.close(fd)
+    pytest.fail(f"{path} stayed in the page cache")
 
 
 def test_mem_bandwidth_is_the_bytes_moved_over_the_best_copy(clock: FakeTime) -> None:
@@ -66,7 +100,7 @@ def test_disk_read_is_the_bytes_streamed_from_the_file_over_the_time(
     cache first, then read in pieces as the prefetch thread reads a layer: readahead for every
     128 KiB of it, in order. The clock moves 1 s per reading, so each 1 MiB piece takes 1 s."""
     path = tmp_path / "blob"
-    path.write_bytes(b"\x01" * (3 * MiB + 7))
+    write_on_disk(path, b"\x01" * (3 * MiB + 7))
     pieces = -(-read // MiB)
     rate = profiler.measure_disk_read(path, n_bytes, piece_bytes=MiB, max_seconds=10.0)
     assert rate == pytest.approx(read / pieces)
@@ -82,7 +116,7 @@ def test_disk_read_stops_after_max_seconds(
     tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]]
 ) -> None:
     path = tmp_path / "blob"
-    path.write_bytes(b"\x01" * (5 * MiB))
+    write_on_disk(path, b"\x01" * (5 * MiB))
     # 1 s per piece: the third piece ends past 2.5 s, and the probe stops there.
     assert profiler.measure_disk_read(path, 5 * MiB, piece_bytes=MiB, max_seconds=2.5) == pytest.approx(
         3 * MiB / 3.0
@@ -92,10 +126,40 @@ def test_disk_read_stops_after_max_seconds(
 
 def test_disk_read_runs_the_load_beside_the_reads(tmp_path: Path, clock: FakeTime) -> None:
     path = tmp_path / "blob"
-    path.write_bytes(b"\x01" * MiB)
+    write_on_disk(path, b"\x01" * MiB)
     runs: list[int] = []
     profiler.measure_disk_read(path, MiB, load=lambda: runs.append(1))
     assert runs  # it had started before the first read
+
+
+def test_disk_read_skips_what_another_mapping_keeps_cached(
+    tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]]
+) -> None:
+    """Pages another process maps stay cached through POSIX_FADV_DONTNEED (daemons on one machine
+    profile one model file in turn): the probe reads only the pieces that must come from disk."""
+    path = tmp_path / "model.gguf"
+    write_on_disk(path, b"\x01" * (4 * MiB))
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as other:
+        assert sum(other[i] for i in range(0, 2 * MiB, mmap.PAGESIZE)) == 2 * MiB // mmap.PAGESIZE
+        rate = profiler.measure_disk_read(path, 4 * MiB, piece_bytes=MiB, max_seconds=10.0)
+        chunks = readahead(fadvised)
+    assert rate == pytest.approx(MiB / 1.0)  # 1 s a piece, 1 MiB each
+    assert chunks[0][0] == 2 * MiB  # the first two pieces were cached for the other mapping
+    assert sum(n for _, n in chunks) == 2 * MiB
+
+
+def test_disk_read_of_a_file_cached_for_others_reads_a_scratch_file(
+    tmp_path: Path, clock: FakeTime, fadvised: list[tuple[int, int, int]]
+) -> None:
+    path = tmp_path / "model.gguf"
+    write_on_disk(path, b"\x01" * (2 * MiB))
+    scratch = tmp_path / "scratch"
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as other:
+        assert sum(other[i] for i in range(0, 2 * MiB, mmap.PAGESIZE)) == 2 * MiB // mmap.PAGESIZE
+        profiler.measure_disk_read(path, 2 * MiB, piece_bytes=MiB, scratch_dir=scratch)
+    assert fadvised[0] == (0, 2 * MiB, os.POSIX_FADV_DONTNEED)  # the model file, to no avail
+    assert fadvised[1][2] == os.POSIX_FADV_DONTNEED  # then the scratch file's
+    assert list(scratch.iterdir()) == []
 
 
 @pytest.mark.parametrize(("n_bytes", "read"), [(MiB * 5 // 2, 2 * MiB), (1000, 1000)])
