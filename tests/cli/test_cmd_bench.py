@@ -4,6 +4,8 @@ here; the comparison with llama.cpp needs the optional llama-cpp-python)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,14 @@ def test_bench_reports_prima_alone_as_json(smollm2_path: Path, capsys: pytest.Ca
 def test_bench_rejects_non_positive_counts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--no-llama", "--reps", "0"]) == 1
     assert "--reps, --prompt-tokens and --gen-tokens must be positive" in capsys.readouterr().err
+
+
+def test_the_engine_worker_module_carries_nothing_of_prima() -> None:
+    """Each engine's process imports the worker module first: for llama.cpp's to measure
+    llama.cpp's memory, that module loads none of prima's own until the prima engine starts."""
+    code = (
+        "import sys, prima.cli.bench_worker; "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'prima')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["prima", "prima.cli", "prima.cli.bench_worker"]
