@@ -13,6 +13,7 @@ import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,14 +119,21 @@ def test_preload_loads_cached_overloads_without_compiling(kernel_package: str) -
     assert len(leaf.outer.overloads) == 1
 
 
-def test_preloaded_kernel_links_into_a_new_compile(
-    kernel_package: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def _preloaded_table(kernel_package: str, caplog: pytest.LogCaptureFixture) -> Any:
+    """The package's `table` module in a fresh import, its one cached kernel preloaded (compiled
+    and cached first), with prima.kernels' debug log captured."""
     caplog.set_level(logging.DEBUG, logger="prima.kernels")
     importlib.import_module(f"{kernel_package}.leaf").call(3)
     _forget(kernel_package)
     table = importlib.import_module(f"{kernel_package}.table")
     assert jit_memory.preload_cached(jit_memory.entry_dispatchers(kernel_package)) == 1
+    return table
+
+
+def test_preloaded_kernel_links_into_a_new_compile(
+    kernel_package: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = _preloaded_table(kernel_package, caplog)
     library = next(iter(table.leaf.outer.overloads.values())).library
     assert library._shared_module is None  # dropped: no IR kept in memory, not even as bitcode
     cells = library._get_module_for_linking.__closure__
@@ -140,11 +148,7 @@ def test_preloaded_kernel_links_into_a_new_compile(
 def test_preloaded_kernel_links_after_its_cache_entry_is_gone(
     kernel_package: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="prima.kernels")
-    importlib.import_module(f"{kernel_package}.leaf").call(3)
-    _forget(kernel_package)
-    table = importlib.import_module(f"{kernel_package}.table")
-    assert jit_memory.preload_cached(jit_memory.entry_dispatchers(kernel_package)) == 1
+    table = _preloaded_table(kernel_package, caplog)
     cache_dir = Path(table.leaf.outer._cache._cache_path)
     removed = [p for p in cache_dir.iterdir() if p.name.startswith("leaf.outer")]
     assert removed
