@@ -190,9 +190,10 @@ def _plan(model: ModelProfile) -> None:
 
 
 def _other_activations() -> None:
-    """The gated activations of every architecture, at decode and at prefill row counts: the
-    cache is complete for all models, not only for the one that compiled it (a first prefill of
-    Gemma after a SmolLM2 compile spent seconds and ~100 MiB of RSS compiling GELU)."""
+    """The gated activations of every architecture, at decode and at prefill row counts, and the
+    float16 weights' decode kernel: the cache is complete for all models, not only for the one
+    that compiled it (a first prefill of Gemma after a SmolLM2 compile spent seconds and ~100
+    MiB of RSS compiling GELU)."""
     import numpy as np
 
     from prima.kernels import fused_ops
@@ -201,6 +202,12 @@ def _other_activations() -> None:
         gate_up = np.zeros((rows, 8), dtype=np.float32)
         for activation in ("gelu", "silu"):
             fused_ops.glu(gate_up, 4, activation)
+    # float16 weights at decode (read-only, as mapped from a GGUF)
+    from prima.kernels import drivers
+
+    halves = np.zeros((2, 32), dtype=np.uint16)
+    halves.flags.writeable = False
+    drivers.matvec_f16(halves, np.zeros((1, 32), dtype=np.float32), np.empty((1, 2), dtype=np.float32))
 
 
 def _print_progress(done: int, total: int, what: str) -> None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from prima.kernels import ops
+from prima.kernels.lanes import bits_f32, f32_bits
 from prima.kernels.matmul import prefill_map
 from prima.kernels.ops import ROPE_NEOX
 
@@ -454,26 +453,10 @@ def _silu_mul_parallel(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
     return out
 
 
-@intrinsic
-def _f32_bits(typingctx, v):  # noqa: ANN001, ANN202, ARG001
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202, ARG001
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
 @njit(cache=True)
 def f16_bits(v: np.float32) -> np.uint16:
     """The IEEE half nearest to v (ties to even, as numpy's astype(float16)), as its bits."""
-    u = _f32_bits(np.float32(v))
+    u = f32_bits(np.float32(v))
     sign = (u >> np.uint32(16)) & np.uint32(0x8000)
     u &= np.uint32(0x7FFFFFFF)
     if u > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
@@ -481,7 +464,7 @@ def f16_bits(v: np.float32) -> np.uint16:
     if u >= np.uint32(0x477FF000):  # 65520 and above, and infinity, round to infinity
         return np.uint16(sign | np.uint32(0x7C00))
     if u < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero), in units of 2^-24
-        return np.uint16(sign | np.uint32(np.rint(_bits_f32(u) * np.float32(16777216.0))))
+        return np.uint16(sign | np.uint32(np.rint(bits_f32(u) * np.float32(16777216.0))))
     r = u - np.uint32(0x38000000)  # rebias the exponent from 127 to 15
     r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))  # round to nearest even
     return np.uint16(sign | (r >> np.uint32(13)))

@@ -116,9 +116,12 @@ def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.
         return np.matmul(x, w.raw.view(np.float32).T, out=out)
     if not HAVE_NUMBA:
         return _tiled_matmul(w, x, _reference_tile, out)
-    if int(w.qtype) in drivers.QUANTIZED_IDS and x.shape[0] <= FUSED_MAX_N:
+    if x.shape[0] <= FUSED_MAX_N and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype == Q.F16):
         rows = np.empty((x.shape[0], w.rows), dtype=np.float32)  # the kernel's own C layout
-        drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, rows)
+        if w.qtype == Q.F16:
+            drivers.matvec_f16(w.raw.view(np.uint16), x, rows)
+        else:
+            drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, rows)
         if out is None:
             return rows
         out[...] = rows
