@@ -8,6 +8,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -147,3 +148,26 @@ def popen_with_stderr_lines(cmd: list[str]) -> tuple[subprocess.Popen[str], queu
 
     threading.Thread(target=drain, daemon=True).start()
     return proc, lines
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(
+    code: str, *args: str, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -c code args...` in a fresh interpreter (what a process imports and holds is the
+    point of such tests), with this checkout on PYTHONPATH and `env` added to the environment;
+    the test fails with the child's stderr if it exits non-zero."""
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from prima import heap
+from tests.conftest import run_python
 
 
 def _rss_kib() -> int:
@@ -72,15 +71,5 @@ print(sorted(arenas))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_one_arena_keeps_threads_allocations_in_the_main_heap() -> None:
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", THREAD_ARENAS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python(THREAD_ARENAS, timeout=120)
     assert done.stdout.strip() == "['[heap]']"

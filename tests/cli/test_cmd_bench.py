@@ -4,13 +4,12 @@ here; the comparison with llama.cpp needs the optional llama-cpp-python)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from prima.cli.main import main
+from tests.conftest import run_python
 
 
 @pytest.mark.slow
@@ -44,5 +43,5 @@ def test_the_engine_worker_module_carries_nothing_of_prima() -> None:
         "import sys, prima.cli.bench_worker; "
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'prima')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    out = run_python(code, timeout=60)
     assert out.stdout.split() == ["prima", "prima.cli", "prima.cli.bench_worker"]

@@ -17,7 +17,7 @@ import pytest
 
 from prima.cli.main import main
 from prima.kernels import compile_cache
-from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
+from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, run_python, tiny_model_path
 
 PROMPT = "The capital of France is"
 
@@ -262,14 +262,7 @@ sys.exit(code)
 @pytest.mark.slow
 def test_run_on_one_device_loads_no_ring_packages(smollm2_path: Path) -> None:
     """gRPC, mDNS and TLS serve only a ring; on one device they were ~27 MiB of peak RSS."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(compile_cache.cache_dir())}
-    done = subprocess.run(
-        [sys.executable, "-c", RING_ONLY, str(smollm2_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
+    done = run_python(
+        RING_ONLY, str(smollm2_path), timeout=600, env={"NUMBA_CACHE_DIR": str(compile_cache.cache_dir())}
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from prima.kernels import jit_memory
+from tests.conftest import run_python
 
 numba = pytest.importorskip("numba")
 
@@ -227,17 +228,7 @@ print(json.dumps({"compiler_rss": compiler_rss, "new": new, "scipy_linalg": scip
 
 
 def _forward(mode: str, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(FORWARD), mode, str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(textwrap.dedent(FORWARD), mode, str(out), timeout=900, cwd=REPO)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,7 @@ from gguf import TokenType
 from prima.errors import TokenizerError
 from prima.model.gguf_file import GGUFFile
 from prima.model.tokenizer import Tokenizer
+from tests.conftest import run_python
 
 
 @pytest.fixture(scope="module")
@@ -201,15 +199,5 @@ print(sorted(m for m in ("tokenizers", "sentencepiece") if m in sys.modules))
 def test_tokenizers_build_without_hf_tokenizers(smollm2_path: Path, gemma3_path: Path) -> None:
     """Both vocabularies index the GGUF's own strings (prima.model.token_index); HF's library
     (its string maps and ~5 MiB of code resident) is never loaded."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", HELD_IN_PROCESS, str(smollm2_path), str(gemma3_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(HELD_IN_PROCESS, str(smollm2_path), str(gemma3_path), timeout=300)
     assert done.stdout.strip() == "[]"
