@@ -116,11 +116,12 @@ class CpuBackend:
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         h = np.ascontiguousarray(hidden, dtype=np.float32)
         fast = h.shape[0] <= self.fused_max_tokens
+        attn_parallel_min = self._attention_parallel_min() if fast else 0
         for params, fused in zip(window.blocks, window.fused, strict=True):
             i = params.weights.index
             if fused is not None and fast:
                 t = kv.reserve(i, positions)
-                h = fused.run(h, positions, kv.k[i], kv.v[i], t, self.ops.int8)
+                h = fused.run(h, positions, kv.k[i], kv.v[i], t, self.ops.int8, attn_parallel_min)
             else:
                 h = reference.block(self.config, params, self.ops, h, positions, kv)
         return h
@@ -168,6 +169,11 @@ class CpuBackend:
         names = [f"blk.{i}.{p}.weight" for i in range(self.config.n_layers) for p in PROJECTIONS]
         types = [tensors[n].qtype for n in names if n in tensors] + [self.weights.output.qtype]
         return all(int(t) in drivers.QUANTIZED_IDS for t in types)
+
+    def _attention_parallel_min(self) -> int:
+        from prima.kernels import fused_ops
+
+        return fused_ops.attention_parallel_min(self.ops.threads)
 
     def _fused_block(self, params: BlockParams) -> FusedBlock | None:
         """The one-call form of a block, or None (no numba, or a projection in a float format)."""

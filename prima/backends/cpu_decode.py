@@ -77,6 +77,7 @@ class FusedBlock:
         v_cache: np.ndarray,
         t: int,
         int8: bool,
+        attn_parallel_min: int,
     ) -> np.ndarray:
         cfg = self.config
         return decode_layer(
@@ -101,6 +102,7 @@ class FusedBlock:
             cfg.ffn_dim,
             cfg.activation == "gelu",
             ops.gelu_fp16_table() if cfg.activation == "gelu" else _NO_TABLE,
+            attn_parallel_min,
         )
 
 

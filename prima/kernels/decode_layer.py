@@ -9,11 +9,13 @@ reference block (prima.backends.reference), which prefill and other backends kee
 CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlock).
 
   decode_layer(x, ws, fmts, int8, lut, vecs, k_cache, v_cache, t, positions, inv_freq, neox,
-               n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table)
+               n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table,
+               attn_parallel_min)
 
 `ws` holds the seven projections (q, k, v, output, gate, up, down) as raw uint8 rows, `fmts`
-their GGML type ids, `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent). The
-caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
+their GGML type ids, `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent);
+attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
+(fused_ops.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def decode_layer(  # noqa: ANN201
     ffn_dim,  # noqa: ANN001
     gelu,  # noqa: ANN001
     gelu_table,  # noqa: ANN001
+    attn_parallel_min,  # noqa: ANN001
 ):
     """Hidden states x (n, d) through one block; writes the tokens' keys and values into the
     cache rows at `positions`; t is the number of valid cache rows afterwards."""
@@ -104,7 +107,7 @@ def decode_layer(  # noqa: ANN201
     for i in range(positions.shape[0]):
         k_cache[positions[i]] = k[i]
         v_cache[positions[i]] = v[i]
-    if q.shape[0] * t >= fused_ops.ATTENTION_PARALLEL_MIN:
+    if q.shape[0] * t >= attn_parallel_min:
         attn = fused_ops._attention_parallel(q, k_cache, v_cache, t, positions, attn_scale, window)
     else:
         attn = fused_ops._attention_serial(q, k_cache, v_cache, t, positions, attn_scale, window)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, get_num_threads, njit, prange
 
 from prima.kernels import ops
-from prima.kernels.lanes import bits_f32, f32_bits
+from prima.kernels.lanes import bits_f32, exp_f32, f32_bits, pairwise_sum32, stack_f32
 from prima.kernels.matmul import prefill_map
 from prima.kernels.ops import ROPE_NEOX
+from prima.kernels.thread_env import workers_spin
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
 
@@ -290,28 +291,25 @@ def _rope_row(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> No
         x[b] = x0 * sin[f] + x1 * cos[f]
 
 
+SCORE_LANES = 32  # float32 lanes of one q.k dot (head dims are multiples of 32 but for a tail)
+
+
 @njit(cache=True, inline="always")
-def _dot8(a: np.ndarray, b: np.ndarray) -> np.float32:
-    """a . b in float32, summed in eight interleaved partial sums that are then added in order.
-    A single running sum is one long chain of dependent adds, which the compiler may not reorder
-    without fastmath (and fastmath made copies of a kernel round differently: see
-    prima.kernels.jit_memory); eight independent chains run ~8x faster, and the order is fixed,
-    so every copy and every run gives the same bits."""
-    n = a.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    full = n - n % 8
-    for j in range(0, full, 8):
-        s0 += a[j] * b[j]
-        s1 += a[j + 1] * b[j + 1]
-        s2 += a[j + 2] * b[j + 2]
-        s3 += a[j + 3] * b[j + 3]
-        s4 += a[j + 4] * b[j + 4]
-        s5 += a[j + 5] * b[j + 5]
-        s6 += a[j + 6] * b[j + 6]
-        s7 += a[j + 7] * b[j + 7]
-    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    for j in range(full, n):
-        total += a[j] * b[j]
+def _score(qh: np.ndarray, kr: np.ndarray, sc: np.float32, lanes: np.ndarray) -> np.float32:
+    """sc * (qh . kr) in float32: SCORE_LANES lane sums (a fixed order, so every compiled copy
+    gives the same bits) added pairwise. The scale multiplies each key element, which is what
+    lets LLVM vectorize the lanes here (written as a plain product of two loads it kept them
+    scalar); a single running sum would be one long chain of dependent adds."""
+    hd = qh.shape[0]
+    full = hd - hd % SCORE_LANES
+    for j in range(SCORE_LANES):
+        lanes[j] = 0.0
+    for b in range(0, full, SCORE_LANES):
+        for j in range(SCORE_LANES):
+            lanes[j] += qh[b + j] * (sc * kr[b + j])
+    total = pairwise_sum32(lanes)
+    for j in range(full, hd):
+        total += qh[j] * (sc * kr[j])
     return total
 
 
@@ -336,18 +334,19 @@ def _attend(
     lo = max(0, pos - window + 1) if window > 0 else 0
     hi = min(t, pos + 1)
     scores = np.empty(hi - lo, dtype=np.float32)
+    lanes = carray(stack_f32(SCORE_LANES), SCORE_LANES)
     qh = q[i, h]
     sc = np.float32(scale)
     m = np.float32(-np.inf)
     for s in range(lo, hi):
-        acc = _dot8(qh, k_cache[s, kvh]) * sc
+        acc = _score(qh, k_cache[s, kvh], sc, lanes)
         scores[s - lo] = acc
         m = max(m, acc)
+    for s in range(hi - lo):
+        scores[s] = exp_f32(scores[s] - m)
     total = np.float32(0.0)
     for s in range(hi - lo):
-        e = np.float32(math.exp(scores[s] - m))
-        scores[s] = e
-        total += e
+        total += scores[s]
     o = out[i, h * hd : (h + 1) * hd]
     o[:] = 0.0
     for s in range(lo, hi):
@@ -373,10 +372,22 @@ def _attention_serial(q, k_cache, v_cache, t, positions, scale, window):  # noqa
     return out
 
 
-# Below this many (query, key) pairs per head a parallel launch costs more than it saves. Measured
-# at decode (1 query, 9 heads over 3 KV heads, 2 threads, passive workers): serial / parallel
-# 72 / 53 us at 256 keys, 140 / 96 at 512, 311 / 191 at 1024, 1007 / 639 at 2048.
-ATTENTION_PARALLEL_MIN = 256
+# Decode attention runs its heads in parallel from this many (query row, key) pairs: below, a
+# launch costs more than it saves, and a launch costs what waking the workers costs. Measured on
+# the AMD EPYC (2 threads; SmolLM2's 9 heads of 64, Gemma's 4 of 256), serial / parallel us:
+# workers spinning 8.2 / 6.5 at 32 keys, 27.7 / 16.7 at 128 (Gemma 7.6 / 8.8, 24.6 / 16.9);
+# workers sleeping 30.8 / 53.5 at 128, 101.7 / 104.1 at 512.
+ATTENTION_PARALLEL_MIN_SPINNING = 48
+ATTENTION_PARALLEL_MIN_SLEEPING = 1024
+NEVER = 1 << 62
+
+
+def attention_parallel_min(threads: int) -> int:
+    """The (query row, key) pairs from which decode attention goes parallel, for `threads`
+    workers waiting as the environment tells them to (prima.kernels.thread_env)."""
+    if threads <= 1:
+        return NEVER
+    return ATTENTION_PARALLEL_MIN_SPINNING if workers_spin() else ATTENTION_PARALLEL_MIN_SLEEPING
 
 
 # From this many query rows (prefill) attention runs as ops.attention's batched matmuls (BLAS),
@@ -398,7 +409,8 @@ def attention(
     Returns (n, H * hd). Parallel over (token, head) pairs when the work is large enough."""
     if q.shape[0] >= ATTENTION_BATCHED_MIN_ROWS:
         return _attention_batched(q, k_cache, v_cache, t, positions, scale, window)
-    run = _attention_parallel if q.shape[0] * t >= ATTENTION_PARALLEL_MIN else _attention_serial
+    parallel = q.shape[0] * t >= attention_parallel_min(get_num_threads())
+    run = _attention_parallel if parallel else _attention_serial
     return run(q, k_cache, v_cache, t, positions, scale, window)
 
 
@@ -428,9 +440,13 @@ def _attention_batched(
 
 @njit(cache=True, inline="always")
 def _silu_row(gate_up: np.ndarray, ffn_dim: int, out: np.ndarray, i: int) -> None:
+    """Row i: the exponentials in a loop of their own, which vectorizes (fused into the product
+    it did not: 14 against 3 us for SmolLM2's 1536)."""
+    g, u, o = gate_up[i, :ffn_dim], gate_up[i, ffn_dim:], out[i]
     for j in range(ffn_dim):
-        g = gate_up[i, j]
-        out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, ffn_dim + j]
+        o[j] = exp_f32(-g[j])
+    for j in range(ffn_dim):
+        o[j] = g[j] / (np.float32(1.0) + o[j]) * u[j]
 
 
 @njit(cache=True)

@@ -9,6 +9,7 @@ are kept."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 DEFAULTS: dict[str, str] = {
     # Prefill parallelism comes from prima's tile threads, so BLAS itself stays single-threaded.
@@ -27,6 +28,13 @@ DEFAULTS: dict[str, str] = {
 # The keys configure() set itself (not the user), so that other engines started from prima
 # (the llama.cpp worker of `prima bench`) can run with the user's environment instead.
 APPLIED: set[str] = set()
+
+
+def workers_spin(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether idle OpenMP workers spin before sleeping (libgomp's default, or the brief spin
+    prima.engine.thread_tuning chooses) rather than sleep at once (OMP_WAIT_POLICY=passive): a
+    parallel launch then costs microseconds, not a wake-up through the kernel."""
+    return env.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
 
 
 def configure() -> None:

@@ -79,9 +79,13 @@ def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool, n: int) -> No
 
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("parallel_min", [0, 1 << 30])
-def test_attention_matches_reference(window: int, parallel_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_ops, "ATTENTION_PARALLEL_MIN", parallel_min)
-    t, heads, kv_heads, hd = 9, 4, 2, 16
+@pytest.mark.parametrize("hd", [16, 64, 80])
+def test_attention_matches_reference(
+    window: int, parallel_min: int, hd: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heads in parallel or not, head dims of whole score-lane blocks, a tail, or both."""
+    monkeypatch.setattr(fused_ops, "attention_parallel_min", lambda threads: parallel_min)
+    t, heads, kv_heads = 9, 4, 2
     kc, vc = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd)
     positions = np.array([6, 7, 8])
     q = _f32(3, heads, hd)
@@ -106,6 +110,21 @@ def test_prefill_attention_equals_per_pair_kernel(
     got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
     want = fused_ops._attention_serial(q, kc, vc, t, positions, 0.25, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_goes_parallel_only_where_a_launch_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread never launches; sleeping workers (woken through the kernel) need far more keys
+    than spinning ones."""
+    assert fused_ops.attention_parallel_min(1) == fused_ops.NEVER
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    sleeping = fused_ops.attention_parallel_min(2)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    spinning = fused_ops.attention_parallel_min(2)
+    assert (sleeping, spinning) == (
+        fused_ops.ATTENTION_PARALLEL_MIN_SLEEPING,
+        fused_ops.ATTENTION_PARALLEL_MIN_SPINNING,
+    )
+    assert spinning < sleeping
 
 
 @pytest.mark.parametrize("rows", [2, fused_ops.PARALLEL_MIN_ROWS + 3])
