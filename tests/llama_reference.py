@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 GGML_TYPE_F32 = 0  # ggml_type: an F32 KV cache, as the oracle's `f32` runs use
+GGML_TYPE_F16 = 1  # llama.cpp's default KV cache, which prima's q8 mode keeps too
 
 
 def require_llama_cpp() -> ModuleType:
@@ -40,17 +41,18 @@ def llama_tokenize(
 
 
 class LlamaF32:
-    """A model in llama.cpp with the oracle's `f32` settings: F32 KV cache, no flash attention."""
+    """A model in llama.cpp with the oracle's `f32` settings: F32 KV cache (or `kv_type`), no
+    flash attention."""
 
-    def __init__(self, path: Path, n_ctx: int = 512) -> None:
+    def __init__(self, path: Path, n_ctx: int = 512, kv_type: int = GGML_TYPE_F32) -> None:
         llama_cpp = require_llama_cpp()
         self._llm = llama_cpp.Llama(
             model_path=str(path),
             n_ctx=n_ctx,
             n_threads=2,
             logits_all=True,
-            type_k=GGML_TYPE_F32,
-            type_v=GGML_TYPE_F32,
+            type_k=kv_type,
+            type_v=kv_type,
             flash_attn=False,
             verbose=False,
         )

@@ -380,9 +380,9 @@ class NodeRuntime:
             raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
         # Refused before the cache exists: allocating it first and freeing it on refusal leaves
         # the pages resident (the allocator keeps them), so spam would grow the daemon. (Counted
-        # as float32 host KV: an accelerator's float16 cache takes at most that.)
+        # as float32 KV: a cache of halves, on the host or an accelerator, takes at most that.)
         with self._lock:
-            self._check_room(kv_bytes(self.model.config, n_ctx, len(set(layout.layers()))))
+            self._check_room(kv_bytes(self.model.config, n_ctx, len(set(layout.layers())), "float32"))
         # The backends keep the KV state (the acl backend: on the NPU, for its layers).
         host = layout.host_layers()
         accel = [i for i in layout.layers() if i not in set(host)]

@@ -8,12 +8,13 @@ directly, so Python is crossed once per block. The arithmetic, and so the result
 reference block (prima.backends.reference), which prefill and other backends keep using; the
 CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlock).
 
-  decode_layer(x, ws, fmts, int8, lut, vecs, k_cache, v_cache, t, positions, inv_freq, neox,
+  decode_layer(x, ws, fmts, int8, lut, vecs, kv, t, positions, inv_freq, neox,
                n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table,
                attn_parallel_min)
 
 `ws` holds the seven projections (q, k, v, output, gate, up, down) as raw uint8 rows, `fmts`
-their GGML type ids, `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent);
+their GGML type ids, `kv` the layer's cache as KVCache.kernel_arrays gives it
+(float32 keys, values, or halves), `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent);
 attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
 (fused_ops.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
@@ -67,8 +68,7 @@ def decode_layer(  # noqa: ANN201
     int8,  # noqa: ANN001
     lut,  # noqa: ANN001
     vecs,  # noqa: ANN001
-    k_cache,  # noqa: ANN001
-    v_cache,  # noqa: ANN001
+    kv,  # noqa: ANN001
     t,  # noqa: ANN001
     positions,  # noqa: ANN001
     inv_freq,  # noqa: ANN001
@@ -104,13 +104,12 @@ def decode_layer(  # noqa: ANN201
         inv_freq,
         neox,
     )
-    for i in range(positions.shape[0]):
-        k_cache[positions[i]] = k[i]
-        v_cache[positions[i]] = v[i]
+    k32, v32, k16, v16 = kv
+    fused_ops.store_kv(k, v, k32, v32, k16, v16, positions)
     if q.shape[0] * t >= attn_parallel_min:
-        attn = fused_ops._attention_parallel(q, k_cache, v_cache, t, positions, attn_scale, window)
+        attn = fused_ops._attention_parallel(q, k32, v32, k16, v16, t, positions, attn_scale, window)
     else:
-        attn = fused_ops._attention_serial(q, k_cache, v_cache, t, positions, attn_scale, window)
+        attn = fused_ops._attention_serial(q, k32, v32, k16, v16, t, positions, attn_scale, window)
     o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
     x, xn = fused_ops.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)

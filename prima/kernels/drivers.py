@@ -23,7 +23,7 @@ from numba import carray, njit, prange
 from prima.kernels import dispatch
 from prima.kernels import int8_dots as i8
 from prima.kernels import int8_gemm as g8
-from prima.kernels.lanes import lane_sum, stack_f32, widen_half
+from prima.kernels.lanes import half_to_f32, lane_sum, stack_f32
 
 # What callers check before a launch: formats with kernels, and those with int8 ones.
 QUANTIZED_IDS = dispatch.QUANTIZED_IDS
@@ -64,7 +64,7 @@ F16_LANES = 32  # float32 accumulators of one float16 row dot
 @njit(cache=True, inline="always")
 def _f16_row_dot(w: np.ndarray, xk: np.ndarray) -> np.float32:
     """sum_j xk[j] * w[j] for one row of float16 weights held as uint16, each widened exactly
-    (lanes.widen_half), summed in F16_LANES float32 lanes (vectorizes without reassociating one
+    (lanes.half_to_f32), summed in F16_LANES float32 lanes (vectorizes without reassociating one
     scalar sum)."""
     acc = carray(stack_f32(F16_LANES), F16_LANES)
     for j in range(F16_LANES):
@@ -73,10 +73,10 @@ def _f16_row_dot(w: np.ndarray, xk: np.ndarray) -> np.float32:
     full = n - n % F16_LANES
     for b in range(0, full, F16_LANES):
         for j in range(F16_LANES):
-            acc[j] += xk[b + j] * widen_half(w[b + j])
+            acc[j] += xk[b + j] * half_to_f32(w[b + j])
     s = lane_sum(acc)
     for j in range(full, n):
-        s += xk[j] * widen_half(w[j])
+        s += xk[j] * half_to_f32(w[j])
     return s
 
 

@@ -14,7 +14,16 @@ import numpy as np
 from numba import carray, get_num_threads, njit, prange
 
 from prima.kernels import ops
-from prima.kernels.lanes import bits_f32, exp_f32, f32_bits, pairwise_sum32, stack_f32
+from prima.kernels.lanes import (
+    as_float32,
+    exp_f32,
+    half_bits,
+    half_to_f32,
+    holds_halves,
+    pairwise_sum32,
+    round_to_half,
+    stack_f32,
+)
 from prima.kernels.matmul import prefill_map
 from prima.kernels.ops import ROPE_NEOX
 from prima.kernels.thread_env import workers_spin
@@ -306,10 +315,10 @@ def _score(qh: np.ndarray, kr: np.ndarray, sc: np.float32, lanes: np.ndarray) ->
         lanes[j] = 0.0
     for b in range(0, full, SCORE_LANES):
         for j in range(SCORE_LANES):
-            lanes[j] += qh[b + j] * (sc * kr[b + j])
+            lanes[j] += qh[b + j] * (sc * as_float32(kr[b + j]))
     total = pairwise_sum32(lanes)
     for j in range(full, hd):
-        total += qh[j] * (sc * kr[j])
+        total += qh[j] * (sc * as_float32(kr[j]))
     return total
 
 
@@ -325,7 +334,8 @@ def _attend(
     item: int,
     out: np.ndarray,
 ) -> None:
-    """Attention of one (token, head) pair `item` = token * H + head, written into out."""
+    """Attention of one (token, head) pair `item` = token * H + head, written into out; the
+    cache holds float32 or halves (uint16 bits, prima.weights.kv_cache), widened as read."""
     n_heads, hd = q.shape[1], q.shape[2]
     i = item // n_heads
     h = item % n_heads
@@ -336,6 +346,11 @@ def _attend(
     scores = np.empty(hi - lo, dtype=np.float32)
     lanes = carray(stack_f32(SCORE_LANES), SCORE_LANES)
     qh = q[i, h]
+    halves = holds_halves(k_cache)
+    if halves:  # the query meets halves as llama.cpp's: rounded to a half itself (ops.attention)
+        qh = np.empty(hd, dtype=np.float32)
+        for j in range(hd):
+            qh[j] = round_to_half(q[i, h, j])
     sc = np.float32(scale)
     m = np.float32(-np.inf)
     for s in range(lo, hi):
@@ -351,25 +366,50 @@ def _attend(
     o[:] = 0.0
     for s in range(lo, hi):
         p = scores[s - lo] / total
+        if halves:  # as llama.cpp's weights meet a half V: rounded to halves (ops.attention)
+            p = round_to_half(p)
         vr = v_cache[s, kvh]
         for j in range(hd):
-            o[j] += p * vr[j]
+            o[j] += p * as_float32(vr[j])
 
 
 @njit(parallel=True, cache=True)
-def _attention_parallel(q, k_cache, v_cache, t, positions, scale, window):  # noqa: ANN001, ANN202
+def _attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window):  # noqa: ANN001, ANN202
+    """Attention of q over a float32 cache (k32, v32) or, when k16 is not empty, a cache of
+    halves (k16, v16: uint16 bits), heads split over the threads."""
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for item in prange(q.shape[0] * q.shape[1]):
-        _attend(q, k_cache, v_cache, t, positions, scale, window, item, out)
+        if k16.shape[0]:
+            _attend(q, k16, v16, t, positions, scale, window, item, out)
+        else:
+            _attend(q, k32, v32, t, positions, scale, window, item, out)
     return out
 
 
 @njit(cache=True)
-def _attention_serial(q, k_cache, v_cache, t, positions, scale, window):  # noqa: ANN001, ANN202
+def _attention_serial(q, k32, v32, k16, v16, t, positions, scale, window):  # noqa: ANN001, ANN202
+    """_attention_parallel on the calling thread (the same bits)."""
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for item in range(q.shape[0] * q.shape[1]):
-        _attend(q, k_cache, v_cache, t, positions, scale, window, item, out)
+        if k16.shape[0]:
+            _attend(q, k16, v16, t, positions, scale, window, item, out)
+        else:
+            _attend(q, k32, v32, t, positions, scale, window, item, out)
     return out
+
+
+@njit(cache=True)
+def store_kv(k, v, k32, v32, k16, v16, positions):  # noqa: ANN001, ANN201
+    """A block's new keys and values k, v (n, KVH, hd) into cache rows `positions`: the float32
+    cache, or, when k16 is not empty, the cache of halves (rounded as numpy's astype rounds)."""
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        if k16.shape[0]:
+            store_half(k[i], k16[p])
+            store_half(v[i], v16[p])
+        else:
+            k32[p] = k[i]
+            v32[p] = v[i]
 
 
 # Decode attention runs its heads in parallel from this many (query row, key) pairs: below, a
@@ -405,13 +445,52 @@ def attention(
     scale: float,
     window: int,
 ) -> np.ndarray:
-    """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t), as ops.attention.
-    Returns (n, H * hd). Parallel over (token, head) pairs when the work is large enough."""
+    """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t) (float16 or float32,
+    prima.weights.kv_cache), as ops.attention. Returns (n, H * hd). Parallel over (token, head)
+    pairs when the work is large enough."""
     if q.shape[0] >= ATTENTION_BATCHED_MIN_ROWS:
         return _attention_batched(q, k_cache, v_cache, t, positions, scale, window)
     parallel = q.shape[0] * t >= attention_parallel_min(get_num_threads())
     run = _attention_parallel if parallel else _attention_serial
-    return run(q, k_cache, v_cache, t, positions, scale, window)
+    return run(q, *_both_forms(k_cache, v_cache), t, positions, scale, window)
+
+
+_NO_HALVES = np.empty((0, 0, 0), dtype=np.uint16)
+_NO_FLOATS = np.empty((0, 0, 0), dtype=np.float32)
+
+
+def _both_forms(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(k32, v32, k16, v16) as the compiled attention takes a cache (see KVCache.kernel_arrays)."""
+    if k.dtype == np.float16 and v.dtype == np.float16:
+        return _NO_FLOATS, _NO_FLOATS, k.view(np.uint16), v.view(np.uint16)
+    if k.dtype == np.float32 and v.dtype == np.float32:
+        return k, v, _NO_HALVES, _NO_HALVES
+    raise TypeError(f"a KV cache holds float16 or float32 (prima.weights.kv_cache), got {k.dtype}/{v.dtype}")
+
+
+@njit(cache=True, nogil=True)
+def widen_halves(bits: np.ndarray) -> np.ndarray:
+    """A (T, KVH, hd) slice of a cache of halves (uint16 bits) as float32, for prefill's batched
+    attention (numpy's own conversion from float16 does not use the CPU's instruction)."""
+    out = np.empty(bits.shape, dtype=np.float32)
+    for s in range(bits.shape[0]):
+        for h in range(bits.shape[1]):
+            for j in range(bits.shape[2]):
+                out[s, h, j] = half_to_f32(bits[s, h, j])
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _round_rows_to_halves(x: np.ndarray) -> None:
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            x[i, j] = round_to_half(x[i, j])
+
+
+def round_to_halves(x: np.ndarray) -> np.ndarray:
+    """x (C-contiguous float32) rounded to halves in place, as astype(float16) rounds; returns x."""
+    _round_rows_to_halves(x.reshape(-1, x.shape[-1]))
+    return x
 
 
 def _attention_batched(
@@ -426,12 +505,16 @@ def _attention_batched(
     """ops.attention over the keys some query can see (a sliding window drops the older ones),
     the query rows split between the prefill threads (kernels.matmul.prefill_map)."""
     lo = max(0, int(positions.min()) - window + 1) if window > 0 else 0
-    k, v = k_cache[lo:t], v_cache[lo:t]
+    halves = k_cache.dtype == np.float16
+    if halves:
+        k, v = widen_halves(k_cache[lo:t].view(np.uint16)), widen_halves(v_cache[lo:t].view(np.uint16))
+    else:
+        k, v = k_cache[lo:t], v_cache[lo:t]
     rel = positions - lo  # key positions shift by lo; distances from each query do not
 
     def rows(span: tuple[int, int]) -> np.ndarray:
         a, b = span
-        return ops.attention(q[a:b], k, v, rel[a:b], scale, window)
+        return ops.attention(q[a:b], k, v, rel[a:b], scale, window, halves, round_to_halves)
 
     parts = prefill_map(rows, q.shape[0])
     out = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -469,21 +552,13 @@ def _silu_mul_parallel(gate_up: np.ndarray, ffn_dim: int) -> np.ndarray:
     return out
 
 
-@njit(cache=True)
-def f16_bits(v: np.float32) -> np.uint16:
-    """The IEEE half nearest to v (ties to even, as numpy's astype(float16)), as its bits."""
-    u = f32_bits(np.float32(v))
-    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
-    u &= np.uint32(0x7FFFFFFF)
-    if u > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
-        return np.uint16(sign | np.uint32(0x7E00))
-    if u >= np.uint32(0x477FF000):  # 65520 and above, and infinity, round to infinity
-        return np.uint16(sign | np.uint32(0x7C00))
-    if u < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero), in units of 2^-24
-        return np.uint16(sign | np.uint32(np.rint(bits_f32(u) * np.float32(16777216.0))))
-    r = u - np.uint32(0x38000000)  # rebias the exponent from 127 to 15
-    r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))  # round to nearest even
-    return np.uint16(sign | (r >> np.uint32(13)))
+@njit(cache=True, inline="always")
+def store_half(x: np.ndarray, out: np.ndarray) -> None:
+    """out (heads, hd; uint16 bits) = x rounded to halves as numpy's astype(float16) rounds: a token's keys or
+    values into a cache row (prima.weights.kv_cache)."""
+    for h in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[h, j] = half_bits(x[h, j])
 
 
 @njit(cache=True, inline="always")
@@ -495,7 +570,7 @@ def _gelu_row(gate_up: np.ndarray, ffn_dim: int, table: np.ndarray, out: np.ndar
         elif g >= np.float32(10.0):
             y = g
         else:
-            y = table[f16_bits(g)]
+            y = table[half_bits(g)]
         out[i, j] = y * gate_up[i, ffn_dim + j]
 
 

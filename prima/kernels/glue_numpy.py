@@ -89,7 +89,8 @@ def attention(
     window: int,
 ) -> np.ndarray:
     """Causal grouped-query attention of q (n, H, hd) over cache rows [0, t); (n, H * hd)."""
-    return ops.attention(q, k_cache[:t], v_cache[:t], positions, scale, window).astype(np.float32)
+    k, v = k_cache[:t].astype(np.float32, copy=False), v_cache[:t].astype(np.float32, copy=False)
+    return ops.attention(q, k, v, positions, scale, window, k_cache.dtype == np.float16).astype(np.float32)
 
 
 def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @njit(cache=True, inline="always")
@@ -81,6 +81,84 @@ def widen_half(h16: np.uint16) -> np.float32:
     f = bits_f32(mag) * np.float32(5.192296858534828e33)  # 2^112
     special = np.uint32(0x7F800000) * np.uint32(mag >= np.uint32(0x0F800000))
     return bits_f32(f32_bits(f) | special | ((h & np.uint32(0x8000)) << np.uint32(16)))
+
+
+def _cpu_converts_halves() -> bool:
+    """Whether LLVM turns a half -> float extension into one instruction on this CPU: F16C's
+    vcvtph2ps on x86 (every x86 CPU since 2012 has it), fcvt on 64-bit ARM. Elsewhere it would be
+    a call into a runtime library the JIT may not have, so the arithmetic of widen_half is used."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        return "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+    except Exception:  # noqa: BLE001 - no feature list: take the portable arithmetic
+        return False
+
+
+HALF_INSTRUCTION = _cpu_converts_halves()
+
+
+@intrinsic
+def half_to_f32(typingctx, h16):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+    """An IEEE half (its uint16 bits) as float32, exactly: the CPU's conversion instruction where
+    it has one (HALF_INSTRUCTION), which LLVM vectorizes to 8-16 halves per instruction: ~4x
+    faster than widen_half's bit arithmetic over a row of a KV cache. Equal to numpy's
+    astype(float32) for all 65536 halves either way (tests/kernels/test_lanes.py)."""
+    if not (isinstance(h16, types.Integer) and h16.bitwidth == 16 and not h16.signed):
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        if HALF_INSTRUCTION:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return context.compile_internal(builder, widen_half.py_func, sig, args)
+
+    return types.float32(h16), codegen
+
+
+@njit(cache=True)
+def f16_bits(v: np.float32) -> np.uint16:
+    """The IEEE half nearest to v (ties to even, as numpy's astype(float16)), as its bits."""
+    u = f32_bits(np.float32(v))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    u &= np.uint32(0x7FFFFFFF)
+    if u > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
+        return np.uint16(sign | np.uint32(0x7E00))
+    if u >= np.uint32(0x477FF000):  # 65520 and above, and infinity, round to infinity
+        return np.uint16(sign | np.uint32(0x7C00))
+    if u < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero), in units of 2^-24
+        return np.uint16(sign | np.uint32(np.rint(bits_f32(u) * np.float32(16777216.0))))
+    r = u - np.uint32(0x38000000)  # rebias the exponent from 127 to 15
+    r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))  # round to nearest even
+    return np.uint16(sign | (r >> np.uint32(13)))
+
+
+@intrinsic
+def half_bits(typingctx, v):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+    """f16_bits, by the CPU's conversion instruction where it has one (HALF_INSTRUCTION:
+    vcvtps2ph rounds to nearest even, as f16_bits and numpy do)."""
+    if not isinstance(v, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        if HALF_INSTRUCTION:
+            x = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
+        return context.compile_internal(builder, f16_bits.py_func, sig, args)
+
+    return types.uint16(v), codegen
+
+
+@njit(cache=True, inline="always")
+def round_to_half(v: np.float32) -> np.float32:
+    """v rounded to the nearest half, as float32."""
+    return half_to_f32(half_bits(v))
 
 
 @njit(cache=True, inline="always")
@@ -158,3 +236,32 @@ def exp_f32(x: np.float32) -> np.float32:
     elif x != x:
         out = x
     return out
+
+
+def as_float32(v):  # noqa: ANN001, ANN201 - typed by the overload below inside compiled code
+    """A stored value as float32: a half's uint16 bits widened exactly (half_to_f32), a float32
+    as is. Compiled code picks the form by the array's dtype, so one kernel reads a KV cache of
+    either kind (prima.weights.kv_cache)."""
+    return np.float32(v)
+
+
+@overload(as_float32, inline="always")
+def _as_float32_typed(v):  # noqa: ANN001, ANN202
+    if isinstance(v, types.Integer) and v.bitwidth == 16 and not v.signed:
+        return lambda v: half_to_f32(v)
+    if isinstance(v, types.Float):
+        return lambda v: np.float32(v)
+    return None
+
+
+def holds_halves(a):  # noqa: ANN001, ANN201 - typed by the overload below inside compiled code
+    """Whether array `a` holds halves as uint16 bits (as_float32's widening form): a constant of
+    the compiled variant, so the branch it picks costs nothing."""
+    return a.dtype == np.uint16
+
+
+@overload(holds_halves, inline="always")
+def _holds_halves_typed(a):  # noqa: ANN001, ANN202
+    dtype = getattr(a, "dtype", None)
+    flag = isinstance(dtype, types.Integer) and dtype.bitwidth == 16 and not dtype.signed
+    return lambda a: flag

@@ -6,6 +6,7 @@ RMSNorm sums squares in float64, GELU goes through an fp16 table like ggml's `gg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -79,18 +80,26 @@ def attention(
     positions: np.ndarray,
     scale: float,
     window: int = 0,
+    halves: bool = False,
+    to_halves: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention of new queries over the cache.
 
     q: (n, H, hd) for tokens at `positions`; k_cache, v_cache: (T, KVH, hd) holding keys for
     positions [0, T) with T = positions.max() + 1. `window` > 0 masks keys `window` or more
-    positions behind the query (sliding-window layers). Returns (n, H * hd).
+    positions behind the query (sliding-window layers). `halves`: the cache holds float16, and
+    the queries and the softmax weights are rounded to float16 before meeting it, as llama.cpp's
+    matmuls with a float16 operand round the other one (by `to_halves`, which may round in place;
+    numpy's astype by default). Returns (n, H * hd).
     """
     n, n_heads, hd = q.shape
     t, n_kv, _ = k_cache.shape
     group = n_heads // n_kv
     # (KVH, group * n, hd) x (KVH, hd, T) -> (KVH, group * n, T)
     qg = q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    rounded = to_halves or _to_half_and_back
+    if halves:
+        qg = rounded(np.array(qg, dtype=np.float32))  # a copy: never round the caller's q
     scores = np.matmul(qg, k_cache.transpose(1, 2, 0)) * np.float32(scale)
     key_pos = np.arange(t)
     rel = positions[:, None] - key_pos[None, :]  # (n, T): how far behind the query each key is
@@ -102,5 +111,11 @@ def attention(
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
+    if halves:
+        scores = rounded(scores)
     out = np.matmul(scores.reshape(n_kv, group * n, t), v_cache.transpose(1, 0, 2))  # (KVH, group*n, hd)
     return out.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+
+
+def _to_half_and_back(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)

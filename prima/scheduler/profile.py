@@ -22,8 +22,8 @@ from prima.model.gguf_file import GGUFFile, metadata_get
 SCHEMA_VERSION = 1
 OS_CLASSES = ("linux", "android", "macos", "windows", "other")
 DEFAULT_CTX_TOKENS = 4096
-# The KV cache is kept in float32 (the engine's activations are f32).
-KV_ELEMENT_BYTES = 4
+# The KV cache holds float16 (prima.weights.kv_cache), as llama.cpp's does.
+KV_ELEMENT_BYTES = 2
 ACTIVATION_ELEMENT_BYTES = 4
 
 

@@ -3,7 +3,7 @@ order, so the same bits, on both test models, in both modes, for 1 to 4 tokens."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from numba import njit
 
 from prima.forward.loader import LoadedModel, load_model
 from prima.kernels import decode_layer as dl
-from prima.kernels import fused_ops, ops
+from prima.kernels import fused_ops, lanes, ops
 from prima.kernels import matmul as mm
 from prima.kernels.quants import F16_TABLE
 
@@ -72,9 +73,21 @@ def test_fused_block_equals_step_by_step(
         np.testing.assert_array_equal(a, b)
 
 
-def test_f16_bits_rounds_as_numpy() -> None:
+@njit(cache=True)
+def _half_bits_all(values: np.ndarray, out: np.ndarray) -> None:
+    for i in range(values.shape[0]):
+        out[i] = lanes.half_bits(values[i])
+
+
+def _f16_bits_all(values: np.ndarray, out: np.ndarray) -> None:
+    out[:] = [lanes.f16_bits(v) for v in values]
+
+
+@pytest.mark.parametrize("convert", [_f16_bits_all, _half_bits_all], ids=["arithmetic", "instruction"])
+def test_f16_bits_rounds_as_numpy(convert: Callable[[np.ndarray, np.ndarray], None]) -> None:
     """Every half's own value, every midpoint between neighbouring halves (ties go to even),
-    values just beside them, overflow, NaN, and random floats of every magnitude."""
+    values just beside them, overflow, NaN, and random floats of every magnitude: by bit
+    arithmetic (lanes.f16_bits) and by the CPU's instruction where it has one (half_bits)."""
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     finite = halves[np.isfinite(halves)].astype(np.float32)
     ordered = np.unique(finite)
@@ -90,11 +103,14 @@ def test_f16_bits_rounds_as_numpy() -> None:
             (rng.standard_normal(20000) * 10.0 ** rng.uniform(-9, 6, 20000)).astype(np.float32),
         ]
     )
-    got = np.array([fused_ops.f16_bits(v) for v in values], dtype=np.uint16)
+    got = np.empty(values.shape, dtype=np.uint16)
+    convert(values, got)
     with np.errstate(over="ignore"):  # the overflow to infinity is part of what is checked
         expected = values.astype(np.float16).view(np.uint16)
     np.testing.assert_array_equal(got, expected)
-    assert np.isnan(np.array([fused_ops.f16_bits(np.float32(np.nan))], np.uint16).view(np.float16)[0])
+    nan = np.empty(1, dtype=np.uint16)
+    convert(np.array([np.nan], dtype=np.float32), nan)
+    assert np.isnan(nan.view(np.float16)[0])
 
 
 def test_gelu_mul_matches_the_table_gelu() -> None:

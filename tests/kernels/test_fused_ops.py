@@ -16,6 +16,11 @@ def _f32(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
 
+def _f16(*shape: int) -> np.ndarray:
+    """A KV cache's rows: halves, as prima.weights.kv_cache stores them."""
+    return _f32(*shape).astype(np.float16)
+
+
 def test_rms_norm_matches_reference() -> None:
     x, w = _f32(3, 64), _f32(64)
     np.testing.assert_allclose(fused_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
@@ -86,11 +91,13 @@ def test_attention_matches_reference(
     """Heads in parallel or not, head dims of whole score-lane blocks, a tail, or both."""
     monkeypatch.setattr(fused_ops, "attention_parallel_min", lambda threads: parallel_min)
     t, heads, kv_heads = 9, 4, 2
-    kc, vc = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd)
+    kc, vc = _f16(t, kv_heads, hd), _f16(t, kv_heads, hd)
     positions = np.array([6, 7, 8])
     q = _f32(3, heads, hd)
     got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
-    want = ops.attention(q, kc, vc, positions, 0.25, window)
+    want = ops.attention(
+        q, kc.astype(np.float32), vc.astype(np.float32), positions, 0.25, window, halves=True
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -103,13 +110,36 @@ def test_prefill_attention_equals_per_pair_kernel(
     split between threads and cut to the sliding window, against the decode kernel's loop."""
     monkeypatch.setattr(mm, "_prefill_threads", threads)
     t, heads, kv_heads, hd = 29, 4, 2, 16
-    kc, vc = _f32(32, kv_heads, hd), _f32(32, kv_heads, hd)  # rows past t must not be read
+    kc, vc = _f16(32, kv_heads, hd), _f16(32, kv_heads, hd)  # rows past t must not be read
     kc[t:] = np.nan
     positions = np.arange(t - fused_ops.ATTENTION_BATCHED_MIN_ROWS - 2, t)
     q = _f32(positions.size, heads, hd)
     got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
-    want = fused_ops._attention_serial(q, kc, vc, t, positions, 0.25, window)
+    want = fused_ops._attention_serial(q, *fused_ops._both_forms(kc, vc), t, positions, 0.25, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_reads_a_float32_cache_as_well() -> None:
+    """Exact mode keeps float32 keys and values: the same kernel, the same result as the numpy
+    reference; any other dtype is refused by name."""
+    t, heads, kv_heads, hd = 9, 4, 2, 48
+    kc, vc, q = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd), _f32(2, heads, hd)
+    positions = np.array([7, 8])
+    np.testing.assert_allclose(
+        fused_ops.attention(q, kc, vc, t, positions, 0.25, 0),
+        ops.attention(q, kc, vc, positions, 0.25, 0),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(TypeError, match="float16 or float32"):
+        fused_ops.attention(q, kc.astype(np.float64), vc, t, positions, 0.25, 0)
+
+
+def test_store_half_rounds_as_numpy() -> None:
+    x = _f32(3, 40) * 100
+    out = np.zeros((3, 40), dtype=np.uint16)
+    fused_ops.store_half(x, out)
+    np.testing.assert_array_equal(out.view(np.float16), x.astype(np.float16))
 
 
 def test_decode_attention_goes_parallel_only_where_a_launch_pays(monkeypatch: pytest.MonkeyPatch) -> None:

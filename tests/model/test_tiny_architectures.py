@@ -16,7 +16,7 @@ from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.model.config import SUPPORTED_ARCHITECTURES
-from tests.llama_reference import LlamaF32
+from tests.llama_reference import GGML_TYPE_F16, GGML_TYPE_F32, LlamaF32
 from tests.tiny_models import write_tiny_model
 
 # The same F32 weights on both sides, and (unlike the real Gemma 3, see test_transformer) random
@@ -34,7 +34,8 @@ def test_tiny_architecture_matches_llama_cpp(tmp_path: Path, arch: str, mode: st
     assert loaded.model.config.arch == arch
     tok = loaded.tokenizer
     stops = sorted(tok.stop_ids)
-    reference = LlamaF32(path)
+    # q8 mode keeps the KV cache in halves, as llama.cpp does by default; exact mode in float32.
+    reference = LlamaF32(path, kv_type=GGML_TYPE_F16 if mode == "q8" else GGML_TYPE_F32)
     try:
         chat = chat_prompt_ids(loaded.gguf.metadata, tok, [{"role": "user", "content": PROMPTS[0]}])
         for text in (*PROMPTS, None):

@@ -3,6 +3,8 @@ as such, and rollback (the ring replays a step after a failure by truncating).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -42,9 +44,9 @@ def test_cache_holds_only_the_owned_layers() -> None:
     cache = KVCache(_config(), 10, [4, 2, 3, 2])
     assert cache.layers == (2, 3, 4)
     assert set(cache.k) == set(cache.v) == {2, 3, 4}
-    assert all(a.shape == (10, N_KV_HEADS, HEAD_DIM) and a.dtype == np.float32 for a in cache.k.values())
-    # K and V, float32, per owned layer and position.
-    assert cache.n_bytes == 3 * 2 * 10 * N_KV_HEADS * HEAD_DIM * 4
+    assert all(a.shape == (10, N_KV_HEADS, HEAD_DIM) and a.dtype == np.float16 for a in cache.k.values())
+    # K and V, float16 (as llama.cpp keeps them), per owned layer and position.
+    assert cache.n_bytes == 3 * 2 * 10 * N_KV_HEADS * HEAD_DIM * 2
     assert kv_bytes(_config(), 10, len(cache.layers)) == cache.n_bytes  # known before allocating
     assert [cache.length(i) for i in cache.layers] == [0, 0, 0]
     with pytest.raises(KeyError):
@@ -108,3 +110,55 @@ def test_truncate_forgets_positions_but_never_adds_any() -> None:
         cache.store(0, np.arange(4, 5), _kv(1, 1.0), _kv(1, 1.0))
     cache.truncate(0)
     assert (cache.length(0), cache.length(1)) == (0, 0)
+
+
+def test_rows_are_stored_as_halves_and_seen_as_bits_by_kernels() -> None:
+    """float32 keys are rounded to the nearest half as numpy rounds; the uint16 views the
+    kernels take are the same memory, and the float32 pair they also take is empty."""
+    cache = KVCache(_config(), 4, [0, 1])
+    k = np.random.default_rng(1).standard_normal((2, N_KV_HEADS, HEAD_DIM)).astype(np.float32)
+    cache.store(1, np.arange(2), k, -k)
+    np.testing.assert_array_equal(cache.k[1][:2], k.astype(np.float16))
+    k32, v32, k16, v16 = cache.kernel_arrays(1)
+    assert k32.size == v32.size == 0
+    np.testing.assert_array_equal(v16[:2], (-k).astype(np.float16).view(np.uint16))
+    cache.kernel_arrays(0)[2][3, 1, 2] = np.float16(1.5).view(np.uint16)
+    assert cache.k[0][3, 1, 2] == 1.5
+
+
+def test_a_float32_cache_keeps_floats_and_other_dtypes_are_refused() -> None:
+    cache = KVCache(_config(), 4, [0], np.float32)
+    k = np.full((1, N_KV_HEADS, HEAD_DIM), 0.1, dtype=np.float32)
+    cache.store(0, np.array([0]), k, k)
+    assert cache.k[0][0, 0, 0] == np.float32(0.1)
+    k32, _, k16, _ = cache.kernel_arrays(0)
+    assert k32 is cache.k[0]
+    assert k16.size == 0
+    assert cache.n_bytes == kv_bytes(_config(), 4, 1, np.float32) == 2 * kv_bytes(_config(), 4, 1)
+    with pytest.raises(ValueError, match="float16 or float32"):
+        KVCache(_config(), 4, [0], np.float64)
+
+
+def _resident_kib(a: np.ndarray) -> int:
+    """KiB of `a`'s pages in memory, from mincore over its mapping (Linux)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = a.ctypes.data - a.ctypes.data % page
+    n_pages = (a.ctypes.data + a.nbytes - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n_pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n_pages * page), vec) == 0
+    return sum(b & 1 for b in vec) * page // 1024
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MAP_ANONYMOUS"), reason="needs anonymous mappings")
+def test_a_session_holds_memory_only_for_the_positions_it_wrote() -> None:
+    """A long context costs nothing until used: only the written rows' pages are resident."""
+    config = dataclasses.replace(_config(n_layers=1), n_kv_heads=8, head_dim=128)
+    cache = KVCache(config, 4096, [0])  # 8 MiB of keys and values
+    assert _resident_kib(cache.k[0]) == 0
+    rows = np.ones((64, 8, 128), dtype=np.float32)
+    cache.store(0, np.arange(64), rows, rows)
+    assert 0 < _resident_kib(cache.k[0]) <= 64 * 8 * 128 * 2 // 1024 + 8
