@@ -168,7 +168,7 @@ def block_sessions(
     # Feed-forward: merged gate|up -> act(gate) * up -> down (-> Gemma's post norm) -> residual.
     gate_up = _project(ops_, p.gate_up_groups, xn)  # (n, 2 * ffn)
     del xn
-    act = glue.glu(gate_up, cfg.ffn_dim, cfg.activation)  # (n, ffn)
+    act = glue.glu_in_place(gate_up, cfg.ffn_dim, cfg.activation)  # (n, ffn), over gate_up
     del gate_up
     ffn = ops_.matmul(lw.ffn_down, act)
     del act

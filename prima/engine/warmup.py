@@ -202,6 +202,7 @@ def _other_activations() -> None:
         gate_up = np.zeros((rows, 8), dtype=np.float32)
         for activation in ("gelu", "silu"):
             fused_ops.glu(gate_up, 4, activation)
+            fused_ops.glu_in_place(gate_up.copy(), 4, activation)
     # float16 weights at decode (read-only, as mapped from a GGUF)
     from prima.kernels import drivers
 

@@ -434,6 +434,10 @@ def attention_parallel_min(threads: int) -> int:
 # its row blocks on the prefill threads: at 128 rows 2x (128 keys) to 7x (512 keys) faster on one
 # thread than the per-pair kernel, which stays for decode's few rows.
 ATTENTION_BATCHED_MIN_ROWS = 8
+# Query rows per batched call: its scores (heads x rows x keys) and their temporaries are the
+# largest arrays of a prefill's first layer, which sets how far the heap grows (SmolLM2, 128
+# rows on 2 threads: 2.2 MiB of peak RSS in one call per thread, ~1 MiB less in blocks of 32).
+ATTENTION_BLOCK_ROWS = 32
 
 
 def attention(
@@ -511,14 +515,15 @@ def _attention_batched(
     else:
         k, v = k_cache[lo:t], v_cache[lo:t]
     rel = positions - lo  # key positions shift by lo; distances from each query do not
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
 
-    def rows(span: tuple[int, int]) -> np.ndarray:
-        a, b = span
-        return ops.attention(q[a:b], k, v, rel[a:b], scale, window, halves, round_to_halves)
+    def rows(span: tuple[int, int]) -> None:
+        for a in range(span[0], span[1], ATTENTION_BLOCK_ROWS):
+            b = min(span[1], a + ATTENTION_BLOCK_ROWS)
+            out[a:b] = ops.attention(q[a:b], k, v, rel[a:b], scale, window, halves, round_to_halves)
 
-    parts = prefill_map(rows, q.shape[0])
-    out = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return out.astype(np.float32, copy=False)
+    prefill_map(rows, q.shape[0])
+    return out
 
 
 @njit(cache=True, inline="always")
@@ -601,6 +606,41 @@ def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
         gelu = _gelu_mul_parallel if parallel else gelu_mul
         return gelu(gate_up, ffn_dim, ops.gelu_fp16_table())
     return (_silu_mul_parallel if parallel else silu_mul)(gate_up, ffn_dim)
+
+
+def glu_in_place(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
+    """glu (the same bits), written over gate_up, which the caller gives up: from PARALLEL_MIN_ROWS
+    rows (prefill) the result is a view of gate_up's first rows, so a block's feed-forward holds
+    one (n, 2 ffn) array instead of that and an (n, ffn) one (SmolLM2, 128 rows: 0.75 MiB, the
+    step that set the first layer's heap growth)."""
+    n = gate_up.shape[0]
+    if n < PARALLEL_MIN_ROWS or not gate_up.flags.c_contiguous or gate_up.dtype != np.float32:
+        return glu(gate_up, ffn_dim, activation)
+    table = ops.gelu_fp16_table() if activation == "gelu" else NONE
+    _glu_rows_in_place(gate_up, ffn_dim, activation == "gelu", table)
+    flat = gate_up.reshape(-1)
+    _pack_rows(flat, n, ffn_dim)
+    return flat[: n * ffn_dim].reshape(n, ffn_dim)
+
+
+@njit(parallel=True, cache=True)
+def _glu_rows_in_place(gate_up: np.ndarray, ffn_dim: int, gelu: bool, table: np.ndarray) -> None:
+    """Each row's activation into its own gate half (row by row as glu computes it)."""
+    for i in prange(gate_up.shape[0]):
+        if gelu:
+            _gelu_row(gate_up, ffn_dim, table, gate_up, i)
+        else:
+            exps = np.empty((1, ffn_dim), dtype=np.float32)
+            _silu_row(gate_up[i : i + 1], ffn_dim, exps, 0)
+            gate_up[i, :ffn_dim] = exps[0]
+
+
+@njit(cache=True)
+def _pack_rows(flat: np.ndarray, n: int, width: int) -> None:
+    """Move row i's first `width` values from flat[2 i width] to flat[i width], in row order, so
+    that no row is overwritten before it has moved."""
+    for i in range(1, n):
+        flat[i * width : (i + 1) * width] = flat[2 * i * width : 2 * i * width + width]
 
 
 def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:

@@ -100,6 +100,11 @@ def glu(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
     return (act * up).astype(np.float32)
 
 
+def glu_in_place(gate_up: np.ndarray, ffn_dim: int, activation: str) -> np.ndarray:
+    """glu; numpy allocates its result anyway (the numba glue reuses gate_up's memory)."""
+    return glu(gate_up, ffn_dim, activation)
+
+
 def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
     return ops.rope_inv_freq(rope_dim, base)
 

@@ -157,6 +157,18 @@ def test_decode_attention_goes_parallel_only_where_a_launch_pays(monkeypatch: py
     assert spinning < sleeping
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("rows", [2, fused_ops.PARALLEL_MIN_ROWS + 3])
+def test_glu_in_place_gives_glus_bits_in_gate_ups_memory(rows: int, activation: str) -> None:
+    """Prefill's rows: the activation lands in gate_up's own memory (no second array), packed
+    row after row; decode's few rows take the allocating path. Either way glu's bits."""
+    gate_up = _f32(rows, 96) * 4
+    want = fused_ops.glu(gate_up, 48, activation)
+    got = fused_ops.glu_in_place(gate_up, 48, activation)
+    np.testing.assert_array_equal(got, want)
+    assert np.shares_memory(got, gate_up) == (rows >= fused_ops.PARALLEL_MIN_ROWS)
+
+
 @pytest.mark.parametrize("rows", [2, fused_ops.PARALLEL_MIN_ROWS + 3])
 def test_glu_matches_reference(rows: int) -> None:
     """A decode's few rows on one thread, a prefill's over the threads: the same arithmetic."""
