@@ -26,9 +26,9 @@ from __future__ import annotations
 import linecache
 from collections.abc import Callable, Sequence
 
-from gguf import GGMLQuantizationType
 from numba import njit
 
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels import formats
 
 Kernel = Callable[..., None]

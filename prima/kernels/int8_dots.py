@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from prima.kernels.formats import Layout
 from prima.kernels.lanes import stack_f32
 

@@ -14,10 +14,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf import quants as gguf_quants
 
 from prima.errors import InputError
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.quants import F16_TABLE, FLOAT_QTYPES, check_supported
 from prima.kernels.tensor import QTensor
 
@@ -250,5 +249,7 @@ def _float_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
 def _reference_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     if w.qtype in FLOAT_QTYPES:
         return _float_rows(w, ids)
+    from gguf import quants as gguf_quants  # only for formats without kernels of ours: rare
+
     rows = gguf_quants.dequantize(w.raw[ids], w.qtype)
     return np.asarray(rows, dtype=np.float32).reshape(ids.shape[0], w.cols)

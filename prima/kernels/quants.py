@@ -7,9 +7,9 @@ numba: a device without it checks the same types and runs them on gguf-py's dequ
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from prima.errors import UnsupportedModelError
+from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from prima.kernels import formats
 
 Q = GGMLQuantizationType

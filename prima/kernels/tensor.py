@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
+
+from prima.ggml_constants import GGMLQuantizationType
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from prima.errors import ModelFileError
+from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from gguf import TokenType
 
 from prima.errors import TokenizerError
+from prima.ggml_constants import TokenType
 from prima.model.gguf_file import StringArray
 from prima.model.pre_tokenizers import pre_tokenizer
 from prima.model.tokenizer_bpe import ByteLevelBPE

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from prima.errors import ModelFileError
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.quants import check_supported
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig, config_from_metadata

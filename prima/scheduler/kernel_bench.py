@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from prima.errors import InputError
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.matmul import matmul
 from prima.kernels.quants import SUPPORTED_QTYPES, row_bytes
 from prima.kernels.tensor import QTensor

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q = GGMLQuantizationType
 

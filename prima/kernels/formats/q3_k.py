@@ -6,9 +6,9 @@ value = (d * (scale - 32)) * q. No int8 kernel: q8 mode runs the exact one."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import carray, njit
 
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.formats import F16, Layout, QuantFormat
 from prima.kernels.lanes import half, lane_sum, stack_f32
 

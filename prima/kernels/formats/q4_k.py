@@ -6,9 +6,9 @@ value = (d * scale) * q - dmin * min."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import carray, njit
 
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.formats import F16, Layout, QuantFormat
 from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, f16_at, half_at, hsum, zero_lanes
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32

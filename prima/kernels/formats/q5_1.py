@@ -4,9 +4,9 @@ nibbles; value = d * (nibble | high << 4) + m."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import carray, njit
 
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.formats import F16, Layout, QuantFormat
 from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, legacy_rows, u32_at
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32, u32

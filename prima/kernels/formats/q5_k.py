@@ -6,9 +6,9 @@ the exact one."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import carray, njit
 
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.formats import F16, Layout, QuantFormat
 from prima.kernels.formats.q4_k import scale_min
 from prima.kernels.int8_dots import f16_at

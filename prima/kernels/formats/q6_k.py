@@ -6,9 +6,9 @@ of qh[32h + j]."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import carray, njit
 
+from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.formats import F16, Layout, QuantFormat
 from prima.kernels.int8_dots import QK8, dot_q6x32, f16_at, half_at, hsum, zero_lanes
 from prima.kernels.lanes import half, lane_sum, stack_f32
