@@ -22,8 +22,9 @@ from prima.model.gguf_file import GGUFFile, metadata_get
 SCHEMA_VERSION = 1
 OS_CLASSES = ("linux", "android", "macos", "windows", "other")
 DEFAULT_CTX_TOKENS = 4096
-# The KV cache holds float16 (prima.weights.kv_cache), as llama.cpp's does.
-KV_ELEMENT_BYTES = 2
+# The KV cache as Halda counts it: float32, exact mode's (prima.weights.kv_cache). q8 mode keeps
+# halves, half of this, so its plans leave room to spare.
+KV_ELEMENT_BYTES = 4
 ACTIVATION_ELEMENT_BYTES = 4
 
 

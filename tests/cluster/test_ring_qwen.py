@@ -1,7 +1,8 @@
 """qwen2 and qwen3 across real primad processes against llama.cpp: the tiny oracle models on a
 2- and a 3-daemon ring, in exact mode and in the default q8 mode. Each oracle prompt's last-token
-logits must be within 1e-3 of llama.cpp's `f32` run (F32 weights: q8 computes them exactly too)
-and the greedy ids equal llama.cpp's (the head samples; the prompt's logits come back once, with the
+logits must be within 1e-3 of llama.cpp's `f32` run in exact mode, and in q8 mode (F32 weights:
+computed exactly too, but a KV cache of halves) within 1e-2 of its `quant` run, whose KV cache is
+of halves too; the greedy ids equal llama.cpp's (the head samples; the prompt's logits come back once, with the
 end of the generation). One 3-daemon ring per model and mode, re-planned per size."""
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from .conftest import N_CTX, ring_request, ring_tokens, start_ring
 pytestmark = pytest.mark.slow
 
 F32_TOLERANCE = 1e-3
+# A float16 KV cache: float32 noise at a boundary of the half grid flips a value to its neighbour
+# (tests/model/test_tiny_qwen.py measured up to ~6e-3).
+F16_KV_TOLERANCE = 1e-2
 GREEDY = SamplerConfig()
 # The tiny models' end-of-text and end-of-turn ids (SmolLM2's vocabulary).
 STOP_IDS = [0, 2]
@@ -36,36 +40,38 @@ MODE_ARGS = {"exact": ("--exact",), "q8": ()}
 @pytest.fixture(
     scope="module", params=[(t, m) for t in TINY_TAGS for m in MODE_ARGS], ids=lambda p: f"{p[0]}-{p[1]}"
 )
-def tiny_ring(request: pytest.FixtureRequest, ring_logs: Path) -> Iterator[tuple[str, LocalRing]]:
+def tiny_ring(request: pytest.FixtureRequest, ring_logs: Path) -> Iterator[tuple[str, str, LocalRing]]:
     tag, mode = request.param
     if not TINY_ORACLE_DIR.is_dir():
         pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     for ring in start_ring(3, tiny_model_path(tag), ring_logs / f"{tag}-{mode}", extra_args=MODE_ARGS[mode]):
-        yield tag, ring
+        yield tag, mode, ring
 
 
-def _check(ring: Ring, prompt: dict[str, Any]) -> None:
-    expected = prompt["f32"]["greedy_token_ids"]
+def _check(ring: Ring, prompt: dict[str, Any], mode: str) -> None:
+    run = prompt["f32" if mode == "exact" else "quant"]
+    expected = run["greedy_token_ids"]
     request = ring_request(prompt["prompt_token_ids"], len(expected), STOP_IDS, want_prompt_logits=True)
     events = list(ring.generate(request))
     done = events[-1]
     assert isinstance(done, GenerationDone)
     assert [t for t in events if isinstance(t, int)] == expected
-    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    want = np.load(TINY_ORACLE_DIR / run["logits_file"])
     assert done.prompt_logits is not None
-    assert np.abs(np.asarray(done.prompt_logits) - f32).max() <= F32_TOLERANCE
+    tolerance = F32_TOLERANCE if mode == "exact" else F16_KV_TOLERANCE
+    assert np.abs(np.asarray(done.prompt_logits) - want).max() <= tolerance
 
 
 @pytest.mark.parametrize(("n_nodes", "rounds"), [(2, 1), (3, 1), (2, 2)])
 def test_tiny_qwen_ring_matches_llama_cpp(
-    tiny_ring: tuple[str, LocalRing], n_nodes: int, rounds: int
+    tiny_ring: tuple[str, str, LocalRing], n_nodes: int, rounds: int
 ) -> None:
-    tag, local_ring = tiny_ring
+    tag, mode, local_ring = tiny_ring
     ring = Ring.connect(local_ring.addresses[:n_nodes], rounds=rounds)
     try:
         assert len(ring.plan.hops()) == n_nodes * rounds
         for prompt in load_tiny_oracle(tag)["prompts"]:
-            _check(ring, prompt)
+            _check(ring, prompt, mode)
     finally:
         ring.close()
 

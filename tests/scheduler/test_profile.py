@@ -111,8 +111,8 @@ def test_profile_model_from_gguf_derives_sizes(tmp_path, write_tiny_gguf):
     # f32 norm (8) + f32 q (64) + f16 k (32) + f32 up (128) per layer.
     assert m.layer_bytes == 8 * 4 + 64 * 4 + 32 * 2 + 128 * 4
     assert m.layer_flops == {"F32": 2.0 * (8 + 64 + 128), "F16": 2.0 * 32}
-    # 1 KV head x (4 + 4) f16 values per token per layer.
-    assert m.kv_bytes_per_token_per_layer == 1 * 8 * 2
+    # 1 KV head x (4 + 4) f32 values per token per layer (exact mode's cache; q8's takes half).
+    assert m.kv_bytes_per_token_per_layer == 1 * 8 * 4
     assert m.input_bytes == 16 * 8 * 4
     assert m.output_bytes == 16 * 8 * 2 + 8 * 4
     assert m.output_flops == {"F16": 2.0 * 16 * 8}
@@ -134,8 +134,8 @@ def test_profile_model_from_real_gguf(smollm2_path: Path) -> None:
         m = ModelProfile.from_gguf(f)
     assert m.n_layers == 30
     assert set(m.layer_flops) >= {"Q4_1"}
-    # SmolLM2-135M: 3 KV heads of 64 -> K and V of 192 halves each.
-    assert m.kv_bytes_per_token_per_layer == 3 * 128 * 2
+    # SmolLM2-135M: 3 KV heads of 64 -> K and V of 192 floats each.
+    assert m.kv_bytes_per_token_per_layer == 3 * 128 * 4
     assert m.activation_bytes == 576 * 4
     assert 0 < m.layer_bytes * m.n_layers < smollm2_path.stat().st_size
     assert math.isfinite(m.output_flops[next(iter(m.output_flops))])
