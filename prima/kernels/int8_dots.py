@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from prima.kernels.formats import Layout
-from prima.kernels.lanes import stack_f32
+from prima.kernels.lanes import NATIVE_HALF, stack_f32
 
 # Elements per activation block: Q8_0's, the activation format of ggml's legacy-format dots.
 QK8 = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
@@ -49,16 +49,6 @@ def _host_has_avx2() -> bool:
     return bool(llvm.get_host_cpu_features().get("avx2"))
 
 
-def _native_half() -> bool:
-    """True when the target converts IEEE halves in hardware (x86 F16C, any AArch64); elsewhere
-    LLVM would call a runtime helper that numba's JIT does not provide, so f16_at converts by bits."""
-    if "aarch64" in llvm.get_default_triple() or "arm64" in llvm.get_default_triple():
-        return True
-    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
-        return False
-    return bool(llvm.get_host_cpu_features().get("f16c"))
-
-
 def _host_has_vnni() -> bool:
     """AVX2 plus a VEX or EVEX `vpdpbusd` (AVX-VNNI, or AVX-512 VNNI with VL): four u8 x s8
     products summed into each int32 lane in one instruction, instead of pmaddubsw + pmaddwd."""
@@ -70,7 +60,6 @@ def _host_has_vnni() -> bool:
 
 AVX2 = _host_has_avx2()
 VNNI = _host_has_vnni()
-NATIVE_HALF = _native_half()
 # Float lanes a row's accumulator uses: the AVX2 dots give 8 int32 partial sums per block, the
 # generic ones 16.
 LANES = 8 if AVX2 else 16

@@ -9,7 +9,9 @@ these kernels several times faster than a scalar dot on this machine.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -83,39 +85,32 @@ def widen_half(h16: np.uint16) -> np.float32:
     return bits_f32(f32_bits(f) | special | ((h & np.uint32(0x8000)) << np.uint32(16)))
 
 
-def _cpu_converts_halves() -> bool:
-    """Whether LLVM turns a half -> float extension into one instruction on this CPU: F16C's
-    vcvtph2ps on x86 (every x86 CPU since 2012 has it), fcvt on 64-bit ARM. Elsewhere it would be
-    a call into a runtime library the JIT may not have, so the arithmetic of widen_half is used."""
-    import platform
-
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
+def _native_half() -> bool:
+    """True when the target converts IEEE halves in hardware (x86 F16C: vcvtph2ps / vcvtps2ph,
+    any AArch64); elsewhere LLVM would call a runtime helper that numba's JIT does not provide
+    (a portable build, NUMBA_CPU_NAME=generic, aborted on it), so halves convert by bits."""
+    triple = llvm.get_default_triple()
+    if "aarch64" in triple or "arm64" in triple:
         return True
-    if machine not in ("x86_64", "amd64"):
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
         return False
-    try:
-        import llvmlite.binding as llvm
-
-        return "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
-    except Exception:  # noqa: BLE001 - no feature list: take the portable arithmetic
-        return False
+    return bool(llvm.get_host_cpu_features().get("f16c"))
 
 
-HALF_INSTRUCTION = _cpu_converts_halves()
+NATIVE_HALF = _native_half()
 
 
 @intrinsic
 def half_to_f32(typingctx, h16):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
     """An IEEE half (its uint16 bits) as float32, exactly: the CPU's conversion instruction where
-    it has one (HALF_INSTRUCTION), which LLVM vectorizes to 8-16 halves per instruction: ~4x
+    it has one (NATIVE_HALF), which LLVM vectorizes to 8-16 halves per instruction: ~4x
     faster than widen_half's bit arithmetic over a row of a KV cache. Equal to numpy's
     astype(float32) for all 65536 halves either way (tests/kernels/test_lanes.py)."""
     if not (isinstance(h16, types.Integer) and h16.bitwidth == 16 and not h16.signed):
         return None
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        if HALF_INSTRUCTION:
+        if NATIVE_HALF:
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
         return context.compile_internal(builder, widen_half.py_func, sig, args)
 
@@ -141,13 +136,13 @@ def f16_bits(v: np.float32) -> np.uint16:
 
 @intrinsic
 def half_bits(typingctx, v):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
-    """f16_bits, by the CPU's conversion instruction where it has one (HALF_INSTRUCTION:
+    """f16_bits, by the CPU's conversion instruction where it has one (NATIVE_HALF:
     vcvtps2ph rounds to nearest even, as f16_bits and numpy do)."""
     if not isinstance(v, types.Float):
         return None
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        if HALF_INSTRUCTION:
+        if NATIVE_HALF:
             x = context.cast(builder, args[0], sig.args[0], types.float32)
             return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
         return context.compile_internal(builder, f16_bits.py_func, sig, args)

@@ -50,10 +50,23 @@ def test_instruction_set_follows_numba_target() -> None:
 @pytest.mark.slow
 def test_generic_kernels_pass_the_same_tests(tmp_path: Path) -> None:
     """The generic (non-AVX2) dots, which ARM boards and phones run, compiled here for a portable
-    target in a fresh numba cache and put through this file's tests."""
+    target in a fresh numba cache and put through this file's tests, and the half conversions
+    (tests/kernels/test_lanes.py) by bits, as a CPU without F16C converts them."""
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    lanes_tests = str(Path(__file__).with_name("test_lanes.py"))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow",
+            __file__,
+            lanes_tests,
+        ],
         env=env,
         capture_output=True,
         text=True,
