@@ -456,20 +456,7 @@ def attention(
         return _attention_batched(q, k_cache, v_cache, t, positions, scale, window)
     parallel = q.shape[0] * t >= attention_parallel_min(get_num_threads())
     run = _attention_parallel if parallel else _attention_serial
-    return run(q, *_both_forms(k_cache, v_cache), t, positions, scale, window)
-
-
-_NO_HALVES = np.empty((0, 0, 0), dtype=np.uint16)
-_NO_FLOATS = np.empty((0, 0, 0), dtype=np.float32)
-
-
-def _both_forms(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(k32, v32, k16, v16) as the compiled attention takes a cache (see KVCache.kernel_arrays)."""
-    if k.dtype == np.float16 and v.dtype == np.float16:
-        return _NO_FLOATS, _NO_FLOATS, k.view(np.uint16), v.view(np.uint16)
-    if k.dtype == np.float32 and v.dtype == np.float32:
-        return k, v, _NO_HALVES, _NO_HALVES
-    raise TypeError(f"a KV cache holds float16 or float32 (prima.weights.kv_cache), got {k.dtype}/{v.dtype}")
+    return run(q, *ops.cache_forms(k_cache, v_cache), t, positions, scale, window)
 
 
 @njit(cache=True, nogil=True)

@@ -119,3 +119,17 @@ def attention(
 
 def _to_half_and_back(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
+
+
+_NO_HALVES = np.empty((0, 0, 0), dtype=np.uint16)
+_NO_FLOATS = np.empty((0, 0, 0), dtype=np.float32)
+
+
+def cache_forms(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(k32, v32, k16, v16): a KV cache's keys and values as the compiled kernels take them, as
+    float32 or as uint16 halves, the absent pair empty (one compiled variant serves both kinds)."""
+    if k.dtype == np.float16 and v.dtype == np.float16:
+        return _NO_FLOATS, _NO_FLOATS, k.view(np.uint16), v.view(np.uint16)
+    if k.dtype == np.float32 and v.dtype == np.float32:
+        return k, v, _NO_HALVES, _NO_HALVES
+    raise TypeError(f"a KV cache holds float16 or float32 (prima.weights.kv_cache), got {k.dtype}/{v.dtype}")

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from prima.errors import ContextFullError
+from prima.kernels.ops import cache_forms
 from prima.model.config import ModelConfig
 
 
@@ -46,8 +47,6 @@ class WrittenPositions:
 # memory of float32 (SmolLM2 at 4096 tokens: 46 instead of 92 MiB), and the values llama.cpp's
 # attention reads. The CPU backend's exact mode keeps float32 (llama.cpp's F32 KV run).
 KV_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float16), np.dtype(np.float32))
-_NO_HALVES = np.empty((0, 0, 0), dtype=np.uint16)
-_NO_FLOATS = np.empty((0, 0, 0), dtype=np.float32)
 
 
 def kv_bytes(
@@ -81,17 +80,12 @@ class KVCache:
         self.k = {layer: arrays[0, j] for j, layer in enumerate(self.layers)}
         self.v = {layer: arrays[1, j] for j, layer in enumerate(self.layers)}
         self._written = WrittenPositions(n_ctx, self.layers)
-        self._kernel_arrays = {layer: self._both_forms(layer) for layer in self.layers}
+        self._kernel_arrays = {layer: cache_forms(self.k[layer], self.v[layer]) for layer in self.layers}
 
     def kernel_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(k, v as float32, k, v as uint16 halves) of `layer`, the pair this cache does not hold
         empty: compiled kernels take both forms, so that one compiled variant serves both."""
         return self._kernel_arrays[layer]
-
-    def _both_forms(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        if self.dtype == np.float16:
-            return _NO_FLOATS, _NO_FLOATS, self.k[layer].view(np.uint16), self.v[layer].view(np.uint16)
-        return self.k[layer], self.v[layer], _NO_HALVES, _NO_HALVES
 
     @property
     def n_bytes(self) -> int:

@@ -115,7 +115,7 @@ def test_prefill_attention_equals_per_pair_kernel(
     positions = np.arange(t - fused_ops.ATTENTION_BATCHED_MIN_ROWS - 2, t)
     q = _f32(positions.size, heads, hd)
     got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
-    want = fused_ops._attention_serial(q, *fused_ops._both_forms(kc, vc), t, positions, 0.25, window)
+    want = fused_ops._attention_serial(q, *ops.cache_forms(kc, vc), t, positions, 0.25, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
