@@ -26,6 +26,7 @@ from prima.errors import InputError, NodeError, ProtocolError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
+from prima.net.run_ahead import waiting
 from prima.net.status import NotReadyError
 from prima.plan import Plan
 
@@ -242,6 +243,7 @@ class Head:
         assert results is not None, "opened by open_ring_session"
         layout = self.host.need_layout()
         peers = list(layout.clients.values())
+        waiting()  # tokens sampled so far go to the coordinator while this thread waits
         item = wait_for(
             lambda timeout_s: results.get(timeout=timeout_s),
             lambda timeout_s: probe_nodes(peers, timeout_s),

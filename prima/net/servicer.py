@@ -22,12 +22,14 @@ from prima.net.credentials import peer_name
 from prima.net.limits import CallerSlots, DaemonLimits, consume_bounded
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
+from prima.net.run_ahead import WAITING, RunAhead
 from prima.net.status import status_for
 from prima.plan import Plan
 
 log = logging.getLogger("prima.net")
 T = TypeVar("T")
 MAX_FETCH_SOURCES = 16  # peers a LoadPlan may name besides the plan's nodes
+GENERATE_POLL_S = 0.25  # how often a waiting Generate looks whether its caller hung up
 
 
 class NodeHandler(Protocol):
@@ -184,8 +186,10 @@ class NodeServicer(FileServicer):
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateReply]:
-        """Run a generation on this head and stream its events; a coordinator that hangs up
-        ends it at the next token (the iterator is closed, which closes the ring session)."""
+        """Run a generation on this head and stream its events. The generation runs ahead in a
+        thread of its own (prima.net.run_ahead), so writing a token to the coordinator overlaps
+        the next token's trip round the ring. A coordinator that hangs up ends it at the next
+        token (the generator is closed, which closes the ring session)."""
         h = self.handler
         caller = _caller_key(context)
         self._guard(context, lambda: self._generates.take(caller))
@@ -197,15 +201,17 @@ class NodeServicer(FileServicer):
         except BaseException:
             self._generates.give_back(caller)
             raise
+        ahead = RunAhead(events, "primad-generate", on_end=lambda: self._generates.give_back(caller))
         try:
             while context.is_active():
-                event = self._guard(context, lambda: next(events, None))
+                event = self._guard(context, lambda: ahead.next(GENERATE_POLL_S))
+                if event is WAITING:
+                    continue
                 if event is None:
                     return
-                yield codec.token_event_to_proto(event)
+                yield codec.token_event_to_proto(event)  # type: ignore[arg-type]
         finally:
-            events.close()
-            self._generates.give_back(caller)
+            ahead.stop()
 
 
 def _caller_key(context: grpc.ServicerContext) -> str:
