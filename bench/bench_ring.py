@@ -44,6 +44,7 @@ class SingleEngine:
             target=_single_engine, args=(child, model, threads), daemon=True
         )
         self._proc.start()
+        child.close()  # so that a worker that dies ends our reads (EOFError), not hangs them
         self.ids: list[int] = self._conn.recv()
 
     def ms_per_token(self, n: int) -> float:

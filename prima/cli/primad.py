@@ -39,6 +39,7 @@ from prima.net.client import NodeClient
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert, browse, pick_fetch_source
 from prima.net.fetch import bootstrap
 from prima.net.limits import DaemonLimits, check_address
+from prima.net.link_server import LinkServer
 from prima.net.revocation import REVOKED_FILE, RevocationList
 from prima.net.server import start_server
 
@@ -190,8 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve plaintext gRPC to anyone who can reach the port, when this device has no cluster "
         "identity (only on a network you trust entirely)",
     )
+    p.add_argument(
+        "--link-port",
+        type=_link_port,
+        default="0",
+        metavar="PORT|off",
+        help="port of the activation link, the TLS socket peers relay activations to (default 0: a free "
+        "port, which Info tells peers; fix one to open it in a firewall; 'off' relays over gRPC, "
+        "~0.5 ms more per hop); see docs/ring.md",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     return p
+
+
+def _link_port(text: str) -> str:
+    if text == "off":
+        return text
+    if not text.isdigit() or not 0 <= int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535) or 'off'")
+    return text
 
 
 def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
@@ -302,6 +320,7 @@ def serve(args: argparse.Namespace) -> int:
     server, port = start_server(
         runtime, args.host, args.port, identity=identity, limits=bounds, revoked=revoked
     )
+    link = open_link_server(runtime, args, identity, bounds, revoked)
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"
@@ -326,9 +345,35 @@ def serve(args: argparse.Namespace) -> int:
         _announce_ready(runtime, args.host, port, budget, metrics_port)
         stop.wait()
         # Leaving the stack sends the mDNS goodbye before the server stops answering.
+    if link is not None:
+        link.close()
     server.stop(grace=2.0).wait(5.0)
     runtime.shutdown()
     return 0
+
+
+def open_link_server(
+    runtime: NodeRuntime,
+    args: argparse.Namespace,
+    identity: credentials.Identity | None,
+    bounds: DaemonLimits,
+    revoked: RevocationList | None,
+) -> LinkServer | None:
+    """The activation link beside the gRPC port (--link-port; 0, the default, picks a free
+    port), advertised in Info so that peers find it; None with --link-port off."""
+    if args.link_port == "off":
+        return None
+    try:
+        link = LinkServer(
+            runtime, args.host, int(args.link_port), identity=identity, limits=bounds, revoked=revoked
+        )
+    except OSError as exc:
+        raise InputError(
+            f"--link-port {args.link_port}: cannot listen on {args.host}:{args.link_port} ({exc.strerror}); "
+            "pick another port, or --link-port off to relay over gRPC"
+        ) from None
+    runtime.link_port = link.port
+    return link
 
 
 def find_fetch_source(args: argparse.Namespace) -> str:
@@ -381,6 +426,7 @@ def _announce_ready(
         "n_layers": runtime.model.config.n_layers,
         "mem_budget": "auto" if budget is None else budget,
         "metrics_port": metrics_port,
+        "link_port": runtime.link_port or None,
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
 

@@ -79,6 +79,7 @@ class NodeRuntime:
         self.threads = threads
         self.profile_cache_dir = profile_cache_dir
         self.identity = identity  # how this node calls its peers (see NodeClient)
+        self.link_port = 0  # its activation link, once primad has opened one (prima.net.link_server)
         self.bounds = bounds or DaemonLimits()
         self._owner: str | None = None  # who loaded the plan (its certificate's name)
         self.fingerprint = loaded.gguf.fingerprint()
@@ -141,6 +142,7 @@ class NodeRuntime:
             hop_times=self.worker.hop_times.snapshot(layout.plan.epoch) if layout else (),
             draft_model_name=draft.name if draft else "",
             draft_model_fingerprint=draft.fingerprint if draft else "",
+            link_port=self.link_port,
         )
 
     def manifest(self) -> Manifest:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from prima.backends.base import KVState
 from prima.errors import NodeError
 from prima.forward.placement import Piece, host_layers, split_window
-from prima.net.client import NodeClient, RelayStream
+from prima.net.client import NodeClient, Relay
 from prima.net.codec import Activation, WireDType
 from prima.plan import Hop, Plan
 from prima.weights.window import LayerWindows
@@ -53,14 +53,14 @@ class Layout:
 
 @dataclass
 class NodeSession:
-    """One session on this node: the KV cache of its own layers and its open Relay streams.
+    """One session on this node: the KV cache of its own layers and its open relays to other nodes.
     On the head, `results` collects the micro-batches that have come round the whole ring."""
 
     session_id: str
     epoch: int
     n_ctx: int
     cache: KVState
-    relays: dict[int, RelayStream] = field(default_factory=dict)
+    relays: dict[int, Relay] = field(default_factory=dict)
     results: queue.SimpleQueue[Activation | NodeError] | None = None
 
     def close(self) -> None:

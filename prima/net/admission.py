@@ -56,20 +56,27 @@ class Admission(grpc.ServerInterceptor):
         pems = context.auth_context().get("x509_pem_cert")
         if not pems:
             return
-        cert = _parse(pems[0])
+        refused = self.refusal(_parse(pems[0]), method)
+        if refused is not None:
+            context.abort(*refused)
+
+    def refusal(self, cert: x509.Certificate, method: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why the holder of `cert` may not call `method` (a status and a message), or None if
+        it may. Also what the activation link asks of its callers (prima.net.link_server)."""
         if self.revoked is not None and self.revoked.revoked(cert):
             self._warn_once(cert, method)
-            context.abort(
+            return (
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"the certificate of {describe(cert)} was revoked by this cluster (prima cluster revoke); "
                 "the device must be issued a new identity to take part",
             )
         if method in NODE_ONLY_METHODS and cert_role(cert) == ROLE_COORDINATOR:
-            context.abort(
+            return (
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{describe(cert)} holds a coordinator's certificate, which cannot take part in a ring as "
                 f"a node ({method}); issue the device a node identity (prima cluster issue NAME)",
             )
+        return None
 
     def _warn_once(self, cert: x509.Certificate, method: str) -> None:
         if cert.serial_number in self._warned:

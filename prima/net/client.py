@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import grpc
 
@@ -20,6 +22,7 @@ from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, ProtocolError, UntrustedNodeError
 from prima.net import codec, credentials
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
+from prima.net.link_client import LinkRelay, open_link
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.plan import Plan
@@ -41,6 +44,15 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 _END = object()
+LINK_RETRY_S = 60.0  # after a node's activation link failed, relay to it over gRPC this long
+
+
+class Relay(Protocol):
+    """A session's activations on their way to one node (RelayStream or LinkRelay)."""
+
+    def send(self, act: Activation) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeError:
@@ -107,13 +119,17 @@ class NodeClient:
         if identity is None:
             identity = credentials.client_identity()
         self.identity = None if identity == "plaintext" else identity
+        self.node_id = node_id
         self.channel = open_channel(address, self.identity, node_id)
         self.stub = pb_grpc.NodeStub(self.channel)
+        self._link_port: int | None = None  # the node's activation link, once asked
+        self._link_retry_at = 0.0
 
     def expect(self, node_id: str) -> None:
         """From now on accept only `node_id`'s certificate at this address (the id a daemon
         claimed in Info is then proven by the handshake of every later call)."""
         self.name = node_id
+        self.node_id = node_id
         if self.identity is None:
             return
         self.channel.close()
@@ -192,10 +208,41 @@ class NodeClient:
         bandwidth = payload_bytes / extra if extra > 1e-6 else math.inf
         return rtt * 1e3 / 2, bandwidth
 
-    def relay(
-        self, on_error: Callable[[NodeError], None], wire_dtype: WireDType = WireDType.F32
-    ) -> RelayStream:
+    def relay(self, on_error: Callable[[NodeError], None], wire_dtype: WireDType = WireDType.F32) -> Relay:
+        """A session's relay to this node: over its activation link when it has one that
+        answers (prima.net.link_client), else over a gRPC Relay stream."""
+        sock = self._open_link()
+        if sock is not None:
+            return LinkRelay(sock, self.name, self.address, on_error, wire_dtype)
         return RelayStream(self, on_error, wire_dtype)
+
+    def _open_link(self) -> socket.socket | None:
+        """A connected activation link, or None (no link advertised, or it failed lately)."""
+        now = time.monotonic()
+        if now < self._link_retry_at:
+            return None
+        if self._link_port is None:
+            try:
+                self._link_port = self.info().link_port
+            except NodeError:
+                return None
+        if not self._link_port:
+            return None
+        host = self.address.rpartition(":")[0]
+        try:
+            return open_link(host, self._link_port, self.identity, self.node_id)
+        except (OSError, ssl.SSLError) as exc:
+            log.warning(
+                "node %s: its activation link at %s:%d failed (%s); relaying over gRPC instead, which "
+                "costs more per hop (open that port too, see docs/ring.md)",
+                self.name,
+                host,
+                self._link_port,
+                exc,
+            )
+            self._link_port = None  # asked again next time: the daemon may have restarted
+            self._link_retry_at = now + LINK_RETRY_S
+            return None
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
         """Token ids as the head samples them, then one GenerationDone. Closing the iterator

@@ -277,6 +277,7 @@ class NodeStatus:
     hop_times: tuple[HopTiming, ...] = ()
     draft_model_name: str = ""  # primad --draft-model, "" for none: what it drafts with as a head
     draft_model_fingerprint: str = ""
+    link_port: int = 0  # its activation link on the same host (prima.net.link_server); 0: none
 
 
 def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
@@ -299,6 +300,7 @@ def node_status_to_proto(s: NodeStatus) -> pb.NodeInfo:
         ],
         draft_model_name=s.draft_model_name,
         draft_model_fingerprint=s.draft_model_fingerprint,
+        link_port=s.link_port,
     )
     if s.fetch is not None:
         f = s.fetch
@@ -371,6 +373,7 @@ def node_status_from_proto(msg: pb.NodeInfo) -> NodeStatus:
         hop_times=tuple(HopTiming(h.hop_index, h.steps, h.compute_ms, h.relay_ms) for h in msg.hop_times),
         draft_model_name=msg.draft_model_name[:MAX_SHOWN_CHARS],
         draft_model_fingerprint=msg.draft_model_fingerprint[:MAX_SHOWN_CHARS],
+        link_port=msg.link_port if 0 < msg.link_port < 65536 else 0,
     )
 
 

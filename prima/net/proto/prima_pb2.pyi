@@ -114,7 +114,7 @@ class Residency(_message.Message):
     def __init__(self, owned_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., releases: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., pinned_layers: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions", "fetch", "holds_full_file", "hop_times", "draft_model_name", "draft_model_fingerprint")
+    __slots__ = ("node_id", "protocol_version", "model_name", "model_fingerprint", "n_layers", "d_model", "healthy", "status", "plan_epoch", "windows", "residency", "sessions", "fetch", "holds_full_file", "hop_times", "draft_model_name", "draft_model_fingerprint", "link_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class NodeInfo(_message.Message):
     HOP_TIMES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LINK_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     model_name: str
@@ -149,7 +150,8 @@ class NodeInfo(_message.Message):
     hop_times: _containers.RepeatedCompositeFieldContainer[HopTiming]
     draft_model_name: str
     draft_model_fingerprint: str
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ..., fetch: _Optional[_Union[FetchProgress, _Mapping]] = ..., holds_full_file: _Optional[bool] = ..., hop_times: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., draft_model_name: _Optional[str] = ..., draft_model_fingerprint: _Optional[str] = ...) -> None: ...
+    link_port: int
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., healthy: _Optional[bool] = ..., status: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ..., residency: _Optional[_Union[Residency, _Mapping]] = ..., sessions: _Optional[int] = ..., fetch: _Optional[_Union[FetchProgress, _Mapping]] = ..., holds_full_file: _Optional[bool] = ..., hop_times: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., draft_model_name: _Optional[str] = ..., draft_model_fingerprint: _Optional[str] = ..., link_port: _Optional[int] = ...) -> None: ...
 
 class FetchProgress(_message.Message):
     __slots__ = ("plan_epoch", "held_bytes", "needed_bytes", "rate_bytes_per_s", "eta_s", "source", "error", "done")

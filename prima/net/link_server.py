@@ -1,0 +1,210 @@
+"""A daemon's activation link: a TLS socket beside its gRPC port that takes the activations a
+peer relays to it, the same messages as a Relay stream, checked the same way.
+
+Why a second transport: on a ring every token crosses every hop, and a gRPC stream wakes three
+Python threads per message on the receiving side and one more on the sending side. On a 2-vCPU
+VM, where each wake-up runs on cold caches, a Relay message took 0.8-0.9 ms one way when the
+ring had been idle for a few milliseconds; a frame on this socket takes one wake-up (its reader
+thread) and the sender writes it from its compute thread (docs/ring.md, "The activation link").
+gRPC stays the control plane and the fallback: a peer whose link cannot be reached (an old
+primad, a firewall) is relayed to over gRPC.
+
+Each connection gets a thread of its own, which completes the handshake, checks the caller as
+the gRPC server would (a certificate of the cluster, not revoked, a node's, a node of the plan),
+then hands each activation to the node runtime. Anything wrong ends that connection with one
+ERROR frame saying why (prima.net.link_wire); the daemon keeps serving."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from typing import Protocol
+
+from cryptography import x509
+
+from prima.errors import PrimaError, ProtocolError
+from prima.net import codec, link_tls, link_wire
+from prima.net.admission import Admission
+from prima.net.codec import Activation
+from prima.net.credentials import Identity, cert_name
+from prima.net.limits import DaemonLimits
+from prima.net.proto import prima_pb2 as pb
+from prima.net.revocation import RevocationList
+from prima.net.status import StreamTimeoutError, status_for
+
+log = logging.getLogger("prima.net")
+
+MAX_LINKS = 32  # connections served at once; more are closed at once (their sender falls back)
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class LinkHandler(Protocol):
+    """What the link needs from the node runtime (a subset of prima.net.servicer.NodeHandler)."""
+
+    d_model: int
+    max_batch_tokens: int
+
+    def authorize(self, rpc: str, caller: str | None) -> None: ...
+
+    def accept(self, act: Activation) -> None: ...
+
+
+class LinkServer:
+    """Listen on host:port (0: any free port, see `port`) until `close`."""
+
+    def __init__(
+        self,
+        handler: LinkHandler,
+        host: str,
+        port: int = 0,
+        *,
+        identity: Identity | None,
+        limits: DaemonLimits | None = None,
+        revoked: RevocationList | None = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.handler = handler
+        self.limits = limits or DaemonLimits()
+        self.max_message_bytes = max_message_bytes
+        self._tls = link_tls.server_context(identity) if identity is not None else None
+        self._admission = Admission(revoked)
+        self._listener = socket.create_server((host.strip("[]"), port), family=_family(host), backlog=64)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="link-accept", daemon=True)
+        self._thread.start()
+        log.info("activation link listening on %s:%d", host, self.port)
+
+    def close(self) -> None:
+        """Stop listening and end every open link."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._open)
+        _shut(self._listener)
+        for conn in conns:
+            _shut(conn)
+        self._thread.join(5.0)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed or len(self._open) >= MAX_LINKS:
+                    conn.close()
+                    continue
+                self._open.add(conn)
+            name = f"link-reader-{peer[0]}:{peer[1]}"
+            threading.Thread(target=self._serve, args=(conn,), name=name, daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sock: socket.socket = conn
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(conn, server_side=True)
+            self._relay(sock)
+        except PrimaError as exc:
+            log.info("activation link: answering %s: %s", status_for(exc).name, exc)
+            _send_quietly(sock, link_wire.error_frame(status_for(exc).name, str(exc)))
+        except (ssl.SSLError, OSError) as exc:
+            # No certificate of the cluster, plaintext against TLS, a peer that hung up: nothing
+            # reached the node, and there is no one to tell.
+            log.info("activation link from %s ended: %s", _peer(conn), exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must end one link, not the daemon's listener
+            log.exception("activation link from %s failed", _peer(conn))
+            _send_quietly(sock, link_wire.error_frame("INTERNAL", f"the node failed: {exc}"))
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            _shut(sock)
+
+    def _relay(self, sock: socket.socket) -> None:
+        """Check the caller, then hand each activation on until the caller hangs up."""
+        caller = None
+        if self._tls is not None:
+            der = sock.getpeercert(binary_form=True)  # type: ignore[attr-defined]
+            cert = x509.load_der_x509_certificate(der)
+            refused = self._admission.refusal(cert, "Relay")
+            if refused is not None:
+                code, message = refused
+                _send_quietly(sock, link_wire.error_frame(code.name, message))
+                return
+            caller = cert_name(cert)
+        link_wire.check_magic(_read_exactly(sock, len(link_wire.MAGIC)))
+        h = self.handler
+        h.authorize("Relay", caller)
+        idle_s, open_s = self.limits.relay_idle_s, self.limits.relay_open_s
+        closes_at = time.monotonic() + open_s
+        sock.settimeout(idle_s)
+        while True:
+            try:
+                got = link_wire.read_frame(lambda n: _read_exactly(sock, n), self.max_message_bytes)
+            except TimeoutError:
+                raise StreamTimeoutError(
+                    f"no message on this link for {idle_s:g} s; a node ends idle links (open one per "
+                    "session and close it when the session ends)"
+                ) from None
+            if got is None:
+                return
+            kind, payload = got
+            if kind != link_wire.ACTIVATION:
+                raise ProtocolError(f"a caller sends only activations on the link, not frames of kind {kind}")
+            if time.monotonic() >= closes_at:
+                raise StreamTimeoutError(
+                    f"this link has been open {open_s:g} s, the most a node allows; open a new one"
+                )
+            try:
+                msg = pb.Activation.FromString(payload)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError, or worse on hostile bytes
+                raise ProtocolError("a frame on the link is not a prima.v1.Activation message") from None
+            h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes, or fewer only where the peer ended the stream."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            break
+        got += k
+    return bytes(view[:got])
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.settimeout(2.0)
+        sock.sendall(data)
+    except (ssl.SSLError, OSError):
+        pass
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a caller that left"
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
