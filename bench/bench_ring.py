@@ -7,8 +7,11 @@ where each ring measurement is paired with a single-engine one taken just before
 speed drifts from minute to minute) and the median of `--reps` pairs is shown.
 On loopback the aim is < 1 ms per hop per token. Hops per token = nodes x rounds.
 
-The relay line times one activation row over a Relay stream alone, back to back ("hot") and
-5 ms apart ("idle"), as in a ring, where each node waits for the others between its hops."""
+The hop lines time one activation row alone, over a gRPC Relay stream and over an activation
+link (docs/ring.md), back to back ("hot") and 5 ms apart ("idle"), as in a ring, where each node
+waits for the others between its hops. Each ring line also says how long the nodes' layers took
+per token, as the nodes time their own hops (Info's hop timings): the rest is the head's output
+head and sampling, and the ring's own cost."""
 
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.net.client import NodeClient
 from prima.net.codec import Activation
+from prima.net.link_client import LinkRelay, open_link
+from prima.net.link_server import LinkServer
 from prima.net.server import start_server
 
 PROMPT = "The capital of France is"
@@ -66,9 +71,10 @@ def _single_engine(conn: Connection, model: str, threads: int | None) -> None:
         conn.send(generate(engine, ids, max_tokens=n, sampler=SamplerConfig()).timings.ms_per_token)
 
 
-def ms_per_token_ring(ring: Ring, ids: list[int], n: int) -> float:
+def ms_per_token_ring(ring: Ring, ids: list[int], n: int) -> tuple[float, float]:
+    """(ms per token, of which the nodes' layers took ms per token: their own hop timings)."""
     list(ring.generate(GenerateRequest(tuple(ids), 4, SamplerConfig(), n_ctx=512)))  # warm up every node
-    t0 = time.perf_counter()
+    before = _hop_compute(ring)
     first = None
     count = 0
     for event in ring.generate(GenerateRequest(tuple(ids), n, SamplerConfig(), n_ctx=512)):
@@ -78,8 +84,22 @@ def ms_per_token_ring(ring: Ring, ids: list[int], n: int) -> float:
                 first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
-    del t0
-    return (end - first) * 1000 / max(count - 1, 1)
+    after = _hop_compute(ring)
+    layers = sum(
+        (ms - before.get(hop, (0, 0.0))[1]) / (steps - before.get(hop, (0, 0.0))[0])
+        for hop, (steps, ms) in after.items()
+        if steps > before.get(hop, (0, 0.0))[0]
+    )
+    return (end - first) * 1000 / max(count - 1, 1), layers
+
+
+def _hop_compute(ring: Ring) -> dict[int, tuple[int, float]]:
+    """(decode steps, compute ms) so far per hop, as each node reports its own hops."""
+    found: dict[int, tuple[int, float]] = {}
+    for client in ring.clients:
+        for t in client.info().hop_times:
+            found[t.hop_index] = (t.steps, t.compute_ms)
+    return found
 
 
 def relay_hop_ms(d_model: int, n: int = 200, gap_s: float = 0.0) -> float:
@@ -117,6 +137,37 @@ def relay_hop_ms(d_model: int, n: int = 200, gap_s: float = 0.0) -> float:
     return float(np.median(times))
 
 
+def link_hop_ms(d_model: int, n: int = 200, gap_s: float = 0.0) -> float:
+    """The same over an activation link (plaintext here; the ring's daemons speak TLS)."""
+    got: queue.SimpleQueue[float] = queue.SimpleQueue()
+
+    class Sink:
+        max_batch_tokens = 64
+
+        def __init__(self) -> None:
+            self.d_model = d_model
+
+        def accept(self, act: Activation) -> None:
+            got.put(time.perf_counter())
+
+        def authorize(self, rpc: str, caller: str | None) -> None:
+            """Any caller may relay here (a plaintext loopback link)."""
+
+    server = LinkServer(Sink(), "127.0.0.1", 0, identity=None)
+    relay = LinkRelay(open_link("127.0.0.1", server.port, None, None), "sink", "127.0.0.1", lambda err: None)
+    row = np.zeros((1, d_model), np.float32)
+    times = []
+    for i in range(n):
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.perf_counter()
+        relay.send(Activation("bench", 1, 0, np.array([i]), row))
+        times.append((got.get(timeout=10) - t0) * 1000)
+    relay.close()
+    server.close()
+    return float(np.median(times))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m")
@@ -126,23 +177,27 @@ def main() -> None:
     args = ap.parse_args()
     single = SingleEngine(args.model, args.threads)
     d_model = load_model(args.model, layers=range(0)).model.config.d_model
-    hot, idle = relay_hop_ms(d_model), relay_hop_ms(d_model, n=100, gap_s=0.005)
-    print(f"relay hop (loopback) : {hot:8.3f} ms hot, {idle:.3f} ms idle, one way per row (d={d_model})")
+    for name, timed in (("gRPC Relay", relay_hop_ms), ("activation link", link_hop_ms)):
+        hot, idle = timed(d_model), timed(d_model, n=100, gap_s=0.005)
+        print(
+            f"hop on loopback, {name:15s}: {hot:6.3f} ms hot, {idle:.3f} ms idle, one way per row (d={d_model})"
+        )
     with LocalRing.start(3, load_model(args.model, layers=range(0)).path, threads=args.threads) as local:
         for n_nodes, rounds in [(2, 1), (3, 1), (3, 2)]:
             ring = Ring.connect(local.addresses[:n_nodes], rounds=rounds)
             hops = n_nodes * rounds
             pairs = [
-                (single.ms_per_token(args.n), ms_per_token_ring(ring, single.ids, args.n))
+                (single.ms_per_token(args.n), *ms_per_token_ring(ring, single.ids, args.n))
                 for _ in range(args.reps)
             ]
             ring.close()
             alone = statistics.median(p[0] for p in pairs)
             ringed = statistics.median(p[1] for p in pairs)
-            extra = statistics.median((r - s) / hops for s, r in pairs)
+            layers = statistics.median(p[2] for p in pairs)
+            extra = statistics.median((r - s) / hops for s, r, _ in pairs)
             print(
-                f"ring {n_nodes} nodes x {rounds} round(s): {ringed:8.2f} ms/token vs {alone:.2f} single, "
-                f"{extra:6.2f} ms extra per hop ({hops} hops/token)"
+                f"ring {n_nodes} nodes x {rounds} round(s): {ringed:6.2f} ms/token vs {alone:.2f} single, "
+                f"{extra:5.2f} ms extra per hop ({hops} hops/token); the nodes' layers took {layers:.2f} ms/token"
             )
     single.close()
 
