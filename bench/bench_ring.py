@@ -30,7 +30,7 @@ from prima.engine.generate import GenerateRequest, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
-from prima.net.client import NodeClient
+from prima.net.client import NodeClient, Relay
 from prima.net.codec import Activation
 from prima.net.link_client import LinkRelay, open_link
 from prima.net.link_server import LinkServer
@@ -102,70 +102,58 @@ def _hop_compute(ring: Ring) -> dict[int, tuple[int, float]]:
     return found
 
 
+class Sink:
+    """A node that only notes when each activation arrives (plaintext, loopback: anyone may relay)."""
+
+    max_batch_tokens = 64
+
+    def __init__(self, d_model: int) -> None:
+        self.d_model = d_model
+        self.arrived: queue.SimpleQueue[float] = queue.SimpleQueue()
+
+    def accept(self, act: Activation) -> None:
+        self.arrived.put(time.perf_counter())
+
+    def authorize(self, rpc: str, caller: str | None) -> None:
+        """Any caller may relay here."""
+
+    def one_way_ms(self, relay: Relay, n: int, gap_s: float) -> float:
+        """Median ms from `send` to arrival of one row, over `n` rows sent `gap_s` apart."""
+        row = np.zeros((1, self.d_model), np.float32)
+        times = []
+        for i in range(n):
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.perf_counter()
+            relay.send(Activation("bench", 1, 0, np.array([i]), row))
+            times.append((self.arrived.get(timeout=10) - t0) * 1000)
+        return float(np.median(times))
+
+
 def relay_hop_ms(d_model: int, n: int = 200, gap_s: float = 0.0) -> float:
     """Median one-way time of one activation row over a Relay stream on loopback (encode, send,
     decode, validate), sent `gap_s` after the last one arrived: the network part of a hop,
     without any layer compute."""
-    got: queue.SimpleQueue[float] = queue.SimpleQueue()
-
-    class Sink:
-        max_batch_tokens = 64
-
-        def __init__(self) -> None:
-            self.d_model = d_model
-
-        def accept(self, act: Activation) -> None:
-            got.put(time.perf_counter())
-
-        def authorize(self, rpc: str, caller: str | None) -> None:
-            """Any caller may relay here (a plaintext loopback server)."""
-
-    server, port = start_server(Sink(), "127.0.0.1", 0)  # type: ignore[arg-type]
+    sink = Sink(d_model)
+    server, port = start_server(sink, "127.0.0.1", 0)  # type: ignore[arg-type]
     client = NodeClient(f"127.0.0.1:{port}")
     relay = client.relay(lambda err: None)
-    row = np.zeros((1, d_model), np.float32)
-    times = []
-    for i in range(n):
-        if gap_s:
-            time.sleep(gap_s)
-        t0 = time.perf_counter()
-        relay.send(Activation("bench", 1, 0, np.array([i]), row))
-        times.append((got.get(timeout=10) - t0) * 1000)
+    ms = sink.one_way_ms(relay, n, gap_s)
     relay.close()
     client.close()
     server.stop(None)
-    return float(np.median(times))
+    return ms
 
 
 def link_hop_ms(d_model: int, n: int = 200, gap_s: float = 0.0) -> float:
     """The same over an activation link (plaintext here; the ring's daemons speak TLS)."""
-    got: queue.SimpleQueue[float] = queue.SimpleQueue()
-
-    class Sink:
-        max_batch_tokens = 64
-
-        def __init__(self) -> None:
-            self.d_model = d_model
-
-        def accept(self, act: Activation) -> None:
-            got.put(time.perf_counter())
-
-        def authorize(self, rpc: str, caller: str | None) -> None:
-            """Any caller may relay here (a plaintext loopback link)."""
-
-    server = LinkServer(Sink(), "127.0.0.1", 0, identity=None)
+    sink = Sink(d_model)
+    server = LinkServer(sink, "127.0.0.1", 0, identity=None)
     relay = LinkRelay(open_link("127.0.0.1", server.port, None, None), "sink", "127.0.0.1", lambda err: None)
-    row = np.zeros((1, d_model), np.float32)
-    times = []
-    for i in range(n):
-        if gap_s:
-            time.sleep(gap_s)
-        t0 = time.perf_counter()
-        relay.send(Activation("bench", 1, 0, np.array([i]), row))
-        times.append((got.get(timeout=10) - t0) * 1000)
+    ms = sink.one_way_ms(relay, n, gap_s)
     relay.close()
     server.close()
-    return float(np.median(times))
+    return ms
 
 
 def main() -> None:

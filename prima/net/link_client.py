@@ -19,6 +19,7 @@ from prima.errors import NodeError
 from prima.net import codec, link_tls, link_wire
 from prima.net.codec import Activation, WireDType
 from prima.net.credentials import Identity
+from prima.net.link_socket import read_exactly, shut
 
 log = logging.getLogger("prima.net")
 
@@ -94,7 +95,7 @@ class LinkRelay:
         """End the link (the peer sees a clean end between frames)."""
         with self._lock:
             self._closed = True
-            _shut(self._sock)
+            shut(self._sock)
 
     def _watch(self) -> None:
         try:
@@ -105,13 +106,13 @@ class LinkRelay:
             if self._closed:
                 return
             self._fail(self._hang_up_reason())
-            _shut(self._sock)
+            shut(self._sock)
 
     def _hang_up_reason(self) -> NodeError:
         """What the peer said as it hung up (called with the send lock held)."""
         try:
             self._sock.settimeout(ERROR_READ_TIMEOUT_S)
-            got = link_wire.read_frame(self._read_exactly, link_wire.MAX_ERROR_BYTES)
+            got = link_wire.read_frame(lambda n: read_exactly(self._sock, n), link_wire.MAX_ERROR_BYTES)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the link is gone
             return NodeError(f"node {self.name} at {self.address} ended the activation link ({exc})")
         if got is None or got[0] != link_wire.ERROR:
@@ -123,27 +124,8 @@ class LinkRelay:
         log.debug("link to %s ended with %s", self.name, status)
         return NodeError(f"Relay on node {self.name} at {self.address} failed: {message}")
 
-    def _read_exactly(self, n: int) -> bytes:
-        chunks = []
-        left = n
-        while left:
-            chunk = self._sock.recv(left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
     def _fail(self, error: NodeError) -> None:
         if self.error is not None:
             return
         self.error = error
         self._on_error(error)
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

@@ -31,6 +31,7 @@ from prima.net.admission import Admission
 from prima.net.codec import Activation
 from prima.net.credentials import Identity, cert_name
 from prima.net.limits import DaemonLimits
+from prima.net.link_socket import read_exactly, shut
 from prima.net.proto import prima_pb2 as pb
 from prima.net.revocation import RevocationList
 from prima.net.status import StreamTimeoutError, status_for
@@ -85,9 +86,9 @@ class LinkServer:
         with self._lock:
             self._closed = True
             conns = list(self._open)
-        _shut(self._listener)
+        shut(self._listener)
         for conn in conns:
-            _shut(conn)
+            shut(conn)
         self._thread.join(5.0)
 
     def _accept_loop(self) -> None:
@@ -125,7 +126,7 @@ class LinkServer:
         finally:
             with self._lock:
                 self._open.discard(conn)
-            _shut(sock)
+            shut(sock)
 
     def _relay(self, sock: socket.socket) -> None:
         """Check the caller, then hand each activation on until the caller hangs up."""
@@ -139,7 +140,7 @@ class LinkServer:
                 _send_quietly(sock, link_wire.error_frame(code.name, message))
                 return
             caller = cert_name(cert)
-        link_wire.check_magic(_read_exactly(sock, len(link_wire.MAGIC)))
+        link_wire.check_magic(read_exactly(sock, len(link_wire.MAGIC)))
         h = self.handler
         h.authorize("Relay", caller)
         idle_s, open_s = self.limits.relay_idle_s, self.limits.relay_open_s
@@ -147,7 +148,7 @@ class LinkServer:
         sock.settimeout(idle_s)
         while True:
             try:
-                got = link_wire.read_frame(lambda n: _read_exactly(sock, n), self.max_message_bytes)
+                got = link_wire.read_frame(lambda n: read_exactly(sock, n), self.max_message_bytes)
             except TimeoutError:
                 raise StreamTimeoutError(
                     f"no message on this link for {idle_s:g} s; a node ends idle links (open one per "
@@ -169,33 +170,12 @@ class LinkServer:
             h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    """`n` bytes, or fewer only where the peer ended the stream."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            break
-        got += k
-    return bytes(view[:got])
-
-
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
     try:
         sock.settimeout(2.0)
         sock.sendall(data)
     except (ssl.SSLError, OSError):
         pass
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 def _peer(conn: socket.socket) -> str:

@@ -27,6 +27,7 @@ from prima.net.codec import Activation, WireDType
 from prima.net.limits import DaemonLimits
 from prima.net.link_client import LinkRelay, open_link
 from prima.net.link_server import LinkServer
+from prima.net.link_socket import read_exactly
 from prima.net.revocation import RevocationList
 from prima.net.server import start_server
 from prima.plan import plan_from_window_sizes
@@ -179,17 +180,7 @@ def _raw_tls(daemon: Daemon) -> ssl.SSLSocket:
 
 def _hang_up_frame(sock: ssl.SSLSocket) -> tuple[str, str]:
     """(status, message) of the error frame the node sent as it hung up."""
-
-    def read_exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                break
-            data += chunk
-        return data
-
-    got = link_wire.read_frame(read_exactly, link_wire.MAX_ERROR_BYTES)
+    got = link_wire.read_frame(lambda n: read_exactly(sock, n), link_wire.MAX_ERROR_BYTES)
     assert got is not None
     assert got[0] == link_wire.ERROR
     return link_wire.parse_error(got[1])
