@@ -43,6 +43,12 @@ NODE_RELAY_SEND = Histogram(
     "Time to hand an activation to the next node's relay stream",
     buckets=_LATENCY_BUCKETS,
 )
+NODE_RELAYED = Counter(
+    "prima_node_relayed_activations",
+    "Activations this node sent on to another, by transport: its activation link, or gRPC where the "
+    "peer has none that answers",
+    ["transport"],
+)
 NODE_HOP_STEPS = Counter(
     "prima_node_hop_steps", "Decode steps (one-token activations) through each hop of this node", ["hop"]
 )

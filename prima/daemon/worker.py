@@ -187,6 +187,7 @@ class Worker:
             t0 = time.perf_counter()
             with metrics.NODE_RELAY_SEND.time():
                 relay.send(act)
+            metrics.NODE_RELAYED.labels(relay.transport).inc()
             if timed:
                 self.hop_times.add_relay(act.plan_epoch, act.hop_index - 1, (time.perf_counter() - t0) * 1000)
         except NodeError as exc:

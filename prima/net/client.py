@@ -22,6 +22,7 @@ from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, ProtocolError, UntrustedNodeError
 from prima.net import codec, credentials
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
+from prima.net.link_client import CONNECT_TIMEOUT_S as LINK_CONNECT_TIMEOUT_S
 from prima.net.link_client import LinkRelay, open_link
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
@@ -49,6 +50,8 @@ LINK_RETRY_S = 60.0  # after a node's activation link failed, relay to it over g
 
 class Relay(Protocol):
     """A session's activations on their way to one node (RelayStream or LinkRelay)."""
+
+    transport: str  # "grpc" or "link", for metrics and logs
 
     def send(self, act: Activation) -> None: ...
 
@@ -223,7 +226,7 @@ class NodeClient:
             return None
         if self._link_port is None:
             try:
-                self._link_port = self.info().link_port
+                self._link_port = self.info(timeout_s=LINK_CONNECT_TIMEOUT_S).link_port
             except NodeError:
                 return None
         if not self._link_port:
@@ -284,6 +287,8 @@ class RelayStream:
     """One open Relay call to a successor for one session: `send` queues an activation and
     returns at once; a gRPC thread drains the queue onto the stream. If the call fails, the
     error goes to `on_error` once and later sends raise it."""
+
+    transport = "grpc"
 
     def __init__(
         self, client: NodeClient, on_error: Callable[[NodeError], None], wire_dtype: WireDType

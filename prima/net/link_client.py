@@ -54,6 +54,8 @@ class LinkRelay:
     """One session's activations to one peer over its link: the same `send` and `close` as
     prima.net.client.RelayStream."""
 
+    transport = "link"
+
     def __init__(
         self,
         sock: socket.socket,

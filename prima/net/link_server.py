@@ -38,7 +38,9 @@ from prima.net.status import StreamTimeoutError, status_for
 
 log = logging.getLogger("prima.net")
 
-MAX_LINKS = 32  # connections served at once; more are closed at once (their sender falls back)
+# Connections served at once (a session's predecessors on each of the default 16 sessions, twice
+# over); more are closed at once, and their senders relay over gRPC instead.
+MAX_LINKS = 64
 HANDSHAKE_TIMEOUT_S = 10.0
 
 

@@ -52,6 +52,7 @@ def test_daemon_metrics_move_during_a_generation(smollm2_path: Path, ring_logs: 
                         during = [_scrape(p) for p in ports]  # type: ignore[arg-type]
             after = [_scrape(p) for p in ports]  # type: ignore[arg-type]
             per_hop = [_scrape_labelled(p, "hop") for p in ports]  # type: ignore[arg-type]
+            transports = [_scrape_labelled(p, "transport") for p in ports]  # type: ignore[arg-type]
             infos = ring.info()
         finally:
             ring.close()
@@ -67,6 +68,10 @@ def test_daemon_metrics_move_during_a_generation(smollm2_path: Path, ring_logs: 
         assert d["prima_node_relay_send_seconds_count"] > 0  # each node sends every token on
         assert a["prima_node_compute_seconds_count"] > d["prima_node_compute_seconds_count"]
         assert a["prima_node_sessions"] == 0
+    # Every activation went node to node over the activation links, none over gRPC.
+    for sent in transports:
+        assert sent[("prima_node_relayed_activations_total", "link")] > 0
+        assert ("prima_node_relayed_activations_total", "grpc") not in sent
     # Each node holds one hop; ring order runs node 1 (hop 0) then the head (hop 1), whose output
     # stays on the head. 4 tokens are the prompt's and 3 decode steps.
     for i, (info, labelled) in enumerate(zip(infos, per_hop, strict=True)):
