@@ -42,6 +42,7 @@ log = logging.getLogger("prima.net")
 # over); more are closed at once, and their senders relay over gRPC instead.
 MAX_LINKS = 64
 HANDSHAKE_TIMEOUT_S = 10.0
+ACCEPT_RETRY_S = 0.1
 
 
 class LinkHandler(Protocol):
@@ -97,8 +98,13 @@ class LinkServer:
         while True:
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closed:
+                    return
+                # Out of file descriptors, say: keep listening, a little later.
+                log.warning("activation link: accepting a connection failed (%s)", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             with self._lock:
                 if self._closed or len(self._open) >= MAX_LINKS:
                     conn.close()
