@@ -117,7 +117,12 @@ def ring_status(args: argparse.Namespace) -> int:
         wins = " ".join(str(w) for w in s.windows) or "-"
         res = s.residency
         mem = f", {res.resident_bytes / 2**20:.1f}/{res.owned_bytes / 2**20:.1f} MiB resident" if res else ""
-        print(f"{s.node_id} @ {address}: {s.status}, epoch {s.plan_epoch}, windows {wins}{mem}")
+        link = (
+            f", activation link on port {s.link_port}"
+            if s.link_port
+            else ", no activation link (relays over gRPC)"
+        )
+        print(f"{s.node_id} @ {address}: {s.status}, epoch {s.plan_epoch}, windows {wins}{mem}{link}")
         if res and res.budget_bytes and res.budget_bytes < res.owned_bytes:
             print(
                 f"  streaming: budget {res.budget_bytes / 2**20:.0f} MiB, {res.pinned_layers} layers pinned; read "

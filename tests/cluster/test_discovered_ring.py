@@ -121,6 +121,9 @@ def test_ring_status_finds_the_ring_without_nodes(
     rows = json.loads(capsys.readouterr().out)
     assert sorted(r["address"] for r in rows) == sorted(ring.addresses)
     assert sorted(r["node_id"] for r in rows) == ["node0", "node1", "node2"]
+    assert all(r["link_port"] > 0 for r in rows)  # each daemon says where its activation link is
+    assert main(["ring", "status", "--expect", "3", "--discover-timeout", "10"]) == 0
+    assert capsys.readouterr().out.count("activation link on port") == 3
 
 
 def test_ring_status_with_no_daemon_says_what_to_do(
