@@ -107,8 +107,13 @@ class LinkRelay:
         with self._lock:
             if self._closed:
                 return
-            self._fail(self._hang_up_reason())
+            error = self._hang_up_reason()
             shut(self._sock)
+            if self.error is not None:  # a send saw the failure first, and its caller reports it
+                return
+            self.error = error
+        # Outside the lock: reporting may call the head (an Abort), which can take seconds.
+        self._on_error(error)
 
     def _hang_up_reason(self) -> NodeError:
         """What the peer said as it hung up (called with the send lock held)."""
@@ -125,9 +130,3 @@ class LinkRelay:
         status, message = link_wire.parse_error(got[1])
         log.debug("link to %s ended with %s", self.name, status)
         return NodeError(f"Relay on node {self.name} at {self.address} failed: {message}")
-
-    def _fail(self, error: NodeError) -> None:
-        if self.error is not None:
-            return
-        self.error = error
-        self._on_error(error)
