@@ -404,9 +404,10 @@ def _serve_metrics(runtime: NodeRuntime, host: str, port: int | None) -> int | N
         return None
     from prometheus_client import start_http_server
 
-    from prima.metrics import register_residency
+    from prima.metrics import register_hop_times, register_residency
 
     register_residency(runtime.residency)
+    register_hop_times(runtime.worker.hop_times.since_start)
     try:
         httpd, _ = start_http_server(port, addr=host)
     except OSError as exc:

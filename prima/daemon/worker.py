@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Protocol
 
+from prometheus_client import Counter
+
 from prima import metrics
 from prima.errors import NodeError, PrimaError, ProtocolError
 from prima.forward.transformer import Transformer
@@ -57,6 +59,8 @@ class Worker:
         self._admitted: set[int] = set()
         self._work: queue.SimpleQueue[Activation | None] = queue.SimpleQueue()
         self._relay_lock = threading.Lock()
+        # Labelled children of the relayed counter, looked up once per transport, not per hop.
+        self._relayed: dict[str, Counter] = {}
         self.hop_times = HopTimes()
         self._thread = threading.Thread(target=self._loop, name="primad-compute", daemon=True)
         self._thread.start()
@@ -102,8 +106,9 @@ class Worker:
                     self._taken(group[-1])
             metrics.NODE_QUEUE_DEPTH.set(self._work.qsize() + len(pending))
             try:
-                with metrics.NODE_COMPUTE.time():
-                    self._compute(group)
+                t0 = time.perf_counter()
+                self._compute(group)
+                metrics.NODE_COMPUTE.observe(time.perf_counter() - t0)
             except PrimaError as exc:
                 self.fail(act.session_id, f"node {self.host.node_id}: {exc}", type(exc).__name__)
             except ValueError as exc:  # a cache write with a gap: the session's batches were lost
@@ -125,7 +130,8 @@ class Worker:
         decode = all(len(a.positions) == 1 for a in group)
         while h < len(layout.hops) and layout.hops[h].node_index == layout.me:
             hop = layout.hops[h]
-            before = dataclasses.replace(windows.stats)
+            debug = log.isEnabledFor(logging.DEBUG)
+            before = dataclasses.replace(windows.stats) if debug else None
             t0 = time.perf_counter()
             # The accelerator's layers in one call; the host's in one call, or layer by layer
             # while streaming, so compute on one overlaps the prefetch thread reading the next.
@@ -142,7 +148,7 @@ class Worker:
                         windows.after_layer(layer)
             if decode:
                 self.hop_times.add_compute(act.plan_epoch, h, len(group), (time.perf_counter() - t0) * 1000)
-            if log.isEnabledFor(logging.DEBUG):
+            if before is not None:
                 now = windows.stats
                 log.debug(
                     "window %s (%d tokens): compute %.1f ms, waited %.1f ms for reads; prefetch read "
@@ -185,13 +191,18 @@ class Worker:
                 session.relays[dest] = relay
         try:
             t0 = time.perf_counter()
-            with metrics.NODE_RELAY_SEND.time():
-                relay.send(act)
-            metrics.NODE_RELAYED.labels(relay.transport).inc()
-            if timed:
-                self.hop_times.add_relay(act.plan_epoch, act.hop_index - 1, (time.perf_counter() - t0) * 1000)
+            relay.send(act)
+            sent_s = time.perf_counter() - t0
         except NodeError as exc:
             self.fail(session.session_id, str(exc), "relay")
+            return
+        metrics.NODE_RELAY_SEND.observe(sent_s)
+        relayed = self._relayed.get(relay.transport)
+        if relayed is None:
+            relayed = self._relayed[relay.transport] = metrics.NODE_RELAYED.labels(relay.transport)
+        relayed.inc()
+        if timed:
+            self.hop_times.add_relay(act.plan_epoch, act.hop_index - 1, sent_s * 1000)
 
     def fail(self, session_id: str, message: str, kind: str = "other") -> None:
         """Tell the head that a session cannot go on (or, on the head, wake its generation)."""
