@@ -75,11 +75,20 @@ def _llama_engine(path: str, threads: int, n_ctx: int, conn: Connection) -> Step
         llm.eval(ids)
         t1 = time.perf_counter()
         for _ in range(n_gen):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([int(np.argmax(llama_last_logits(llm)))])
         t2 = time.perf_counter()
         return len(ids) / (t1 - t0), n_gen / (t2 - t1)
 
     return step
+
+
+def llama_last_logits(llm):  # noqa: ANN001, ANN201 - a llama_cpp.Llama in, a numpy row out
+    """The logits of the last token llama.cpp evaluated. Llama.scores is written only when
+    every token's logits are kept (logits_all) and holds only n_batch rows, so it is not read."""
+    import llama_cpp
+    import numpy as np
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
 
 def _memory() -> tuple[float, float, float]:

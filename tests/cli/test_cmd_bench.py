@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prima.cli.main import main
@@ -45,3 +46,17 @@ def test_the_engine_worker_module_carries_nothing_of_prima() -> None:
     )
     out = run_python(code, timeout=60)
     assert out.stdout.split() == ["prima", "prima.cli", "prima.cli.bench_worker"]
+
+
+def test_the_llama_worker_reads_the_logits_llama_cpp_computed(smollm2_path: Path) -> None:
+    """llama.cpp's decode in the bench follows its own greedy choice, past one batch of prompt:
+    the logits it reads are those llama.cpp keeps for every token when asked (logits_all)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from prima.cli.bench_worker import llama_last_logits
+
+    ids = list(range(100, 700))  # longer than the 512-token batch
+    every = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=768, logits_all=True, verbose=False)
+    every.eval(ids)
+    last = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=768, n_batch=512, verbose=False)
+    last.eval(ids)
+    np.testing.assert_allclose(llama_last_logits(last), every.scores[len(ids) - 1], atol=1e-3)
