@@ -37,6 +37,7 @@ def run(engine: str, path: str, threads: int, mode: str, n_ctx: int, conn: Conne
 
 
 def _prima_engine(path: str, threads: int, mode: str, n_ctx: int, conn: Connection) -> Step:
+    import prima.startup  # noqa: F401, I001 - first, as in `prima run`: hashing, thread pools
     import numpy as np
 
     from prima.engine.local import LocalEngine

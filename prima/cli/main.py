@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from importlib import import_module
 
-# First prima import: sets the thread-pool environment before numpy or numba load.
-import prima.kernels.thread_env  # noqa: F401
+# First prima import: hashing and thread pools set up before the rest loads (prima.startup).
+import prima.startup  # noqa: F401
 from prima.errors import PrimaError
 
 # One module per subcommand; each defines register(subparsers) -> None and sets `func`. The help

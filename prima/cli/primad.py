@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-# First prima import: sets the thread-pool environment before numpy or numba load.
-import prima.kernels.thread_env  # noqa: F401
+# First prima import: hashing and thread pools set up before the rest loads (prima.startup).
+import prima.startup  # noqa: F401
 from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import StepBar, stage
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
