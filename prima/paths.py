@@ -18,6 +18,7 @@ Credentials are configuration, not cache: they live under config_root() (`$PRIMA
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -67,16 +68,26 @@ def ring_state_file() -> Path:
 def kernel_source_key() -> str:
     """A short hash of the kernel sources and of the Python and numba that compile them."""
     h = hashlib.sha256(f"{sys.version_info[:2]}".encode())
-    try:
-        from importlib.metadata import version
-
-        h.update(version("numba").encode())
-    except Exception:  # noqa: BLE001 - no numba (the numpy fallback): nothing is compiled anyway
-        h.update(b"no-numba")
+    h.update(_numba_version_file())
     for path in sorted(KERNEL_SOURCES.rglob("*.py")):  # the format modules sit in a subpackage
         h.update(path.relative_to(KERNEL_SOURCES).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _numba_version_file() -> bytes:
+    """The bytes of installed numba's version module, found without importing numba (whose
+    cache directory is set from this key first) or importlib.metadata (1.7 MiB resident, with
+    the email and calendar modules it loads); b"no-numba" without numba (the numpy fallback,
+    which compiles nothing)."""
+    spec = importlib.util.find_spec("numba")
+    if spec is None or spec.origin is None:
+        return b"no-numba"
+    version_file = Path(spec.origin).with_name("_version.py")
+    try:
+        return version_file.read_bytes()
+    except OSError:
+        return b"numba without " + str(version_file).encode()
 
 
 def kernels_dir() -> Path:

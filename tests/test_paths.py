@@ -3,6 +3,7 @@ set), else ~/.cache; models, profiles and kernels all under it."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,21 @@ def test_kernel_directory_changes_with_the_kernel_sources(
     assert paths.kernel_source_key() == before
     (sources / "a.py").write_text("x = 2\n")
     assert paths.kernel_source_key() != before
+
+
+def test_kernel_directory_changes_with_the_installed_numba(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numba's version is read from its version module without importing numba (whose cache
+    directory is this key) or importlib.metadata."""
+    numba_dir = tmp_path / "numba"
+    numba_dir.mkdir()
+    (numba_dir / "__init__.py").write_text("")
+    (numba_dir / "_version.py").write_text('version_json = \'{"version": "0.68.1"}\'\n')
+    spec = importlib.util.spec_from_file_location("numba", numba_dir / "__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "numba" else None)
+    before = paths.kernel_source_key()
+    (numba_dir / "_version.py").write_text('version_json = \'{"version": "0.69.0"}\'\n')
+    assert paths.kernel_source_key() != before
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no numba installed
+    assert paths.kernel_source_key() not in (before, "")
