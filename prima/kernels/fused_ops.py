@@ -507,7 +507,12 @@ def _attention_batched(
     def rows(span: tuple[int, int]) -> None:
         for a in range(span[0], span[1], ATTENTION_BLOCK_ROWS):
             b = min(span[1], a + ATTENTION_BLOCK_ROWS)
-            out[a:b] = ops.attention(q[a:b], k, v, rel[a:b], scale, window, halves, round_to_halves)
+            # Only the keys up to the block's last query: causal masking would zero the rest
+            # (at 128 rows in blocks of 32, 37% of the products).
+            seen = int(rel[a:b].max()) + 1
+            out[a:b] = ops.attention(
+                q[a:b], k[:seen], v[:seen], rel[a:b], scale, window, halves, round_to_halves
+            )
 
     prefill_map(rows, q.shape[0])
     return out
