@@ -9,10 +9,11 @@ an affine map per 16 elements:
     w[j] = sc[j // 16] * u[j] + mn[j // 16]      u uint8, sc and mn float32
 
 and the activations, quantized to int8 per 32-element block as at decode (value = xd * xq), are
-packed so that one 32-byte vector holds 4 consecutive elements of each of 8 rows. A step then
-broadcasts 4 bytes of u to all 8 lanes and adds the 4 products into each row's int32 lane
-(vpdpbusd where the CPU has AVX-512 VNNI, else generic vector code numba's LLVM lowers for the
-host): 8 rows x 4 elements per instruction, no horizontal sums. Per 16 elements
+packed so that one vector holds 4 consecutive elements of each of GROUP rows (8 rows in 32 bytes;
+16 in 64 where the CPU has 512-bit vpdpbusd). A step then broadcasts 4 bytes of u to all lanes
+and adds the 4 products into each row's int32 lane (vpdpbusd where the CPU has VNNI, else
+generic vector code numba's LLVM lowers for the host): GROUP rows x 4 elements per instruction,
+no horizontal sums. Per 16 elements
 
     sum_j w[j] x[j] = sc * xd * (integer dot of u and xq) + mn * (xd * sum of xq)
 
@@ -26,6 +27,7 @@ so the mins and offsets of the formats meet the half-block sums of the activatio
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
@@ -34,8 +36,24 @@ from numba.extending import intrinsic
 from prima.kernels.int8_dots import QK8, VNNI, _i64, _x86
 from prima.kernels.lanes import stack_f32
 
-# Activation rows per packed group: one int32 or float32 lane each in a 256-bit vector.
-GROUP = 8
+
+def _host_has_vnni512() -> bool:
+    """`vpdpbusd` on 512-bit vectors (AVX-512 VNNI): 16 activation rows per instruction. Even on a
+    CPU that splits a 512-bit operation into two 256-bit halves (AMD Zen 4), half as many
+    broadcasts, loads and instructions per product leave the GEMM less bound by instruction issue."""
+    if not VNNI:
+        return False
+    f = llvm.get_host_cpu_features()
+    return bool(f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
+
+
+VNNI512 = _host_has_vnni512()
+# Activation rows per packed group: one int32 or float32 lane each in a 256-bit vector, or in a
+# 512-bit one where the CPU has 512-bit vpdpbusd. Each row's lane sees the same operations in the
+# same order either way, so both give the same bits.
+GROUP = 16 if VNNI512 else 8
+# Bytes of activations one step's vector holds: 4 consecutive elements of each row.
+STEP_BYTES = 4 * GROUP
 # Elements per affine piece of an unpacked weight row (Q6_K's and Q3_K's scale granularity).
 PIECE = 16
 # Bytes of one packed activation block: QK8 elements of GROUP rows.
@@ -50,7 +68,7 @@ _F32 = ir.FloatType()
 def pack_group(x: np.ndarray, g: int, xt: np.ndarray, xdt: np.ndarray, xst: np.ndarray) -> None:
     """Rows [GROUP g, GROUP g + GROUP) of x (n, cols) f32, quantized as int8_dots.quantize_rows
     does (xd = max |x| / 127 per 32-element block, xq = x / xd rounded), packed (rows past n are
-    zeros): xt[g, PACKED_BLOCK b + 32 t + 4 l + e] = xq[GROUP g + l, 32 b + 4 t + e],
+    zeros): xt[g, PACKED_BLOCK b + STEP_BYTES t + 4 l + e] = xq[GROUP g + l, 32 b + 4 t + e],
     xdt[g, GROUP b + l] = xd and xst[g, 2 GROUP b + GROUP h + l] = xd * (sum of xq, half h)."""
     n, cols = x.shape
     nb = cols // QK8
@@ -63,7 +81,7 @@ def pack_group(x: np.ndarray, g: int, xt: np.ndarray, xdt: np.ndarray, xst: np.n
                 xst[g, b * 2 * GROUP + lane] = 0.0
                 xst[g, b * 2 * GROUP + GROUP + lane] = 0.0
                 for j in range(QK8):
-                    xt[g, xb + (j // 4) * 32 + (j % 4)] = 0
+                    xt[g, xb + (j // 4) * STEP_BYTES + (j % 4)] = 0
                 continue
             amax = np.float32(0.0)
             for j in range(QK8):
@@ -74,7 +92,7 @@ def pack_group(x: np.ndarray, g: int, xt: np.ndarray, xdt: np.ndarray, xst: np.n
             s1 = 0
             for j in range(QK8):
                 q = np.int8(np.rint(x[k, b * QK8 + j] * inv))
-                xt[g, xb + (j // 4) * 32 + (j % 4)] = q
+                xt[g, xb + (j // 4) * STEP_BYTES + (j % 4)] = q
                 if j < QK8 // 2:
                     s0 += q
                 else:
@@ -92,15 +110,16 @@ def _ptr(context, builder, aryty, ary, off, ty):  # noqa: ANN001, ANN202
 
 
 def _dot4(builder, acc, u4, xv):  # noqa: ANN001, ANN202
-    """acc (8 x i32) + per lane l: sum over e < 4 of u4[e] * xv[4 l + e], for u4 the 4 weight bytes
-    (unsigned, as one i32) and xv 32 activation bytes (signed)."""
+    """acc (GROUP x i32) + per lane l: sum over e < 4 of u4[e] * xv[4 l + e], for u4 the 4 weight
+    bytes (unsigned, as one i32) and xv STEP_BYTES activation bytes (signed)."""
     i32x8 = ir.VectorType(_I32, GROUP)
     splat = builder.insert_element(ir.Constant(i32x8, ir.Undefined), u4, ir.Constant(_I32, 0))
     splat = builder.shuffle_vector(
         splat, ir.Constant(i32x8, ir.Undefined), ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP)
     )
     if VNNI:
-        return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, acc, splat, builder.bitcast(xv, i32x8))
+        name = f"llvm.x86.avx512.vpdpbusd.{32 * GROUP}"
+        return _x86(builder, name, i32x8, acc, splat, builder.bitcast(xv, i32x8))
     # Generic: u8 x s8 products fit int16 (255 * 128), summed in int32 by neighbouring pairs.
     i8x32 = ir.VectorType(_I8, 32)
     i16x32 = ir.VectorType(_I16, 32)
@@ -135,7 +154,7 @@ def _gemm_step(split: bool):  # noqa: ANN202
         def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
             a = sig.args
             i32x8 = ir.VectorType(_I32, GROUP)
-            i8x32 = ir.VectorType(_I8, 32)
+            i8x32 = ir.VectorType(_I8, STEP_BYTES)
             f32x8 = ir.VectorType(_F32, GROUP)
             uo = _i64(builder, args[3], a[3])
             xo = _i64(builder, args[5], a[5])
@@ -148,7 +167,7 @@ def _gemm_step(split: bool):  # noqa: ANN202
                     t = c * 2 + s
                     off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
                     u4 = builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1)
-                    off_x = builder.add(xo, ir.Constant(xo.type, 32 * t))
+                    off_x = builder.add(xo, ir.Constant(xo.type, STEP_BYTES * t))
                     xv = builder.load(_ptr(context, builder, a[4], args[4], off_x, i8x32), align=1)
                     part = _dot4(builder, part, u4, xv)
                 chains.append(part)

@@ -127,3 +127,46 @@ def test_generic_gemm_passes_the_same_tests(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
+
+
+GROUP_8_PROBE = """
+import sys
+import numpy as np
+from prima.kernels import int8_gemm as g8
+# Before anything compiles (fresh numba cache): the 256-bit layout a CPU with AVX-VNNI but no
+# 512-bit vpdpbusd gets.
+g8.GROUP, g8.STEP_BYTES, g8.PACKED_BLOCK = 8, 32, 8 * g8.QK8
+from prima.kernels import drivers
+from tests.kernels.weights import random_qtensor
+from gguf import GGMLQuantizationType as Q
+w = random_qtensor(Q.Q6_K, rows=40, cols=512, seed=3)
+x = np.random.default_rng(4).standard_normal((37, w.cols)).astype(np.float32)
+out = np.empty((37, w.rows), dtype=np.float32)
+drivers.gemm_q8(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, out)
+sys.stdout.write(out.tobytes().hex())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not g8.VNNI512, reason="this CPU runs the 256-bit GEMM, which the tests above check")
+def test_the_256_bit_gemm_gives_the_512_bit_gemms_bits(tmp_path: Path) -> None:
+    """Where the CPU has 512-bit vpdpbusd the GEMM packs 16 activation rows per vector; CPUs with
+    only 256-bit VNNI pack 8. Each row's lane sees the same operations in the same order, so the
+    256-bit layout, built here in a fresh numba cache, gives the same bits."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", GROUP_8_PROBE],
+        env={**env, "PYTHONPATH": os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w = random_qtensor(Q.Q6_K, rows=40, cols=512, seed=3)
+    x = np.random.default_rng(4).standard_normal((37, w.cols)).astype(np.float32)
+    out = np.empty((37, w.rows), dtype=np.float32)
+    drivers.gemm_q8(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, out)
+    assert g8.GROUP == 16
+    assert bytes.fromhex(proc.stdout) == out.tobytes()
