@@ -1,10 +1,17 @@
-"""One engine of `prima bench` in its own process: a module of its own, importing nothing of
-prima's until the prima engine is asked for, so the llama.cpp worker's peak RSS is llama.cpp's
-(it had carried `prima.cli.cmd_bench` and what that imports: ~2.7 MiB)."""
+"""One engine of `prima bench` in its own process, started as `python -m prima.cli.bench_worker`:
+a module of its own, importing nothing of prima's until the prima engine is asked for, so the
+llama.cpp worker's peak RSS is llama.cpp's. (Started by multiprocessing's spawn instead, a worker
+re-imported the `prima` command's main module, which set up prima's process, hashing without
+OpenSSL included, in llama.cpp's worker too; earlier it had carried `prima.cli.cmd_bench`.)
+
+    python -m prima.cli.bench_worker ENGINE GGUF THREADS MODE N_CTX FD
+
+talks over the connection whose descriptor FD it inherited (multiprocessing.connection)."""
 
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -104,3 +111,12 @@ def _memory() -> tuple[float, float, float]:
     except OSError:
         pass
     return peak, fields.get("RssAnon", 0.0), fields.get("RssFile", 0.0)
+
+
+def main(argv: list[str]) -> None:
+    engine, path, threads, mode, n_ctx, fd = argv
+    run(engine, path, int(threads), mode, int(n_ctx), Connection(int(fd)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

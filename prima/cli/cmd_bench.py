@@ -12,14 +12,13 @@ import json
 import os
 import platform
 import statistics
-from collections.abc import Iterator
-from contextlib import contextmanager
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
+from multiprocessing import Pipe, get_context
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from prima.cli import bench_worker
 from prima.cli.arg_types import positive_int
 from prima.engine.thread_tuning import tuned_setting
 from prima.errors import InputError
@@ -105,17 +104,16 @@ def run(args: argparse.Namespace) -> int:
 def _bench_model(
     path: Path, engines: list[str], threads: int, mode: str, n_prompt: int, n_gen: int, reps: int
 ) -> list[EngineResult]:
-    ctx = get_context("spawn")
     workers = []
     for engine in engines:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=bench_worker.run, args=(engine, str(path), threads, mode, n_prompt + n_gen + 8, child)
-        )
+        parent, child = Pipe()
+        argv = [engine, str(path), str(threads), mode, str(n_prompt + n_gen + 8), str(child.fileno())]
         # llama.cpp runs with the user's environment, not prima's thread-pool defaults (a passive
         # OpenMP wait would slow its per-node barriers and bias the comparison).
-        with _without(thread_env.APPLIED if engine != "prima" else set()):
-            proc.start()
+        env = _without(thread_env.APPLIED) if engine != "prima" else dict(os.environ)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prima.cli.bench_worker", *argv], env=env, pass_fds=(child.fileno(),)
+        )
         child.close()  # so that a worker that dies shows up as EOF here, not as a hang
         workers.append((engine, proc, parent))
     try:
@@ -135,15 +133,16 @@ def _bench_model(
         for engine, proc, conn in workers:
             conn.send(("stop",))
             peak, anon, file_ = _recv(conn)
-            proc.join()
+            proc.wait(timeout=60)
             pp = statistics.median(r[0] for r in runs[engine])
             tg = statistics.median(r[1] for r in runs[engine])
             results.append(EngineResult(engine, pp, tg, 1000.0 / tg, peak, anon, file_, runs[engine]))
         return results
     finally:
         for _, proc, _ in workers:
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.kill()
+                proc.wait()
 
 
 def _warm_kernel_cache(ctx, path: Path, threads: int, mode: str) -> None:  # noqa: ANN001
@@ -168,19 +167,11 @@ def _warm_worker(path: str, threads: int, mode: str) -> None:
     engine.forward([1])  # a decode step (fused block, int8 or exact matvec)
 
 
-@contextmanager
-def _without(keys: set[str]) -> Iterator[None]:
-    """os.environ without `keys` (and with prima's defaults off) while a worker is spawned."""
-    if not keys:
-        yield
-        return
-    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
-    os.environ["PRIMA_THREAD_ENV"] = "off"
-    try:
-        yield
-    finally:
-        del os.environ["PRIMA_THREAD_ENV"]
-        os.environ.update(saved)
+def _without(keys: set[str]) -> dict[str, str]:
+    """os.environ without `keys`, and with prima's defaults off, for a worker of another engine."""
+    env = {k: v for k, v in os.environ.items() if k not in keys}
+    env["PRIMA_THREAD_ENV"] = "off"
+    return env
 
 
 def _recv(conn: Connection):  # noqa: ANN202 - whatever the worker sent
