@@ -3,19 +3,18 @@
 Counters and histograms are module objects, updated where the work happens; a daemon's residency
 (resident bytes, budget, bytes read) is read when scraped, through `ResidencyCollector`, so a
 scrape measures what is in memory now (mincore) instead of a number cached at the last token.
-Its per-hop timings are read when scraped too (`HopTimesCollector`): a hop runs on every token,
-where each counter update costs microseconds.
+Its per-hop timings are read when scraped too (prima.daemon.hop_times.HopTimesCollector): a hop
+runs on every token, where each counter update costs microseconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from prima.net.codec import HopTiming
 from prima.weights.window import Residency
 
 # Seconds: from a loopback token (a few ms) to a model streamed from disk (seconds).
@@ -91,41 +90,6 @@ class ResidencyCollector(Collector):
         yield CounterMetricFamily(
             "prima_node_read_wait_seconds", "Time compute waited for reads", r.wait_ms / 1e3
         )
-
-
-class HopTimesCollector(Collector):
-    """Each hop's decode steps, compute and relay time since the daemon started, read at scrape
-    time from `totals()` (prima.daemon.hop_times): the compute thread only adds to sums."""
-
-    def __init__(self, totals: Callable[[], Iterable[HopTiming]]) -> None:
-        self._totals = totals
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        steps = CounterMetricFamily(
-            "prima_node_hop_steps",
-            "Decode steps (one-token activations) through each hop of this node",
-            labels=["hop"],
-        )
-        compute = CounterMetricFamily(
-            "prima_node_hop_compute_seconds", "Time decode steps spent in each hop's layers", labels=["hop"]
-        )
-        relay = CounterMetricFamily(
-            "prima_node_hop_relay_seconds",
-            "Time to hand each hop's decode steps to the next node",
-            labels=["hop"],
-        )
-        for t in self._totals():
-            hop = [str(t.hop_index)]
-            steps.add_metric(hop, t.steps)
-            compute.add_metric(hop, t.compute_ms / 1e3)
-            relay.add_metric(hop, t.relay_ms / 1e3)
-        yield from (steps, compute, relay)
-
-
-def register_hop_times(totals: Callable[[], Iterable[HopTiming]]) -> HopTimesCollector:
-    collector = HopTimesCollector(totals)
-    REGISTRY.register(collector)
-    return collector
 
 
 def register_residency(residency: Callable[[], Residency | None]) -> ResidencyCollector:

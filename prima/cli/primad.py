@@ -404,7 +404,8 @@ def _serve_metrics(runtime: NodeRuntime, host: str, port: int | None) -> int | N
         return None
     from prometheus_client import start_http_server
 
-    from prima.metrics import register_hop_times, register_residency
+    from prima.daemon.hop_times import register_hop_times
+    from prima.metrics import register_residency
 
     register_residency(runtime.residency)
     register_hop_times(runtime.worker.hop_times.since_start)

@@ -6,7 +6,7 @@ spreads each weight read over all of them, so mixing it in would make a token lo
 than generating one is. Counts start over when a new plan (epoch) arrives, since its hops are
 other windows. The head reads them through the Info RPC (`NodeStatus.hop_times`), `prima serve`
 shows them in /v1/cluster, and Prometheus reads the running totals by hop when it scrapes
-(prima.metrics.HopTimesCollector).
+(HopTimesCollector).
 
 Adding a sample is a lock and three additions: it runs on every hop of every token, often on a
 core that has just woken with cold caches, where each Prometheus update cost tens of
@@ -16,6 +16,10 @@ microseconds (a hop's bookkeeping took ~150 us cold on an AMD EPYC VM when it up
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
 
 from prima.net.codec import HopTiming
 
@@ -82,3 +86,38 @@ class HopTimes:
         if total is None:
             total = self._since_start[hop_index] = _Sums()
         return current, total
+
+
+class HopTimesCollector(Collector):
+    """Each hop's decode steps, compute and relay time since the daemon started, read at scrape
+    time from `totals()` (HopTimes.since_start): the compute thread only adds to sums."""
+
+    def __init__(self, totals: Callable[[], Iterable[HopTiming]]) -> None:
+        self._totals = totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        steps = CounterMetricFamily(
+            "prima_node_hop_steps",
+            "Decode steps (one-token activations) through each hop of this node",
+            labels=["hop"],
+        )
+        compute = CounterMetricFamily(
+            "prima_node_hop_compute_seconds", "Time decode steps spent in each hop's layers", labels=["hop"]
+        )
+        relay = CounterMetricFamily(
+            "prima_node_hop_relay_seconds",
+            "Time to hand each hop's decode steps to the next node",
+            labels=["hop"],
+        )
+        for t in self._totals():
+            hop = [str(t.hop_index)]
+            steps.add_metric(hop, t.steps)
+            compute.add_metric(hop, t.compute_ms / 1e3)
+            relay.add_metric(hop, t.relay_ms / 1e3)
+        yield from (steps, compute, relay)
+
+
+def register_hop_times(totals: Callable[[], Iterable[HopTiming]]) -> HopTimesCollector:
+    collector = HopTimesCollector(totals)
+    REGISTRY.register(collector)
+    return collector

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from prima.daemon.hop_times import HopTimes
-from prima.metrics import HopTimesCollector
+from prima.daemon.hop_times import HopTimes, HopTimesCollector
 from prima.net.codec import HopTiming
 
 
