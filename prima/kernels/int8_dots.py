@@ -408,6 +408,105 @@ def u32_at(w: np.ndarray, r: int, o: int) -> np.uint32:
     )
 
 
+@intrinsic
+def affine_scales4(typingctx, w, off, stride, xd, xs, xo, accm):  # noqa: ANN001, ANN201, ARG001
+    """For the four blocks `stride` bytes apart whose halves d and m begin at byte `off` of the
+    array w: returns (d_j * xd_j for j < 4) and adds m_j * xs_j to the 4 float lanes at accm,
+    where xd_j, xs_j are elements xo + j of the C-contiguous arrays xd, xs. The eight halves are
+    converted by one instruction (NATIVE_HALF only)."""
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        a = sig.args
+        off = _i64(builder, args[1], a[1])
+        stride = _i64(builder, args[2], a[2])
+        i32x4 = ir.VectorType(_I32, 4)
+        f32x4 = ir.VectorType(ir.FloatType(), 4)
+        pairs = ir.Constant(i32x4, ir.Undefined)
+        for j in range(4):
+            at = builder.add(off, builder.mul(stride, ir.Constant(off.type, j)))
+            ptr = builder.bitcast(_byte_ptr(context, builder, a[0], args[0], at), _I32.as_pointer())
+            pairs = builder.insert_element(pairs, builder.load(ptr, align=1), ir.Constant(_I32, j))
+        halves = builder.fpext(
+            builder.bitcast(pairs, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(ir.FloatType(), 8)
+        )
+        d = builder.shuffle_vector(halves, halves, ir.Constant(i32x4, [0, 2, 4, 6]))
+        m = builder.shuffle_vector(halves, halves, ir.Constant(i32x4, [1, 3, 5, 7]))
+        xo = builder.mul(_i64(builder, args[5], a[5]), ir.Constant(ir.IntType(64), 4))
+
+        def scales(i: int) -> ir.Value:
+            ptr = builder.bitcast(_byte_ptr(context, builder, a[i], args[i], xo), f32x4.as_pointer())
+            return builder.load(ptr, align=4)
+
+        dx = builder.fmul(d, scales(3))
+        acc = builder.bitcast(args[6], f32x4.as_pointer())
+        builder.store(builder.fadd(builder.load(acc, align=4), builder.fmul(m, scales(4))), acc, align=4)
+        lanes = [builder.extract_element(dx, ir.Constant(_I32, j)) for j in range(4)]
+        return context.make_tuple(builder, sig.return_type, lanes)
+
+    return types.UniTuple(types.float32, 4)(w, off, stride, xd, xs, xo, accm), codegen
+
+
+def _byte_ptr(context, builder, aryty, ary, off):  # noqa: ANN001, ANN202
+    """An i8 pointer to byte `off` of the contiguous array `ary`."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.gep(builder.bitcast(data, _I8.as_pointer()), [off])
+
+
+def affine_rows(layout: Layout, block_dot):  # noqa: ANN001, ANN201
+    """The qdot kernel of a legacy format whose blocks begin with the halves d and m (value =
+    d * q + m: Q4_1, Q5_1), from its integer block dot
+        block_dot(accp, scale, w, r, wr, o, xq, xk)
+    which adds scale * (the integer dot of the block at byte o of row r with xq from xk) to the
+    lanes at accp. Four blocks' d and m are converted and scaled together (affine_scales4) and the
+    m terms summed in 4 lanes: each block had converted its two halves and scaled them on their
+    own, 8 of its ~17 instructions (legacy_rows). Needs NATIVE_HALF. xd, xs C-contiguous, as
+    quantize_rows's callers allocate them. Returns the kernel uncompiled."""
+    if layout.elements != QK8:
+        raise ValueError(f"{layout.qtype.name} blocks hold {layout.elements} elements, not {QK8}")
+    d_at, m_at, size = layout.offset("d"), layout.offset("m"), layout.nbytes
+    if m_at != d_at + 2:
+        raise ValueError(f"{layout.qtype.name}: m must follow d")
+
+    def kernel(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN202
+        acc0p = stack_f32(16)
+        acc1p = stack_f32(16)
+        accmp = stack_f32(4)
+        acc0 = carray(acc0p, 16)
+        acc1 = carray(acc1p, 16)
+        accm = carray(accmp, 4)
+        nb = xq.shape[1] // QK8
+        for r in range(r0, r1):
+            wr = r * w.strides[0]
+            for k in range(xq.shape[0]):
+                xk = k * xq.strides[0]
+                xo = k * xd.shape[1]
+                zero_lanes(acc0)
+                zero_lanes(acc1)
+                for j in range(4):
+                    accm[j] = 0.0
+                t = np.float32(0.0)
+                b = 0
+                while b + 4 <= nb:
+                    o = b * size
+                    prefetch(w, wr + o + PREFETCH_AHEAD)
+                    prefetch(w, wr + o + PREFETCH_AHEAD + 64)
+                    s0, s1, s2, s3 = affine_scales4(w, wr + o + d_at, size, xd, xs, xo + b, accmp)
+                    block_dot(acc0p, s0, w, r, wr, o, xq, xk + b * QK8)
+                    block_dot(acc1p, s1, w, r, wr, o + size, xq, xk + (b + 1) * QK8)
+                    block_dot(acc0p, s2, w, r, wr, o + 2 * size, xq, xk + (b + 2) * QK8)
+                    block_dot(acc1p, s3, w, r, wr, o + 3 * size, xq, xk + (b + 3) * QK8)
+                    b += 4
+                while b < nb:
+                    o = b * size
+                    block_dot(acc0p, half_at(w, r, o + d_at) * xd[k, b], w, r, wr, o, xq, xk + b * QK8)
+                    t += half_at(w, r, o + m_at) * xs[k, b]
+                    b += 1
+                ms = (accm[0] + accm[1]) + (accm[2] + accm[3])
+                out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) + (ms + t)
+
+    return kernel
+
+
 def legacy_rows(layout: Layout, block):  # noqa: ANN001, ANN202
     """The qdot kernel of a legacy format (one scale per 32-element block, so weight block b meets
     activation block b) from its per-block step

@@ -142,3 +142,15 @@ def test_formats_without_int8_kernels_stay_exact(qtype: GGMLQuantizationType) ->
     w = random_qtensor(qtype, rows=9, cols=_cols(qtype), seed=7)
     x = np.random.default_rng(8).standard_normal((1, w.cols)).astype(np.float32)
     assert relative_error(mm.matmul(w, x, int8=True), x, reference(w)) < TOL
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("cols", [32, 96, 128, 288])
+def test_affine_formats_take_any_block_count(qtype: GGMLQuantizationType, cols: int) -> None:
+    """Q4_1 and Q5_1 convert the scales of four blocks at a time (int8_dots.affine_rows); rows of
+    fewer blocks, or of a count that four does not divide, end block by block."""
+    w = random_qtensor(qtype, rows=19, cols=cols, seed=cols)
+    x = np.random.default_rng(cols).standard_normal((2, cols)).astype(np.float32)
+    xq, xd, _ = mm.quantize_activations(x)
+    xdq = (xq.reshape(2, -1, 32) * xd[:, :, None]).reshape(2, cols).astype(np.float32)
+    assert relative_error(mm.matmul(w, x, int8=True), xdq, reference(w)) < TOL

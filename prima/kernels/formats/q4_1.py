@@ -8,8 +8,8 @@ from numba import carray, njit
 
 from prima.ggml_constants import GGMLQuantizationType
 from prima.kernels.formats import F16, Layout, QuantFormat
-from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, legacy_rows
-from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32
+from prima.kernels.int8_dots import affine_rows, dot_nib16, f16_at, half_at, legacy_rows
+from prima.kernels.lanes import NATIVE_HALF, half, lane_sum, nibbles, stack_f32
 
 LAYOUT = Layout.of(GGMLQuantizationType.Q4_1, d=F16, m=F16, qs=16)
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
@@ -59,7 +59,13 @@ def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
     return half_at(w, r, o + M) * xs[k, b]
 
 
-qdot = njit(cache=True)(legacy_rows(LAYOUT, _qblock))
+@njit(cache=True, inline="always")
+def _block_dot(accp, scale, w, r, wr, o, xq, xk):  # noqa: ANN001, ANN202, ARG001
+    dot_nib16(accp, scale, w, wr + o + QS, 0, xq, xk)
+
+
+# Four blocks' scales at a time where the CPU converts halves (affine_rows), else block by block.
+qdot = njit(cache=True)(affine_rows(LAYOUT, _block_dot) if NATIVE_HALF else legacy_rows(LAYOUT, _qblock))
 
 
 @njit(cache=True)
