@@ -85,11 +85,11 @@ def ms_per_token_ring(ring: Ring, ids: list[int], n: int) -> tuple[float, float]
     end = time.perf_counter()
     assert first is not None
     after = _hop_compute(ring)
-    layers = sum(
-        (ms - before.get(hop, (0, 0.0))[1]) / (steps - before.get(hop, (0, 0.0))[0])
-        for hop, (steps, ms) in after.items()
-        if steps > before.get(hop, (0, 0.0))[0]
-    )
+    layers = 0.0
+    for hop, (steps, ms) in after.items():
+        steps_before, ms_before = before.get(hop, (0, 0.0))
+        if steps > steps_before:
+            layers += (ms - ms_before) / (steps - steps_before)
     return (end - first) * 1000 / max(count - 1, 1), layers
 
 

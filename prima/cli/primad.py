@@ -204,12 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _link_port(text: str) -> str:
+def _link_port(text: str) -> int | None:
+    """--link-port: a port (0: any free one), or None for 'off'."""
     if text == "off":
-        return text
+        return None
     if not text.isdigit() or not 0 <= int(text) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535) or 'off'")
-    return text
+    return int(text)
 
 
 def daemon_limits(args: argparse.Namespace) -> DaemonLimits:
@@ -361,11 +362,11 @@ def open_link_server(
 ) -> LinkServer | None:
     """The activation link beside the gRPC port (--link-port; 0, the default, picks a free
     port), advertised in Info so that peers find it; None with --link-port off."""
-    if args.link_port == "off":
+    if args.link_port is None:
         return None
     try:
         link = LinkServer(
-            runtime, args.host, int(args.link_port), identity=identity, limits=bounds, revoked=revoked
+            runtime, args.host, args.link_port, identity=identity, limits=bounds, revoked=revoked
         )
     except OSError as exc:
         raise InputError(
