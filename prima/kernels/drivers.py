@@ -33,6 +33,19 @@ has_int8 = dispatch.has_int8
 quantize_rows = i8.quantize_rows
 QK8 = i8.QK8  # elements per int8 activation block
 VNNI = i8.VNNI  # the int8 dots use vpdpbusd
+AVX2 = i8.AVX2  # the int8 dots and GEMM use AVX2's byte products (pmaddubsw, or vpdpbusd)
+
+# gemm_tile(fmt, u, sc, mn, m, xt, xdt, xst, n, out, c0): a tile of unpacked weight rows of
+# format fmt against the packed activations, with the GEMM step made for the format's bytes.
+gemm_tile = dispatch.switch(
+    "gemm_tile",
+    ("u", "sc", "mn", "m", "xt", "xdt", "xst", "n", "out", "c0"),
+    [
+        (q, g8.tile_product_for(f.unpack_max, f.unpack_piece))
+        for q, f in dispatch.FORMATS.items()
+        if f.unpack is not None
+    ],
+)
 
 # Rows per parallel work item: fewer scheduling steps, still enough items to balance 2-8 threads.
 CHUNK_ROWS = 16
@@ -156,21 +169,7 @@ def gemm_q8(fmt: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray
                 dispatch.unpack(fmt, b[r - ra], u[i], sc[i], mn[i])
             else:
                 dispatch.unpack(fmt, c[r - rab], u[i], sc[i], mn[i])
-        if _halves_share_maps(sc, mn, m):
-            g8.tile_product_joint(u, sc, mn, m, xt, xdt, xst, n, out, r0)
-        else:
-            g8.tile_product(u, sc, mn, m, xt, xdt, xst, n, out, r0)
-
-
-@njit(cache=True, inline="always")
-def _halves_share_maps(sc: np.ndarray, mn: np.ndarray, m: int) -> bool:
-    """Whether both 16-element halves of every block of the first m unpacked rows have one affine
-    map (every format but Q6_K's): then one int32 sum per block, not two."""
-    for i in range(m):
-        for p in range(0, sc.shape[1], 2):
-            if sc[i, p] != sc[i, p + 1] or mn[i, p] != mn[i, p + 1]:
-                return False
-    return True
+        gemm_tile(fmt, u, sc, mn, m, xt, xdt, xst, n, out, r0)
 
 
 @njit(parallel=True, cache=True)

@@ -11,17 +11,18 @@ an affine map per 16 elements:
 and the activations, quantized to int8 per 32-element block as at decode (value = xd * xq), are
 packed so that one vector holds 4 consecutive elements of each of GROUP rows (8 rows in 32 bytes;
 16 in 64 where the CPU has 512-bit vpdpbusd). A step then broadcasts 4 bytes of u to all lanes
-and adds the 4 products into each row's int32 lane (vpdpbusd where the CPU has VNNI, else
-generic vector code numba's LLVM lowers for the host): GROUP rows x 4 elements per instruction,
-no horizontal sums. Per 16 elements
+and adds the 4 products into each row's int32 lane (vpdpbusd where the CPU has VNNI; pmaddubsw
+and pmaddwd where it has AVX2 alone; else generic vector code numba's LLVM lowers for the host):
+GROUP rows x 4 elements per instruction, no horizontal sums. Per 16 elements
 
     sum_j w[j] x[j] = sc * xd * (integer dot of u and xq) + mn * (xd * sum of xq)
 
 so the mins and offsets of the formats meet the half-block sums of the activations (xs16).
 
   pack_group(x, g, xt, xdt, xst)       rows of x (n, cols) f32 -> one packed int8 group, scales, sums
-  gemm_step(acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1)
-                                       one 32-element block of one weight row x 8 activation rows
+  tile_product_for(unpack_max, unpack_piece)
+                                       the product of a tile of unpacked weight rows and the
+                                       packed activations, for a format's bytes and maps
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from prima.kernels.int8_dots import QK8, VNNI, _i64, _x86
+from prima.kernels.int8_dots import AVX2, QK8, VNNI, _i64, _x86
 from prima.kernels.lanes import stack_f32
 
 
@@ -109,14 +110,20 @@ def _ptr(context, builder, aryty, ary, off, ty):  # noqa: ANN001, ANN202
     return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
 
 
+def _splat_u4(builder, u4):  # noqa: ANN001, ANN202
+    """<GROUP x i32> with every lane the 4 weight bytes u4 (one i32)."""
+    i32xg = ir.VectorType(_I32, GROUP)
+    splat = builder.insert_element(ir.Constant(i32xg, ir.Undefined), u4, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(
+        splat, ir.Constant(i32xg, ir.Undefined), ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP)
+    )
+
+
 def _dot4(builder, acc, u4, xv):  # noqa: ANN001, ANN202
     """acc (GROUP x i32) + per lane l: sum over e < 4 of u4[e] * xv[4 l + e], for u4 the 4 weight
     bytes (unsigned, as one i32) and xv STEP_BYTES activation bytes (signed)."""
     i32x8 = ir.VectorType(_I32, GROUP)
-    splat = builder.insert_element(ir.Constant(i32x8, ir.Undefined), u4, ir.Constant(_I32, 0))
-    splat = builder.shuffle_vector(
-        splat, ir.Constant(i32x8, ir.Undefined), ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP)
-    )
+    splat = _splat_u4(builder, u4)
     if VNNI:
         name = f"llvm.x86.avx512.vpdpbusd.{32 * GROUP}"
         return _x86(builder, name, i32x8, acc, splat, builder.bitcast(xv, i32x8))
@@ -137,6 +144,75 @@ def _dot4(builder, acc, u4, xv):  # noqa: ANN001, ANN202
     return builder.add(acc, quads)
 
 
+# ---- AVX2 without vpdpbusd -------------------------------------------------------------------
+# pmaddubsw multiplies u8 x s8 and adds neighbouring products into int16 lanes; pmaddwd against
+# ones then adds those pairs into the int32 lanes vpdpbusd would have filled. A pair is at most
+# 2 * umax * 127, so products of several steps can first be added in int16 (one pmaddwd for a
+# run of them): a whole block of nibbles, 4 steps of 5-bit values, 2 of 6-bit ones. Integer sums
+# are exact, so the result has VNNI's bits. Bytes above 128 (Q8_0's q + 128) could saturate a
+# pair: those run signed, q = u - 128 as pmaddubsw(|q|, x with q's sign), and the map's offset
+# takes the 128 back (mn + 128 sc).
+WIDE = 0  # int16 run length meaning "bytes above 128: signed steps"
+_I16_MAX = 32767
+
+
+def i16_run(unpack_max: int, steps: int) -> int:
+    """How many of `steps` consecutive steps' pmaddubsw sums add up in int16 for bytes up to
+    unpack_max (a power of two), or WIDE where one pair could already saturate."""
+    if unpack_max > 128:
+        return WIDE
+    run = 1
+    while run * 2 <= steps and run * 2 * (2 * unpack_max * 127) <= _I16_MAX:
+        run *= 2
+    return run
+
+
+def _pairs_avx2(builder, u4, xv, wide):  # noqa: ANN001, ANN202
+    """<16 x i16>: per lane l, u4[0] xv[4l] + u4[1] xv[4l+1] and u4[2] xv[4l+2] + u4[3] xv[4l+3]
+    (pmaddubsw); `wide`: with q = u4 - 128 per byte in place of u4."""
+    i8x32 = ir.VectorType(_I8, 32)
+    i16x16 = ir.VectorType(_I16, 16)
+    u = builder.bitcast(_splat_u4(builder, u4), i8x32)
+    if wide:
+        q = builder.xor(u, ir.Constant(i8x32, [-128] * 32))
+        absq = builder.call(
+            cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i8x32, [i8x32, ir.IntType(1)]), "llvm.abs.v32i8"
+            ),
+            [q, ir.Constant(ir.IntType(1), 0)],
+        )
+        return _x86(
+            builder,
+            "llvm.x86.avx2.pmadd.ub.sw",
+            i16x16,
+            absq,
+            _x86(builder, "llvm.x86.avx2.psign.b", i8x32, xv, q),
+        )
+    return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", i16x16, u, xv)
+
+
+def _widen_avx2(builder, pairs):  # noqa: ANN001, ANN202
+    """<8 x i32> sums of neighbouring int16 lanes (pmaddwd against ones)."""
+    ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones)
+
+
+def _steps_avx2(builder, u4s, xvs, run):  # noqa: ANN001, ANN202
+    """<8 x i32>: the integer dots of consecutive steps (weights u4s, activations xvs), their
+    pmaddubsw sums added in int16 `run` at a time (WIDE: signed steps, one at a time)."""
+    pairs = [_pairs_avx2(builder, u, x, run == WIDE) for u, x in zip(u4s, xvs, strict=True)]
+    run = max(run, 1)
+    groups = []
+    for g in range(0, len(pairs), run):
+        part = pairs[g : g + run]
+        while len(part) > 1:
+            part = [builder.add(part[k], part[k + 1]) for k in range(0, len(part), 2)]
+        groups.append(_widen_avx2(builder, part[0]))
+    while len(groups) > 1:
+        groups = [builder.add(groups[k], groups[k + 1]) for k in range(0, len(groups), 2)]
+    return groups[0]
+
+
 def _splat_f(builder, value):  # noqa: ANN001, ANN202
     fty = ir.VectorType(_F32, GROUP)
     v = builder.insert_element(ir.Constant(fty, ir.Undefined), value, ir.Constant(_I32, 0))
@@ -145,9 +221,17 @@ def _splat_f(builder, value):  # noqa: ANN001, ANN202
     )
 
 
-def _gemm_step(split: bool):  # noqa: ANN202
-    """The intrinsic gemm_step (split: the two halves of a block have their own sc and mn, as
-    Q6_K's) or gemm_step_joint (they share them: one conversion and one multiply-add fewer)."""
+# The AVX2 steps (pmaddubsw) where the CPU has AVX2 but no vpdpbusd; elsewhere (VNNI, or generic
+# vector code) every unpack_max compiles to the same step.
+PMADDUBSW = AVX2 and not VNNI
+STEPS_PER_BLOCK = QK8 // 4
+
+
+def _gemm_step(split: bool, unpack_max: int):  # noqa: ANN202
+    """The intrinsic gemm_step for bytes up to unpack_max (split: the two halves of a block have
+    their own sc and mn, as Q6_K's; else they share them: one conversion and one multiply-add
+    fewer)."""
+    run = i16_run(unpack_max, STEPS_PER_BLOCK // 2 if split else STEPS_PER_BLOCK) if PMADDUBSW else 1
 
     @intrinsic
     def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):  # noqa: ANN001, ANN202, ARG001
@@ -158,19 +242,35 @@ def _gemm_step(split: bool):  # noqa: ANN202
             f32x8 = ir.VectorType(_F32, GROUP)
             uo = _i64(builder, args[3], a[3])
             xo = _i64(builder, args[5], a[5])
-            # Four chains of two steps (two per half), so consecutive steps do not wait on
-            # each other.
-            chains = []
-            for c in range(4):
-                part = ir.Constant(i32x8, [0] * GROUP)
-                for s in range(2):
-                    t = c * 2 + s
-                    off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
-                    u4 = builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1)
-                    off_x = builder.add(xo, ir.Constant(xo.type, STEP_BYTES * t))
-                    xv = builder.load(_ptr(context, builder, a[4], args[4], off_x, i8x32), align=1)
-                    part = _dot4(builder, part, u4, xv)
-                chains.append(part)
+            u4s = []
+            xvs = []
+            for t in range(STEPS_PER_BLOCK):
+                off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
+                u4s.append(builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1))
+                off_x = builder.add(xo, ir.Constant(xo.type, STEP_BYTES * t))
+                xvs.append(builder.load(_ptr(context, builder, a[4], args[4], off_x, i8x32), align=1))
+            if PMADDUBSW:
+                if split:
+                    half = STEPS_PER_BLOCK // 2
+                    sums = [
+                        _steps_avx2(builder, u4s[:half], xvs[:half], run),
+                        _steps_avx2(builder, u4s[half:], xvs[half:], run),
+                    ]
+                else:
+                    sums = [_steps_avx2(builder, u4s, xvs, run)]
+            else:
+                # Four chains of two steps (two per half), so consecutive steps do not wait on
+                # each other.
+                chains = []
+                for c in range(4):
+                    part = ir.Constant(i32x8, [0] * GROUP)
+                    for s in range(2):
+                        part = _dot4(builder, part, u4s[2 * c + s], xvs[2 * c + s])
+                    chains.append(part)
+                if split:
+                    sums = [builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3])]
+                else:
+                    sums = [builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))]
             xdo = builder.mul(_i64(builder, args[7], a[7]), ir.Constant(ir.IntType(64), 4))
             xd = builder.load(_ptr(context, builder, a[6], args[6], xdo, f32x8), align=4)
             xso = builder.mul(_i64(builder, args[9], a[9]), ir.Constant(ir.IntType(64), 4))
@@ -180,22 +280,29 @@ def _gemm_step(split: bool):  # noqa: ANN202
             fmuladd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(f32x8, [f32x8, f32x8, f32x8]), f"llvm.fmuladd.v{GROUP}f32"
             )
+            scales = [args[10], args[11]]
+            offsets = [args[12], args[13]]
+            if run == WIDE:
+                # The signed steps summed q = u - 128: the offset takes the 128 u's had back.
+                c128 = ir.Constant(_F32, 128.0)
+                offsets = [
+                    builder.call(_fmuladd_f32(builder), [c128, s, m])
+                    for s, m in zip(scales, offsets, strict=True)
+                ]
             accp = builder.bitcast(args[0], f32x8.as_pointer())
             accmp = builder.bitcast(args[1], f32x8.as_pointer())
             v = builder.load(accp, align=4)
             m = builder.load(accmp, align=4)
             if split:
                 for h in range(2):
-                    ints = builder.add(chains[2 * h], chains[2 * h + 1])
-                    scale = builder.fmul(_splat_f(builder, args[10 + h]), xd)
-                    v = builder.call(fmuladd, [builder.sitofp(ints, f32x8), scale, v])
-                m = builder.call(fmuladd, [_splat_f(builder, args[12]), xs0, m])
-                m = builder.call(fmuladd, [_splat_f(builder, args[13]), xs1, m])
+                    scale = builder.fmul(_splat_f(builder, scales[h]), xd)
+                    v = builder.call(fmuladd, [builder.sitofp(sums[h], f32x8), scale, v])
+                m = builder.call(fmuladd, [_splat_f(builder, offsets[0]), xs0, m])
+                m = builder.call(fmuladd, [_splat_f(builder, offsets[1]), xs1, m])
             else:
-                ints = builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))
-                scale = builder.fmul(_splat_f(builder, args[10]), xd)
-                v = builder.call(fmuladd, [builder.sitofp(ints, f32x8), scale, v])
-                m = builder.call(fmuladd, [_splat_f(builder, args[12]), builder.fadd(xs0, xs1), m])
+                scale = builder.fmul(_splat_f(builder, scales[0]), xd)
+                v = builder.call(fmuladd, [builder.sitofp(sums[0], f32x8), scale, v])
+                m = builder.call(fmuladd, [_splat_f(builder, offsets[0]), builder.fadd(xs0, xs1), m])
             builder.store(v, accp, align=4)
             builder.store(m, accmp, align=4)
 
@@ -205,13 +312,10 @@ def _gemm_step(split: bool):  # noqa: ANN202
     return step
 
 
-# One weight block against one packed activation group, into 8 float lanes (one per row):
-#   acc += (s0 * xd) * dot(u[uo:uo+16], xq half 0) + (s1 * xd) * dot(u[uo+16:uo+32], xq half 1)
-#   accm += m0 * xs half 0 + m1 * xs half 1
-# with xt's block at byte xo, xd at element xdo of xdt and the half sums at element xso of xst
-# (pack_group's layout). The joint step assumes s0 == s1 and m0 == m1.
-gemm_step = _gemm_step(split=True)
-gemm_step_joint = _gemm_step(split=False)
+def _fmuladd_f32(builder):  # noqa: ANN001, ANN202
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_F32, [_F32, _F32, _F32]), "llvm.fmuladd.f32"
+    )
 
 
 def _tile_product(step):  # noqa: ANN001, ANN202
@@ -288,11 +392,20 @@ def _tile_product(step):  # noqa: ANN001, ANN202
     return tile_product
 
 
-# tile_product(u, sc, mn, m, xt, xdt, xst, n, out, c0): out[k, c0 + i] = x_k . w_i for the first
-# m unpacked weight rows and the n packed activation rows; the joint one for tiles whose halves
-# share sc and mn.
-tile_product = njit(cache=True)(_tile_product(gemm_step))
-tile_product_joint = njit(cache=True)(_tile_product(gemm_step_joint))
+_TILE_PRODUCTS: dict[tuple[bool, int], object] = {}
+
+
+def tile_product_for(unpack_max: int, unpack_piece: int):  # noqa: ANN201
+    """tile_product(u, sc, mn, m, xt, xdt, xst, n, out, c0) for a format whose unpacked bytes go up
+    to unpack_max with one affine map per unpack_piece elements: out[k, c0 + i] = x_k . w_i for the
+    first m unpacked weight rows and the n packed activation rows. Formats whose steps compile
+    alike share one function."""
+    split = unpack_piece < QK8
+    run = i16_run(unpack_max, STEPS_PER_BLOCK // 2 if split else STEPS_PER_BLOCK) if PMADDUBSW else 1
+    key = (split, run)
+    if key not in _TILE_PRODUCTS:
+        _TILE_PRODUCTS[key] = njit(cache=True)(_tile_product(_gemm_step(split, unpack_max)))
+    return _TILE_PRODUCTS[key]
 
 
 @njit(cache=True, inline="always")

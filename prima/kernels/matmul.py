@@ -2,7 +2,7 @@
 
 Decode (n = 1) and short batches run fused numba kernels that read each weight byte once and
 never materialize W. Longer batches (prefill) in int8 mode run the int8 GEMM (drivers.gemm_q8:
-each weight row unpacked once for all activation rows) where the CPU has vpdpbusd (INT8_GEMM).
+each weight row unpacked once for all activation rows) where the CPU has AVX2 (INT8_GEMM).
 In exact mode, on other CPUs, or for a format without an unpack step, they dequantize ~1 MiB
 tiles of rows and hand them to BLAS, which beats a hand-written float loop once the dequantize
 cost is shared by many activation rows. Without numba, the same tiling runs on gguf-py's numpy
@@ -32,11 +32,12 @@ Q = GGMLQuantizationType
 # Up to this many activation rows the fused per-row kernels run; above, the int8 GEMM (int8 mode)
 # or dequantized tiles + BLAS.
 FUSED_MAX_N = 4
-# Whether q8 prefill runs the int8 GEMM: where the CPU has vpdpbusd (AVX-512 VNNI or AVX-VNNI),
-# which made a 128-row Gemma ffn_gate ~2.5x faster than dequantized tiles + BLAS. Its generic
-# vector code (AVX2 alone, ARM) lost to BLAS (21 vs 14 ms on that matmul), so there prefill keeps
-# BLAS and float activations.
-INT8_GEMM = HAVE_NUMBA and drivers.VNNI
+# Whether q8 prefill runs the int8 GEMM: where the CPU has AVX2's byte products (pmaddubsw, or
+# vpdpbusd with AVX-512 VNNI or AVX-VNNI). At 128 rows and 2 threads it beat dequantized tiles +
+# BLAS 1.3-1.7x with pmaddubsw on an AVX2-only AMD EPYC, ~2.5x with vpdpbusd (a Gemma ffn_gate);
+# its generic vector code (ARM, a portable build) lost to BLAS (21 vs 14 ms on that matmul), so
+# there prefill keeps BLAS and float activations.
+INT8_GEMM = HAVE_NUMBA and drivers.AVX2
 # Elements per dequantized tile (float32: 1 MiB), small enough to stay in L2 while BLAS reads it.
 TILE_ELEMENTS = 1 << 18
 # Prefill splits a weight's row tiles over this many Python threads; each dequantizes without the

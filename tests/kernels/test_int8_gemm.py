@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from prima.kernels import dispatch, drivers
 from prima.kernels import int8_gemm as g8
 from prima.kernels import matmul as mm
+from prima.kernels.tensor import QTensor
 
 from .weights import FORMATS, random_qtensor, reference, relative_error
 
@@ -56,6 +57,10 @@ def test_unpack_equals_reference_dequantization(qtype: GGMLQuantizationType) -> 
     ref = reference(w)
     for r in range(w.rows):
         dispatch.unpack(int(qtype), w.raw[r], u, sc, mn)
+        assert u.max() <= FORMATS[qtype].unpack_max  # what the AVX2 step's int16 runs rely on
+        if FORMATS[qtype].unpack_piece == 2 * g8.PIECE:
+            np.testing.assert_array_equal(sc[0::2], sc[1::2])
+            np.testing.assert_array_equal(mn[0::2], mn[1::2])
         got = np.repeat(sc, g8.PIECE).astype(np.float64) * u + np.repeat(mn, g8.PIECE)
         scale = np.abs(ref[r]).max()
         np.testing.assert_allclose(got, ref[r], rtol=0, atol=scale * 1e-6)
@@ -85,6 +90,32 @@ def test_gemm_rows_agree_with_decode_kernels(qtype: GGMLQuantizationType) -> Non
     assert relative_error(batched, _quantized(x), reference(w)) < TOL
     assert relative_error(alone, _quantized(x), reference(w)) < TOL
     assert np.abs(batched - alone).max() <= TOL * np.abs(alone).max()
+
+
+def _saturated_qtensor(qtype: GGMLQuantizationType, fill: int, rows: int, cols: int) -> QTensor:
+    """Every quant byte `fill` (0xFF: each format's largest unpacked byte), every f16 scale 0.01."""
+    layout = FORMATS[qtype].layout
+    n_blocks = rows * cols // layout.elements
+    blocks = np.full((n_blocks, layout.nbytes), fill, dtype=np.uint8)
+    for off in layout.f16_offsets:
+        blocks[:, off : off + 2] = np.full(n_blocks, 0.01, np.float16).view(np.uint8).reshape(n_blocks, 2)
+    raw = blocks.reshape(rows, -1)
+    raw.flags.writeable = False
+    return QTensor("w", qtype, (rows, cols), raw)
+
+
+EXTREMES = [(q, 0xFF) for q in GEMM_QTYPES] + [(Q.Q8_0, 0x7F), (Q.Q8_0, 0x80)]
+
+
+@pytest.mark.parametrize(("qtype", "fill"), EXTREMES, ids=lambda v: v.name if hasattr(v, "name") else hex(v))
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_gemm_holds_the_largest_products(qtype: GGMLQuantizationType, fill: int, sign: float) -> None:
+    """The largest bytes a format unpacks against activations that quantize to +-127 everywhere:
+    where the GEMM adds byte products in int16 (AVX2's pmaddubsw, in runs that fit), nothing may
+    saturate; Q8_0's bytes up to 255 (q = 127) and q = -128 included."""
+    w = _saturated_qtensor(qtype, fill, rows=12, cols=_cols(qtype))
+    x = np.full((9, w.cols), sign, dtype=np.float32)
+    assert relative_error(mm.matmul(w, x, int8=True), _quantized(x), reference(w)) < TOL
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q6_K], ids=lambda q: q.name)

@@ -9,7 +9,11 @@
   unpack(row, u, sc, mn)                 row as bytes u (cols,) and an affine map per 16
                                          elements, w[j] = sc[j // 16] * u[j] + mn[j // 16]
                                          (prima.kernels.int8_gemm, q8 prefill), or None
-  FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)
+  FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack, unpack_max=15)
+                                         unpack_max: the largest u unpack writes (the int8
+                                         GEMM's AVX2 step adds products in int16 while they fit);
+                                         unpack_piece: 16 where a block's halves have maps of
+                                         their own (Q6_K), else 32
 
 `lut` is quants.F16_TABLE; `row` is one row of raw blocks (uint8), `w` the whole (rows, bytes)
 array. Adding a format is a module here plus its type in QTYPES: the dispatch in
@@ -107,6 +111,8 @@ class QuantFormat:
     deq: Callable[..., None]
     qdot: Callable[..., None] | None = None
     unpack: Callable[..., None] | None = None
+    unpack_max: int = 255
+    unpack_piece: int = 32
 
     @property
     def qtype(self) -> GGMLQuantizationType:

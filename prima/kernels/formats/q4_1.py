@@ -84,4 +84,4 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
             mn[2 * b + p] = m
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack, unpack_max=15)

@@ -144,4 +144,4 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
                 mn[p + 1] = -(dmin * m)
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack, unpack_max=15)

@@ -99,4 +99,4 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
                 mn[p + 1] = -(dmin * m)
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, unpack=unpack)
+FORMAT = QuantFormat(LAYOUT, dot, deq, unpack=unpack, unpack_max=31)

@@ -149,4 +149,4 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
                     mn[ub // 16 + p] = np.float32(-32.0) * dl
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack)
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack, unpack_max=63, unpack_piece=16)
