@@ -22,6 +22,13 @@ from tests.tiny_models import write_tiny_model
 # The same F32 weights on both sides, and (unlike the real Gemma 3, see test_transformer) random
 # weights keep Gemma's fp16 GELU table from amplifying rounding: measured |d| ~1e-5 for all four.
 TOLERANCE = 1e-3
+# q8 mode keeps K and V in halves and rounds queries and softmax weights to halves before they
+# meet them, as llama.cpp's default run does; where a value sits near a rounding boundary the two
+# sides' float32 sums (llama.cpp's order differs between its AVX2 and AVX-512 builds) can round
+# it apart. Measured on an AVX2-only AMD EPYC: llama q8 |d| 1.14e-3 at logits up to 5.4 (2.1e-4
+# of the largest), the other three 0.8-7.6e-4. Allowed: one half-precision step (2^-11) of the
+# largest logit.
+HALF_STEP = 2.0**-11
 PROMPTS = ("The capital of France is", "def add(a, b):\n    return a + b\n\n把大模型装进口袋 12345")
 MAX_TOKENS = 8
 
@@ -51,7 +58,10 @@ def test_tiny_architecture_matches_llama_cpp(tmp_path: Path, arch: str, mode: st
                 stop_ids=stops,
             )
             assert result.prompt_logits is not None
-            assert np.abs(np.asarray(result.prompt_logits) - want_logits).max() <= TOLERANCE
+            tol = (
+                TOLERANCE if mode == "exact" else max(TOLERANCE, HALF_STEP * float(np.abs(want_logits).max()))
+            )
+            assert np.abs(np.asarray(result.prompt_logits) - want_logits).max() <= tol
             assert result.token_ids == want_greedy
     finally:
         reference.close()
