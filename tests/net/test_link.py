@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from prima.daemon.runtime import NodeRuntime
+from prima.daemon.worker import INLINE_MAX_TOKENS
 from prima.errors import NodeError
 from prima.forward.loader import load_model
 from prima.net import codec, credentials, link_tls, link_wire, revocation
@@ -127,6 +129,21 @@ def test_activations_over_the_link_are_computed_in_order(daemon: Daemon) -> None
     _wait_for_steps(daemon, before + 3)
     relay.close()
     assert not errors.got
+
+
+def test_a_decode_step_behind_a_queued_prompt_waits_for_it(daemon: Daemon) -> None:
+    """A prompt micro-batch too long to compute in the thread it arrives on queues for the compute
+    thread; a decode step arriving right behind it, which alone would be computed where it
+    arrives, must wait for it (computed first, it would leave a gap in the KV cache)."""
+    sid = _session(daemon, "prompt-then-step")
+    gaps = REGISTRY.get_sample_value("prima_node_errors_total", {"kind": "cache_gap"}) or 0.0
+    before = _steps(daemon)
+    n = INLINE_MAX_TOKENS + 4
+    for _ in range(3):
+        daemon.runtime.worker.submit(_act(sid, 0, n), 64)
+        daemon.runtime.worker.submit(_act(sid, n), 64)
+    _wait_for_steps(daemon, before + 3)
+    assert (REGISTRY.get_sample_value("prima_node_errors_total", {"kind": "cache_gap"}) or 0.0) == gaps
 
 
 @pytest.mark.parametrize(
