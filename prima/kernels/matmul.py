@@ -233,6 +233,12 @@ def _dequantize_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     if w.qtype in FLOAT_QTYPES:
         return _float_rows(w, ids)
     out = np.empty((ids.shape[0], w.cols), dtype=np.float32)
+    if ids.shape[0] <= FUSED_MAX_N:
+        # A decode step's embedding: one row on this thread. A parallel launch for it would wake
+        # the thread team, which has slept while the ring computed the last token.
+        for i, row in enumerate(ids.tolist()):
+            drivers.dequantize_tile(int(w.qtype), w.raw, row, F16_TABLE, out[i : i + 1])
+        return out
     drivers.dequantize_rows(int(w.qtype), w.raw, ids, F16_TABLE, out)
     return out
 

@@ -40,9 +40,12 @@ def test_matmul_fallback_equals_reference(qtype: GGMLQuantizationType, n: int) -
 
 
 @pytest.mark.parametrize("qtype", ALL_QTYPES, ids=lambda q: q.name)
-def test_get_rows_equals_reference(qtype: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("row_ids", [[10, 0, 3, 3], [10, 0, 3, 3, 7, 1, 2, 9, 5]], ids=["few", "many"])
+def test_get_rows_equals_reference(qtype: GGMLQuantizationType, row_ids: list[int]) -> None:
+    """A decode step's few ids (one row at a time on the calling thread) and a prompt's many
+    (one parallel launch)."""
     w = random_qtensor(qtype, rows=11, cols=_cols(qtype), seed=2)
-    ids = np.array([10, 0, 3, 3])
+    ids = np.array(row_ids)
     expected = reference(w)[ids].astype(np.float32)
     np.testing.assert_allclose(mm.get_rows(w, ids), expected, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(mm.get_rows_fallback(w, ids), expected, rtol=1e-6, atol=1e-7)
