@@ -8,8 +8,8 @@ micro-batches reach each layer in the order they were sent and its KV caches are
 to back. RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
 decode step (or a speculative check of a few tokens) that finds the compute thread idle and
 nothing queued is computed in the thread it arrived on, the link's reader or the head's
-generation. Handing it over would wake the compute thread, which on a VM whose idle vCPUs halt
-cost 0.26 ms per hop on an AVX2 AMD EPYC VM, about a sixth of what a hop cost there.
+generation. Handing it over wakes the compute thread: 0.26 ms per hop on an AVX2 AMD EPYC VM
+whose idle vCPUs halt, about a sixth of what a hop cost there.
 """
 
 from __future__ import annotations

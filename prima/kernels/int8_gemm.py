@@ -158,7 +158,7 @@ _I16_MAX = 32767
 
 def i16_run(unpack_max: int, steps: int) -> int:
     """How many of `steps` consecutive steps' pmaddubsw sums add up in int16 for bytes up to
-    unpack_max (a power of two), or WIDE where one pair could already saturate."""
+    unpack_max (a power of two, at most `steps`), or WIDE where one pair could already saturate."""
     if unpack_max > 128:
         return WIDE
     run = 1
@@ -227,11 +227,17 @@ PMADDUBSW = AVX2 and not VNNI
 STEPS_PER_BLOCK = QK8 // 4
 
 
-def _gemm_step(split: bool, unpack_max: int):  # noqa: ANN202
-    """The intrinsic gemm_step for bytes up to unpack_max (split: the two halves of a block have
-    their own sc and mn, as Q6_K's; else they share them: one conversion and one multiply-add
-    fewer)."""
-    run = i16_run(unpack_max, STEPS_PER_BLOCK // 2 if split else STEPS_PER_BLOCK) if PMADDUBSW else 1
+def _gemm_step(split: bool, run: int):  # noqa: ANN202
+    """The intrinsic gemm_step: one weight block against one packed activation group, into GROUP
+    float lanes (one per activation row),
+
+        acc += (s0 * xd) * dot(u[uo:uo+16], xq half 0) + (s1 * xd) * dot(u[uo+16:uo+32], xq half 1)
+        accm += m0 * xs half 0 + m1 * xs half 1
+
+    with xt's block at byte xo, xd at element xdo of xdt and the half sums at element xso of xst
+    (pack_group's layout). split: the two halves have their own sc and mn, as Q6_K's; else they
+    share them (s0 == s1, m0 == m1: one conversion and one multiply-add fewer). run: the AVX2
+    steps' int16 run length (i16_run), 1 where PMADDUBSW is false."""
 
     @intrinsic
     def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):  # noqa: ANN001, ANN202, ARG001
@@ -404,7 +410,7 @@ def tile_product_for(unpack_max: int, unpack_piece: int):  # noqa: ANN201
     run = i16_run(unpack_max, STEPS_PER_BLOCK // 2 if split else STEPS_PER_BLOCK) if PMADDUBSW else 1
     key = (split, run)
     if key not in _TILE_PRODUCTS:
-        _TILE_PRODUCTS[key] = njit(cache=True)(_tile_product(_gemm_step(split, unpack_max)))
+        _TILE_PRODUCTS[key] = njit(cache=True)(_tile_product(_gemm_step(split, run)))
     return _TILE_PRODUCTS[key]
 
 
