@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 
 from prima.daemon.runtime import NodeRuntime
 from prima.daemon.worker import INLINE_MAX_TOKENS
+from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
 from prima.forward.loader import load_model
 from prima.net import codec, credentials, link_tls, link_wire, revocation
@@ -52,6 +53,9 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    # Kernels compiled first, as primad does before it serves: compiled on the first activation
+    # instead (a cold cache, this module run alone), they would outlast the tests' waits.
+    ensure_compiled(smollm2_path)
     ca_dir = tmp_path_factory.mktemp("ca")
     ca = credentials.ClusterCA.create("link test")
     solo, head = ca.issue("solo"), ca.issue("head")
