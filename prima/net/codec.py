@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,10 +28,12 @@ from prima.plan import NodeAssignment, Plan, Window
 from prima.scheduler.profile import DeviceProfile
 from prima.weights.window import Residency
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 Q8_BLOCK = 32
 MAX_TENSOR_BYTES = 256 << 20  # hard ceiling whatever the caller allows
 MAX_SHOWN_CHARS = 500  # of a peer's free text kept for messages to people
+MAX_POSITION = 1 << 62  # far past any context, and within int64 whatever is added to it
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class WireDType(enum.IntEnum):
@@ -55,23 +58,28 @@ class WireDType(enum.IntEnum):
 def encode_tensor(x: np.ndarray, dtype: WireDType = WireDType.F32) -> pb.Tensor:
     """A float array as a Tensor message in `dtype`."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    msg = pb.Tensor(dtype=int(dtype), shape=list(x.shape))
+    data, scales = tensor_bytes(x, dtype)
+    msg = pb.Tensor(dtype=int(dtype), shape=list(x.shape), data=data)
+    if scales:
+        msg.scales = scales
+    return msg
+
+
+def tensor_bytes(x: np.ndarray, dtype: WireDType) -> tuple[bytes, bytes]:
+    """(data, scales) of float32 array `x` in `dtype`; scales are empty but for Q8_BLOCK."""
     if dtype == WireDType.F32:
-        msg.data = x.astype("<f4", copy=False).tobytes()
-    elif dtype == WireDType.F16:
-        msg.data = x.astype("<f2").tobytes()
-    elif dtype == WireDType.BF16:
+        return (x if x.dtype.str == "<f4" else x.astype("<f4")).tobytes(), b""
+    if dtype == WireDType.F16:
+        return x.astype("<f2").tobytes(), b""
+    if dtype == WireDType.BF16:
         bits = x.view(np.uint32).astype(np.uint64)
         # Round to nearest even on the 16 bits dropped.
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        msg.data = rounded.astype("<u2").tobytes()
-    elif dtype == WireDType.Q8_BLOCK:
+        return rounded.astype("<u2").tobytes(), b""
+    if dtype == WireDType.Q8_BLOCK:
         q, scales = _q8_quantize(x.reshape(-1))
-        msg.data = q.tobytes()
-        msg.scales = scales.tobytes()
-    else:
-        raise ProtocolError(f"cannot encode dtype {dtype!r}")
-    return msg
+        return q.tobytes(), scales.tobytes()
+    raise ProtocolError(f"cannot encode dtype {dtype!r}")
 
 
 # Bytes per value on the wire, by the proto's dtype number: one dict look-up per tensor, on the
@@ -90,31 +98,49 @@ def decode_tensor(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> np.nd
             f"tensor of shape {shape} needs {n * 4} bytes as f32, over this node's limit of "
             f"{min(max_bytes, MAX_TENSOR_BYTES)}; send smaller micro-batches"
         )
-    width = _WIDTHS.get(msg.dtype)
-    if width is None:
-        raise ProtocolError(
-            f"unknown tensor dtype {msg.dtype}; this node speaks {[d.name for d in WireDType]}"
-        )
+    width = wire_width(msg.dtype)
     if len(msg.data) != n * width:
         raise ProtocolError(
             f"tensor of shape {shape} in {WireDType(msg.dtype).name} needs {n * width} data bytes, "
             f"got {len(msg.data)}"
         )
-    if msg.dtype == WireDType.F32:
-        return np.frombuffer(msg.data, dtype="<f4").reshape(shape).astype(np.float32)
-    if msg.dtype == WireDType.F16:
-        return np.frombuffer(msg.data, dtype="<f2").astype(np.float32).reshape(shape)
-    if msg.dtype == WireDType.BF16:
-        bits = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(shape)
-    n_blocks = -(-n // Q8_BLOCK)
-    if len(msg.scales) != n_blocks * 2:
+    if msg.dtype == WireDType.Q8_BLOCK and len(msg.scales) != q8_scale_bytes(n):
         raise ProtocolError(
-            f"Q8_BLOCK tensor of {n} values needs {n_blocks} f16 scales, got {len(msg.scales) // 2}"
+            f"Q8_BLOCK tensor of {n} values needs {q8_scale_bytes(n) // 2} f16 scales, got {len(msg.scales) // 2}"
         )
-    q = np.frombuffer(msg.data, dtype=np.int8)
-    scales = np.frombuffer(msg.scales, dtype="<f2")
-    return _q8_dequantize(q, scales, n).reshape(shape)
+    return tensor_from_bytes(msg.dtype, shape, msg.data, msg.scales)
+
+
+def wire_width(dtype: int) -> int:
+    """Bytes per value of wire dtype number `dtype`; ProtocolError for a number not known here."""
+    width = _WIDTHS.get(dtype)
+    if width is None:
+        raise ProtocolError(f"unknown tensor dtype {dtype}; this node speaks {[d.name for d in WireDType]}")
+    return width
+
+
+def q8_scale_bytes(n: int) -> int:
+    """Bytes of f16 scales that `n` values in Q8_BLOCK carry."""
+    return -(-n // Q8_BLOCK) * 2
+
+
+def tensor_from_bytes(
+    dtype: int, shape: tuple[int, ...], data: bytes | memoryview, scales: bytes | memoryview = b""
+) -> np.ndarray:
+    """A new float32 array of `shape` from its wire bytes, whose lengths the caller has checked
+    (`wire_width`, `q8_scale_bytes`)."""
+    if dtype == WireDType.F32:
+        if _LITTLE_ENDIAN:  # one copy, into memory the array owns and may write
+            return np.frombuffer(bytearray(data), dtype=np.float32).reshape(shape)
+        return np.frombuffer(data, dtype="<f4").reshape(shape).astype(np.float32)
+    if dtype == WireDType.F16:
+        return np.frombuffer(data, dtype="<f2").astype(np.float32).reshape(shape)
+    if dtype == WireDType.BF16:
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    n = math.prod(shape)
+    q = np.frombuffer(data, dtype=np.int8)
+    return _q8_dequantize(q, np.frombuffer(scales, dtype="<f2"), n).reshape(shape)
 
 
 def _q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -164,9 +190,27 @@ def encode_activation(act: Activation, dtype: WireDType = WireDType.F32) -> pb.A
 
 def decode_activation(msg: pb.Activation, *, d_model: int, max_tokens: int) -> Activation:
     """Check an Activation's shape against this model and the node's batch limit, then decode."""
-    if not msg.session_id:
-        raise ProtocolError("activation has no session_id; open a session first")
     shape = tuple(msg.hidden.shape)
+    check_activation(msg.session_id, shape, d_model=d_model, max_tokens=max_tokens)
+    if len(msg.positions) != shape[0]:
+        raise ProtocolError(f"{len(msg.positions)} positions for {shape[0]} rows of hidden states")
+    # Checked in Python, not numpy: every hop of every token decodes here, often on a core that
+    # has just woken with cold caches, where each numpy call costs tens of microseconds.
+    first = msg.positions[0]
+    if shape[0] > 1 and list(msg.positions) != list(range(first, first + shape[0])):
+        raise ProtocolError("positions must be consecutive and non-negative")
+    positions = positions_from(first, shape[0])
+    hidden = decode_tensor(msg.hidden, max_bytes=max_tokens * d_model * 4)
+    return Activation(
+        msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq, msg.all_rows
+    )
+
+
+def check_activation(session_id: str, shape: tuple[int, ...], *, d_model: int, max_tokens: int) -> None:
+    """ProtocolError (PayloadTooLargeError) unless an activation of `session_id` with hidden
+    states of `shape` is one this node can take: (n_tokens, d_model), 1 <= n_tokens <= max_tokens."""
+    if not session_id:
+        raise ProtocolError("activation has no session_id; open a session first")
     if len(shape) != 2 or shape[1] != d_model:
         raise ProtocolError(f"hidden states have shape {shape}; this model needs (n_tokens, {d_model})")
     if shape[0] == 0:
@@ -175,18 +219,23 @@ def decode_activation(msg: pb.Activation, *, d_model: int, max_tokens: int) -> A
         raise PayloadTooLargeError(
             f"micro-batch of {shape[0]} tokens exceeds this node's limit of {max_tokens}; split the prompt"
         )
-    if len(msg.positions) != shape[0]:
-        raise ProtocolError(f"{len(msg.positions)} positions for {shape[0]} rows of hidden states")
-    # Checked in Python, not numpy: every hop of every token decodes here, often on a core that
-    # has just woken with cold caches, where each numpy call costs tens of microseconds.
-    first = msg.positions[0]
-    if first < 0 or (shape[0] > 1 and list(msg.positions) != list(range(first, first + shape[0]))):
+
+
+def positions_from(first: int, n: int) -> np.ndarray:
+    """Positions first, first + 1, ... of `n` rows, checked to be non-negative int64s."""
+    if first < 0 or first + n > MAX_POSITION:
         raise ProtocolError("positions must be consecutive and non-negative")
-    positions = np.arange(first, first + shape[0], dtype=np.int64)
-    hidden = decode_tensor(msg.hidden, max_bytes=max_tokens * d_model * 4)
-    return Activation(
-        msg.session_id, msg.plan_epoch, msg.hop_index, positions, hidden, msg.batch_seq, msg.all_rows
-    )
+    return np.arange(first, first + n, dtype=np.int64)
+
+
+def first_position(act: Activation) -> int:
+    """The position of `act`'s first row, after checking that its positions run on by one from
+    there, as every activation's must (a ProtocolError otherwise: the sender's bug)."""
+    n = len(act.positions)
+    first = int(act.positions[0])
+    if first < 0 or (n > 1 and not np.array_equal(act.positions, np.arange(first, first + n))):
+        raise ProtocolError("positions must be consecutive and non-negative")
+    return first
 
 
 # -- plans ---------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from prima.errors import NodeError
-from prima.net import codec, link_tls, link_wire
+from prima.net import link_tls, link_wire
 from prima.net.codec import Activation, WireDType
 from prima.net.credentials import Identity
 from prima.net.link_socket import read_exactly, shut
@@ -78,9 +78,7 @@ class LinkRelay:
     def send(self, act: Activation) -> None:
         if self.error is not None:
             raise self.error
-        data = link_wire.frame(
-            link_wire.ACTIVATION, codec.encode_activation(act, self.wire_dtype).SerializeToString()
-        )
+        data = link_wire.activation_frame(act, self.wire_dtype)
         with self._lock:
             if self.error is not None:
                 raise self.error

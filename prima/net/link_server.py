@@ -26,13 +26,12 @@ from typing import Protocol
 from cryptography import x509
 
 from prima.errors import PrimaError, ProtocolError
-from prima.net import codec, link_tls, link_wire
+from prima.net import link_tls, link_wire
 from prima.net.admission import Admission
 from prima.net.codec import Activation
 from prima.net.credentials import Identity, cert_name
 from prima.net.limits import DaemonLimits
 from prima.net.link_socket import read_exactly, shut
-from prima.net.proto import prima_pb2 as pb
 from prima.net.revocation import RevocationList
 from prima.net.status import StreamTimeoutError, status_for
 
@@ -171,11 +170,7 @@ class LinkServer:
                 raise StreamTimeoutError(
                     f"this link has been open {open_s:g} s, the most a node allows; open a new one"
                 )
-            try:
-                msg = pb.Activation.FromString(payload)
-            except Exception:  # noqa: BLE001 - protobuf's DecodeError, or worse on hostile bytes
-                raise ProtocolError("a frame on the link is not a prima.v1.Activation message") from None
-            h.accept(codec.decode_activation(msg, d_model=h.d_model, max_tokens=h.max_batch_tokens))
+            h.accept(link_wire.parse_activation(payload, d_model=h.d_model, max_tokens=h.max_batch_tokens))
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:

@@ -24,7 +24,7 @@ from prima.daemon.worker import INLINE_MAX_TOKENS
 from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
 from prima.forward.loader import load_model
-from prima.net import codec, credentials, link_tls, link_wire, revocation
+from prima.net import credentials, link_tls, link_wire, revocation
 from prima.net.client import NodeClient, RelayStream
 from prima.net.codec import Activation, WireDType
 from prima.net.limits import DaemonLimits
@@ -221,7 +221,8 @@ def _hang_up_message(sock: ssl.SSLSocket) -> str:
         ),
         (link_wire.MAGIC + link_wire.frame(9, b"x"), "unknown kind"),
         (link_wire.MAGIC + link_wire.frame(link_wire.ERROR, b"x"), "only activations"),
-        (link_wire.MAGIC + link_wire.frame(link_wire.ACTIVATION, b"\xff" * 40), "not a prima.v1.Activation"),
+        (link_wire.MAGIC + link_wire.frame(link_wire.ACTIVATION, b"\xff" * 20), "shorter than its"),
+        (link_wire.MAGIC + link_wire.frame(link_wire.ACTIVATION, b"\xff" * 40), "no session_id"),
     ],
 )
 def test_hostile_bytes_end_that_link_with_a_message(daemon: Daemon, sent: bytes, words: str) -> None:
@@ -315,8 +316,7 @@ def test_mutated_frames_never_break_the_node(daemon: Daemon) -> None:
     more, and a valid link afterwards is computed as before."""
     rng = random.Random(FUZZ_SEED)
     sid = _session(daemon, "fuzz")
-    act = codec.encode_activation(_act(sid)).SerializeToString()
-    valid = link_wire.MAGIC + link_wire.frame(link_wire.ACTIVATION, act)
+    valid = link_wire.MAGIC + link_wire.activation_frame(_act(sid))
     answered: set[str] = set()
     for _ in range(FUZZ_LINKS):
         data = bytearray(valid)
