@@ -165,13 +165,23 @@ def _activations(w: QTensor, x: np.ndarray) -> np.ndarray:
 
 def _row_ids(w: QTensor, ids: np.ndarray) -> np.ndarray:
     check_supported(w.qtype, w.name)
-    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
+    if ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if not _ids_within(ids, w.rows):
         bad = int(ids[(ids < 0) | (ids >= w.rows)][0])
         raise InputError(
             f"{w.name}: row id {bad} is outside [0, {w.rows}); is the token id from another vocabulary?"
         )
     return ids
+
+
+def _ids_within(ids: np.ndarray, n: int) -> bool:
+    """Whether every id is in [0, n). A decode step's one id is checked in Python: it comes
+    after the ring's other nodes have had the caches, where each numpy call costs tens of
+    microseconds."""
+    if ids.size <= FUSED_MAX_N:
+        return all(0 <= i < n for i in ids.tolist())
+    return bool(ids.min() >= 0 and ids.max() < n)
 
 
 def _tiled_matmul(
@@ -237,7 +247,9 @@ def _dequantize_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
         # A decode step's embedding: one row on this thread. A parallel launch for it would wake
         # the thread team, which has slept while the ring computed the last token.
         for i, row in enumerate(ids.tolist()):
-            drivers.dequantize_tile(int(w.qtype), w.raw, row, F16_TABLE, out[i : i + 1])
+            drivers.dequantize_tile(
+                int(w.qtype), w.raw, row, F16_TABLE, out if len(out) == 1 else out[i : i + 1]
+            )
         return out
     drivers.dequantize_rows(int(w.qtype), w.raw, ids, F16_TABLE, out)
     return out

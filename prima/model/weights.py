@@ -9,6 +9,7 @@ past a tensor's bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,15 +119,16 @@ class ModelWeights:
         return self.vector(name, length) if self.has(name) else None
 
     # -- model parts ---------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def token_embd(self) -> QTensor:
+        # Kept: a view of the mapped file (its bytes follow any fetch), looked up every token.
         return self.matrix("token_embd.weight", (self.config.vocab_size, self.config.d_model))
 
     @property
     def output_norm(self) -> np.ndarray:
         return self.vector("output_norm.weight", self.config.d_model)
 
-    @property
+    @functools.cached_property
     def output(self) -> QTensor:
         """The output head; tied models reuse the token embedding."""
         if not self.has("output.weight"):
