@@ -196,13 +196,11 @@ class Worker:
             for piece in layout.pieces(range(hop.window.start, hop.window.end), per_layer=streaming):
                 read = not piece.on_accel
                 if read:
-                    for layer in piece.layers:
-                        windows.before_layer(layer)
+                    windows.before_layers(piece.layers)
                 for i, a in enumerate(group):
                     hidden[i] = model.run(piece, hidden[i], a.positions, session.cache)
                 if read:
-                    for layer in piece.layers:
-                        windows.after_layer(layer)
+                    windows.after_layers(piece.layers)
             if decode:
                 self.hop_times.add_compute(act.plan_epoch, h, len(group), (time.perf_counter() - t0) * 1000)
             if before is not None:
@@ -219,7 +217,12 @@ class Worker:
                 )
             h += 1
         for a, out in zip(group, hidden, strict=True):
-            self.route(layout, session, dataclasses.replace(a, hop_index=h, hidden=out))
+            # Built directly: dataclasses.replace took ~35 µs on a core just woken.
+            self.route(
+                layout,
+                session,
+                Activation(a.session_id, a.plan_epoch, h, a.positions, out, a.batch_seq, a.all_rows),
+            )
 
     # -- routing -------------------------------------------------------------------------------
     def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
@@ -237,7 +240,14 @@ class Worker:
             return
         if done and not act.all_rows:
             # Only the last token's hidden state is needed for the logits.
-            act = dataclasses.replace(act, positions=act.positions[-1:], hidden=act.hidden[-1:])
+            act = Activation(
+                act.session_id,
+                act.plan_epoch,
+                act.hop_index,
+                act.positions[-1:],
+                act.hidden[-1:],
+                act.batch_seq,
+            )
         with self._relay_lock:
             relay = session.relays.get(dest)
             if relay is None:

@@ -9,6 +9,7 @@ the next (prima.weights.window).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from prima.backends.base import KVState
@@ -22,9 +23,12 @@ class Piece:
     on_accel: bool
 
 
+@functools.lru_cache(maxsize=256)
 def split_window(window: range, accel_layers: int, *, per_layer: bool = False) -> tuple[Piece, ...]:
     """`window`'s pieces in compute order: its first `accel_layers` layers on the accelerator,
-    the rest on the host, as one piece or (`per_layer`, a streaming node) one per layer."""
+    the rest on the host, as one piece or (`per_layer`, a streaming node) one per layer.
+    Remembered: a node asks at every hop of every token, and new Pieces cost a core just woken
+    tens of microseconds."""
     n = max(0, min(accel_layers, len(window)))
     pieces = [Piece(range(window.start, window.start + n), True)] if n else []
     rest = range(window.start + n, window.stop)

@@ -131,7 +131,7 @@ def tensor_from_bytes(
     (`wire_width`, `q8_scale_bytes`)."""
     if dtype == WireDType.F32:
         if _LITTLE_ENDIAN:  # one copy, into memory the array owns and may write
-            return np.frombuffer(bytearray(data), dtype=np.float32).reshape(shape)
+            return np.ndarray(shape, np.float32, bytearray(data))
         return np.frombuffer(data, dtype="<f4").reshape(shape).astype(np.float32)
     if dtype == WireDType.F16:
         return np.frombuffer(data, dtype="<f2").astype(np.float32).reshape(shape)

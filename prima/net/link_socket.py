@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 
-def read_exactly(sock: socket.socket, n: int) -> bytes:
+def read_exactly(sock: socket.socket, n: int) -> bytes | bytearray:
     """`n` bytes, or fewer only where the peer ended the stream."""
     buf = bytearray(n)
     view = memoryview(buf)
@@ -15,7 +15,7 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             break
         got += k
-    return bytes(view[:got])
+    return buf if got == n else bytes(view[:got])  # the buffer itself: no copy of a whole frame
 
 
 def shut(sock: socket.socket) -> None:

@@ -119,7 +119,9 @@ def check_magic(opening: bytes) -> None:
         )
 
 
-def read_frame(read_exactly: Callable[[int], bytes], max_bytes: int) -> tuple[int, bytes] | None:
+def read_frame(
+    read_exactly: Callable[[int], bytes | bytearray], max_bytes: int
+) -> tuple[int, bytes | bytearray] | None:
     """The next (kind, payload), read with `read_exactly(n)` (which returns fewer bytes only at
     the end of the stream); None at a clean end between frames. ProtocolError for a cut frame
     or an unknown kind; PayloadTooLargeError for a payload over `max_bytes`, before reading it."""

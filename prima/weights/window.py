@@ -316,6 +316,25 @@ class LayerWindows:
         self._layer_t0 = time.perf_counter()
         return waited
 
+    def before_layers(self, layers: range) -> None:
+        """`before_layer` for each of `layers`, computed together as one call: when every one is
+        in memory and nothing streams, a check and a timestamp, not one call per layer (a
+        decode step on a cold core paid ~2 µs for each)."""
+        if not self.limited and self._loaded.issuperset(layers):
+            self._pos = self._index[layers[-1]]
+            self._layer_t0 = time.perf_counter()
+            return
+        for layer in layers:
+            self.before_layer(layer)
+
+    def after_layers(self, layers: range) -> None:
+        """`after_layer` for each of `layers`, computed together since `before_layers`."""
+        if not self.limited:
+            self.after_layer(layers[-1])
+            return
+        for layer in layers:
+            self.after_layer(layer)
+
     def after_layer(self, layer: int) -> None:
         """`layer` is computed: drop it if it streams, and let the prefetch thread move on."""
         self.stats.compute_ms += (time.perf_counter() - self._layer_t0) * 1e3

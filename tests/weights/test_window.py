@@ -154,6 +154,30 @@ def test_layers_that_all_stay_do_not_wake_the_prefetch_thread(
     assert len(looks) - before <= 3
 
 
+def test_a_window_computed_as_one_piece_waits_for_all_its_layers(private_model: Path) -> None:
+    """before_layers / after_layers bracket a whole piece (a node that does not stream): the
+    first waits until every layer of it is read, the second counts the piece's compute time."""
+    gguf = GGUFFile(private_model)
+    windows = [Window(0, 4), Window(6, 8)]
+    _cold(gguf, windows)
+    lw = LayerWindows(gguf, ModelWeights(gguf), windows)
+    lw.start()
+    for window in windows:
+        layers = range(window.start, window.end)
+        lw.before_layers(layers)
+        for layer in layers:
+            read = sum(resident_bytes(gguf, s) for s in lw._spans[layer])
+            assert read == lw._bytes[layer], f"layer {layer}: {read} of {lw._bytes[layer]} bytes in memory"
+        before = lw.stats.compute_ms
+        time.sleep(0.02)
+        lw.after_layers(layers)
+        assert lw.stats.compute_ms - before >= 20
+    assert lw.resident_bytes() == lw.owned_bytes
+    lw.release_all()
+    lw.close()
+    gguf.close()
+
+
 def test_budget_below_one_layer_is_a_plan_error(private_model: Path) -> None:
     gguf = GGUFFile(private_model)
     with pytest.raises(PlanError, match="below one layer"):
