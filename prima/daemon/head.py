@@ -238,21 +238,29 @@ class Head:
 
     def receive(self, session_id: str) -> Activation:
         """The next micro-batch back from the ring; NodeError if a node failed, or went quiet
-        and stopped answering probes (prima.net.liveness)."""
-        results = self.host.need_session(session_id).results
+        and stopped answering probes (prima.net.liveness).
+
+        A decode step that reaches one of this node's own hops comes here too (NodeRuntime.accept)
+        and is computed in this thread, which waits for it anyway, then routed on: one thread
+        woken per step on the head, not the link's reader and then this one."""
+        session = self.host.need_session(session_id)
+        results = session.results
         assert results is not None, "opened by open_ring_session"
-        layout = self.host.need_layout()
-        peers = list(layout.clients.values())
         waiting()  # tokens sampled so far go to the coordinator while this thread waits
-        item = wait_for(
-            lambda timeout_s: results.get(timeout=timeout_s),
-            lambda timeout_s: probe_nodes(peers, timeout_s),
-            self.liveness.for_token_time(layout.plan.predicted_ms_per_token),
-            what=f"session {session_id}",
-        )
-        if isinstance(item, NodeError):
-            raise item
-        return item
+        while True:
+            layout = self.host.need_layout()
+            peers = list(layout.clients.values())
+            item = wait_for(
+                lambda timeout_s: results.get(timeout=timeout_s),
+                lambda timeout_s, peers=peers: probe_nodes(peers, timeout_s),
+                self.liveness.for_token_time(layout.plan.predicted_ms_per_token),
+                what=f"session {session_id}",
+            )
+            if isinstance(item, NodeError):
+                raise item
+            if item.hop_index == len(layout.hops):
+                return item
+            self.host.route(layout, session, item)
 
     def close_ring_session(self, session_id: str) -> None:
         self.host.close_session(session_id)

@@ -41,7 +41,7 @@ from .head import Head
 from .profile import node_profile, window_budget
 from .state import Layout, NodeSession
 from .threads import use_threads
-from .worker import Worker, deliver
+from .worker import INLINE_MAX_TOKENS, Worker, deliver
 
 log = logging.getLogger("prima.daemon")
 
@@ -476,6 +476,11 @@ class NodeRuntime:
             )
         if act.hop_index == n_hops:
             deliver(session, act)
+        elif session.results is not None and len(act.positions) <= INLINE_MAX_TOKENS:
+            # The head's own hop of a decode step: its generation thread, which waits for the
+            # step, computes it (Head.receive). Computed here, the step would wake that thread
+            # only after this one's bookkeeping, which holds the GIL it needs.
+            session.results.put(act)
         else:
             self.worker.submit(act, session.n_ctx)
 
