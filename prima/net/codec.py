@@ -143,6 +143,15 @@ def tensor_from_bytes(
     return _q8_dequantize(q, np.frombuffer(scales, dtype="<f2"), n).reshape(shape)
 
 
+def f32_rows_in(buffer: bytearray, offset: int, shape: tuple[int, int]) -> np.ndarray:
+    """Little-endian float32 rows of `shape` at `offset` of `buffer`, as an array over the
+    buffer itself where this CPU can use them in place (little-endian, 4-byte aligned), else a
+    copy: a link frame's rows need no second copy and no second numpy call."""
+    if _LITTLE_ENDIAN and offset % 4 == 0:
+        return np.ndarray(shape, np.float32, buffer, offset)
+    return tensor_from_bytes(WireDType.F32, shape, memoryview(buffer)[offset : offset + 4 * math.prod(shape)])
+
+
 def _q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per block of 32: scale = max|x| / 127 (f16), q = round(x / scale) as int8."""
     n = x.size

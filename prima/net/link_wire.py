@@ -72,7 +72,7 @@ def activation_frame(act: Activation, dtype: WireDType = WireDType.F32) -> bytes
     return b"".join((HEADER.pack(length, ACTIVATION), fields, sid, data, scales))
 
 
-def parse_activation(payload: bytes, *, d_model: int, max_tokens: int) -> Activation:
+def parse_activation(payload: bytes | bytearray, *, d_model: int, max_tokens: int) -> Activation:
     """The Activation in an ACTIVATION frame's payload, checked as prima.net.codec checks one
     from a Relay stream: ProtocolError (or PayloadTooLargeError) naming what is wrong."""
     if len(payload) < ACTIVATION_HEADER.size:
@@ -98,10 +98,16 @@ def parse_activation(payload: bytes, *, d_model: int, max_tokens: int) -> Activa
             f"an activation of {rows}x{cols} values in {WireDType(dtype).name} with a {sid_len}-byte "
             f"session id is a payload of {at + data_bytes + scale_bytes} bytes, not {len(payload)}"
         )
-    view = memoryview(payload)
-    hidden = codec.tensor_from_bytes(
-        dtype, (rows, cols), view[at : at + data_bytes], view[at + data_bytes : at + data_bytes + scale_bytes]
-    )
+    if dtype == WireDType.F32 and isinstance(payload, bytearray):
+        hidden = codec.f32_rows_in(payload, at, (rows, cols))  # the frame's own buffer, no copy
+    else:
+        view = memoryview(payload)
+        hidden = codec.tensor_from_bytes(
+            dtype,
+            (rows, cols),
+            view[at : at + data_bytes],
+            view[at + data_bytes : at + data_bytes + scale_bytes],
+        )
     return Activation(session_id, epoch, hop, positions, hidden, seq, bool(all_rows))
 
 

@@ -36,7 +36,7 @@ def _payload(act: Activation, dtype: WireDType = WireDType.F32) -> bytes:
     return frame[link_wire.HEADER.size :]
 
 
-def _parse(payload: bytes, max_tokens: int = 64) -> Activation:
+def _parse(payload: bytes | bytearray, max_tokens: int = 64) -> Activation:
     return link_wire.parse_activation(payload, d_model=D, max_tokens=max_tokens)
 
 
@@ -58,6 +58,20 @@ def test_an_activation_arrives_as_a_relay_message_would_bring_it(dtype: WireDTyp
     if dtype == WireDType.F32:
         assert got.hidden.tobytes() == act.hidden.tobytes()
     got.hidden[0, 0] = 1.0  # the node computes in place: the rows are its own, not the frame's
+
+
+@pytest.mark.parametrize("session_id", ["s123", "s12"])  # rows 4-byte aligned in the frame, or not
+def test_rows_read_off_the_socket_are_used_in_place_where_aligned(session_id: str) -> None:
+    """A frame read from the socket is a bytearray: aligned float32 rows are an array over it
+    (no copy), misaligned ones a copy; either way they are the sender's rows, and writable."""
+    act = _act(session_id=session_id)
+    payload = bytearray(_payload(act))
+    got = _parse(payload)
+    assert got.hidden.tobytes() == act.hidden.tobytes()
+    assert got.hidden.flags.aligned
+    assert got.hidden.flags.c_contiguous
+    assert np.shares_memory(got.hidden, np.frombuffer(payload, np.uint8)) == (len(session_id) % 4 == 0)
+    got.hidden[0, 0] = 1.0
 
 
 def test_a_one_row_activation_with_a_unicode_session_id() -> None:
