@@ -35,6 +35,12 @@ from .threads import use_threads
 
 log = logging.getLogger("prima.daemon")
 
+# How long the head waits for the ring before it hands the tokens sampled so far to the
+# coordinator's stream: by then the next node has woken and computes. Handed over at once, the
+# write woke the Generate handler and the coordinator just as that node woke: on a 2-vCPU VM
+# running a local ring of three, the first hop took ~0.45 ms instead of ~0.15.
+HAND_OVER_AFTER_S = 0.001
+
 
 class RingLink(Protocol):
     """The head's side of the ring, as RingEngine needs it (Head below)."""
@@ -246,21 +252,28 @@ class Head:
         session = self.host.need_session(session_id)
         results = session.results
         assert results is not None, "opened by open_ring_session"
+        item: Activation | NodeError | None
+        try:
+            item = results.get(timeout=HAND_OVER_AFTER_S)
+        except queue.Empty:
+            item = None
         waiting()  # tokens sampled so far go to the coordinator while this thread waits
         while True:
             layout = self.host.need_layout()
-            peers = list(layout.clients.values())
-            item = wait_for(
-                lambda timeout_s: results.get(timeout=timeout_s),
-                lambda timeout_s, peers=peers: probe_nodes(peers, timeout_s),
-                self.liveness.for_token_time(layout.plan.predicted_ms_per_token),
-                what=f"session {session_id}",
-            )
+            if item is None:
+                peers = list(layout.clients.values())
+                item = wait_for(
+                    lambda timeout_s: results.get(timeout=timeout_s),
+                    lambda timeout_s, peers=peers: probe_nodes(peers, timeout_s),
+                    self.liveness.for_token_time(layout.plan.predicted_ms_per_token),
+                    what=f"session {session_id}",
+                )
             if isinstance(item, NodeError):
                 raise item
             if item.hop_index == len(layout.hops):
                 return item
             self.host.route(layout, session, item)
+            item = None
 
     def close_ring_session(self, session_id: str) -> None:
         self.host.close_session(session_id)
