@@ -1,11 +1,13 @@
 """Time per output token through local rings of 2 and 3 primad vs the single engine, same run.
 
-    python bench/bench_ring.py [--model smollm2-135m] [-n 32] [--threads 1] [--reps 3]
+    python bench/bench_ring.py [--model smollm2-135m] [-n 32] [--threads 1] [--reps 10]
 
 Prints ms/token for each setup and the extra cost per hop: (ring - single) / hops per token,
 where each ring measurement is paired with a single-engine one taken just before it (a VM's
 speed drifts from minute to minute) and the median of `--reps` pairs is shown.
-On loopback the aim is < 1 ms per hop per token. Hops per token = nodes x rounds.
+On loopback the aim is < 1 ms per hop per token. Hops per token = nodes x rounds. On a VM
+whose speed drifts, one run says little: compare builds by alternating runs of each
+(docs/performance.md, December 2026 (seventh)).
 
 The hop lines time one activation row alone, over a gRPC Relay stream and over an activation
 link (docs/ring.md), back to back ("hot") and 5 ms apart ("idle"), as in a ring, where each node
@@ -161,7 +163,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("-n", type=int, default=32, help="tokens to generate per measurement")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per process")
-    ap.add_argument("--reps", type=int, default=3, help="(single, ring) pairs per setup")
+    ap.add_argument("--reps", type=int, default=10, help="(single, ring) pairs per setup")
     args = ap.parse_args()
     single = SingleEngine(args.model, args.threads)
     d_model = load_model(args.model, layers=range(0)).model.config.d_model
