@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from prima.errors import ProtocolError
-from prima.net import codec
+from prima.net import codec, limits
 from prima.net.codec import Activation, WireDType
 from prima.net.status import PayloadTooLargeError
 
@@ -32,7 +32,6 @@ MAX_ERROR_BYTES = 2000
 # rows, columns, wire dtype, all_rows (0 or 1), session id bytes. The session id (UTF-8) follows,
 # then the hidden rows in the wire dtype, then (Q8_BLOCK only) their f16 scales.
 ACTIVATION_HEADER = struct.Struct("<QIQqIIBBH")
-MAX_SESSION_ID_BYTES = 1024
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -53,8 +52,10 @@ def activation_frame(act: Activation, dtype: WireDType = WireDType.F32) -> bytes
     if len(act.positions) != len(hidden):
         raise ProtocolError(f"{len(act.positions)} positions for {len(hidden)} rows of hidden states")
     sid = act.session_id.encode()
-    if len(sid) > MAX_SESSION_ID_BYTES:
-        raise ProtocolError(f"a session id of {len(sid)} bytes is over the link's {MAX_SESSION_ID_BYTES}")
+    if len(sid) > limits.MAX_SESSION_ID_BYTES:
+        raise ProtocolError(
+            f"a session id of {len(sid)} bytes is over the {limits.MAX_SESSION_ID_BYTES} a node takes"
+        )
     data, scales = codec.tensor_bytes(hidden, dtype)
     rows, cols = hidden.shape
     fields = ACTIVATION_HEADER.pack(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from prima.errors import ProtocolError
-from prima.net import codec, link_wire
+from prima.net import codec, limits, link_wire
 from prima.net.codec import Activation, WireDType
 from prima.net.status import PayloadTooLargeError
 
@@ -139,3 +139,9 @@ def test_a_sender_with_fewer_positions_than_rows_is_refused() -> None:
     short = Activation(act.session_id, 3, 2, np.arange(len(act.hidden) - 1), act.hidden)
     with pytest.raises(ProtocolError, match="positions for"):
         link_wire.activation_frame(short)
+
+
+def test_a_session_id_over_the_nodes_limit_is_refused_before_anything_is_sent() -> None:
+    act = _act(session_id="s" * (limits.MAX_SESSION_ID_BYTES + 1))
+    with pytest.raises(ProtocolError, match=f"over the {limits.MAX_SESSION_ID_BYTES}"):
+        link_wire.activation_frame(act)
