@@ -28,7 +28,7 @@ def split_window(window: range, accel_layers: int, *, per_layer: bool = False) -
     """`window`'s pieces in compute order: its first `accel_layers` layers on the accelerator,
     the rest on the host, as one piece or (`per_layer`, a streaming node) one per layer.
     Remembered: a node asks at every hop of every token, and new Pieces cost a core just woken
-    tens of microseconds."""
+    tens of microseconds (AMD EPYC Zen 4 VM)."""
     n = max(0, min(accel_layers, len(window)))
     pieces = [Piece(range(window.start, window.start + n), True)] if n else []
     rest = range(window.start + n, window.stop)
