@@ -240,7 +240,9 @@ class Head:
 
     def inject(self, act: Activation) -> None:
         """Send a freshly embedded micro-batch into the ring."""
-        self.host.route(self.host.need_layout(), self.host.need_session(act.session_id), act)
+        session = self.host.need_session(act.session_id)
+        session.in_flight += 1  # before it leaves: it may be back before `route` returns
+        self.host.route(self.host.need_layout(), session, act)
 
     def receive(self, session_id: str) -> Activation:
         """The next micro-batch back from the ring; NodeError if a node failed, or went quiet
@@ -261,6 +263,11 @@ class Head:
         while True:
             layout = self.host.need_layout()
             if item is None:
+                try:  # the step this thread just computed may have ended the trip round the ring
+                    item = results.get_nowait()
+                except queue.Empty:
+                    pass
+            if item is None:
                 peers = list(layout.clients.values())
                 item = wait_for(
                     lambda timeout_s: results.get(timeout=timeout_s),
@@ -271,6 +278,7 @@ class Head:
             if isinstance(item, NodeError):
                 raise item
             if item.hop_index == len(layout.hops):
+                session.in_flight -= 1
                 return item
             self.host.route(layout, session, item)
             item = None

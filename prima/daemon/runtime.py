@@ -475,14 +475,14 @@ class NodeRuntime:
                 f"position {int(act.positions[-1])} is beyond the session's context of {session.n_ctx}"
             )
         if act.hop_index == n_hops:
-            deliver(session, act)
+            deliver(session, act, "a peer")
         elif session.results is not None and len(act.positions) <= INLINE_MAX_TOKENS:
             # The head's own hop of a decode step: its generation thread, which waits for the
             # step, computes it (Head.receive). Computed here, the step would wake that thread
             # only after this one's bookkeeping, which holds the GIL it needs.
-            session.results.put(act)
+            session.hand_back(act, "a peer")
         else:
-            self.worker.submit(act, session.n_ctx)
+            self.worker.submit(act, layout, session)
 
     def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
         self.worker.route(layout, session, act)
@@ -491,7 +491,8 @@ class NodeRuntime:
         """A node could not pass this session's activations on: end its generation here."""
         limits.check_session_id(session_id)
         session = self._sessions.get(session_id)
-        if session is not None and session.results is not None:
+        if session is not None and session.results is not None and not session.aborted:
+            session.aborted = True  # the first ends the generation; a flood of them queues nothing
             session.results.put(NodeError(f"node {shown(node_id)}: {message[: limits.MAX_MESSAGE_CHARS]}"))
 
     # -- the head ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import queue
 from dataclasses import dataclass, field
 
 from prima.backends.base import KVState
-from prima.errors import NodeError
+from prima.errors import NodeError, ProtocolError
 from prima.forward.placement import Piece, host_layers, split_window
 from prima.net.client import NodeClient, Relay
 from prima.net.codec import Activation, WireDType
@@ -62,6 +62,25 @@ class NodeSession:
     cache: KVState
     relays: dict[int, Relay] = field(default_factory=dict)
     results: queue.SimpleQueue[Activation | NodeError] | None = None
+    # On the head: micro-batches injected into the ring and not yet back. Each is in `results`
+    # at most once at a time (its own hop there, or its end), which bounds what peers may queue.
+    in_flight: int = 0
+    aborted: bool = False  # a peer's Abort is queued once; more say nothing new
+
+    def hand_back(self, act: Activation, sender: str) -> None:
+        """Queue a micro-batch of this session for the head's generation; ProtocolError if that
+        would put more in `results` than the head has in flight: only a broken or hostile peer
+        (`sender`) sends results nobody asked for, and they must not grow the head's memory."""
+        if self.results is None:
+            raise ProtocolError(
+                f"session {self.session_id} was not started on this node; only the head collects results"
+            )
+        if self.results.qsize() >= self.in_flight:
+            raise ProtocolError(
+                f"{sender} sent an activation of session {self.session_id} (hop {act.hop_index}) that the "
+                f"head did not ask for: it has {self.in_flight} micro-batch(es) in flight, all accounted for"
+            )
+        self.results.put(act)
 
     def close(self) -> None:
         for relay in self.relays.values():

@@ -25,10 +25,13 @@ from typing import Protocol
 from prometheus_client import Counter
 
 from prima import metrics
-from prima.errors import NodeError, PrimaError, ProtocolError
+from prima.errors import NodeError, PrimaError
 from prima.forward.transformer import Transformer
+from prima.net.client import Relay
 from prima.net.codec import Activation
 from prima.net.limits import DaemonLimits, WorkBounds
+from prima.plan import Window
+from prima.weights.window import StreamStats
 
 from .hop_times import HopTimes
 from .state import Layout, NodeSession
@@ -82,13 +85,13 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="primad-compute", daemon=True)
         self._thread.start()
 
-    def submit(self, act: Activation, session_cap: int) -> None:
-        """Queue an activation from a peer of a session whose context holds `session_cap` tokens;
-        PayloadTooLargeError if the queue bounds are reached."""
-        self.queued.admit(act.session_id, len(act.positions), session_cap)
-        if self._compute_here(act):
-            self.queued.done(act.session_id, len(act.positions))
+    def submit(self, act: Activation, layout: Layout, session: NodeSession) -> None:
+        """Compute `act`, an activation from a peer checked against `layout` and `session`: here
+        if it is small and the compute thread is idle, else queued for it. PayloadTooLargeError
+        if the queue bounds are reached. (Computed here, it is not counted: nothing queues.)"""
+        if self._compute_here(act, layout, session):
             return
+        self.queued.admit(act.session_id, len(act.positions), session.n_ctx)
         self._admitted.add(id(act))
         self._enqueue(act)
 
@@ -97,7 +100,7 @@ class Worker:
             self._unfinished += 1
         self._work.put(act)
 
-    def _compute_here(self, act: Activation) -> bool:
+    def _compute_here(self, act: Activation, layout: Layout, session: NodeSession) -> bool:
         """Compute a small activation in the calling thread if the compute thread is idle with
         nothing queued; False (nothing done) otherwise."""
         if len(act.positions) > INLINE_MAX_TOKENS:
@@ -110,7 +113,7 @@ class Worker:
             if not getattr(self._caller, "threads_set", False):
                 use_threads(self.threads)
                 self._caller.threads_set = True
-            self._run([act])
+            self._run([act], layout, session)
         finally:
             with self._order:
                 self._inline = False
@@ -154,67 +157,60 @@ class Worker:
                 while self._inline:
                     self._order.wait()
             try:
-                self._run(group)
+                session = self.host.find_session(act.session_id)
+                if layout is None or session is None or act.plan_epoch != layout.plan.epoch:
+                    # The plan changed or the session ended while it queued.
+                    log.debug("dropping activation of closed session %s", act.session_id)
+                else:
+                    self._run(group, layout, session)
             finally:
                 with self._order:
                     self._unfinished -= len(group)
 
-    def _run(self, group: list[Activation]) -> None:
+    def _run(self, group: list[Activation], layout: Layout, session: NodeSession) -> None:
         """_compute, timed, with its failures reported to the session's head."""
         act = group[0]
         try:
             t0 = time.perf_counter()
-            self._compute(group)
+            self._compute(group, layout, session)
             metrics.NODE_COMPUTE.observe(time.perf_counter() - t0)
         except PrimaError as exc:
             self.fail(act.session_id, f"node {self.host.node_id}: {exc}", type(exc).__name__)
         except ValueError as exc:  # a cache write with a gap: the session's batches were lost
             self.fail(act.session_id, f"node {self.host.node_id} could not compute: {exc}", "cache_gap")
 
-    def _compute(self, group: list[Activation]) -> None:
+    def _compute(self, group: list[Activation], layout: Layout, session: NodeSession) -> None:
         """Run micro-batches of one session, all at the same hop, through this node's consecutive
-        hops, piece by piece (each piece for every micro-batch in order), then route each on."""
+        hops, piece by piece (each piece for every micro-batch in order), then route each on.
+
+        What the next node does not wait for (the hop timings, debug logs) comes after the
+        send: on a ring every step crosses every hop, and a woken core runs each line slowly."""
         act = group[0]
-        layout = self.host.layout
-        session = self.host.find_session(act.session_id)
-        if layout is None or session is None or act.plan_epoch != layout.plan.epoch:
-            log.debug("dropping activation of closed session %s", act.session_id)
-            return
-        h = act.hop_index
+        first = h = act.hop_index
         hidden = [a.hidden for a in group]
+        hops = layout.hops
         windows = layout.windows
         model = self.host.model
-        decode = all(len(a.positions) == 1 for a in group)
-        while h < len(layout.hops) and layout.hops[h].node_index == layout.me:
-            hop = layout.hops[h]
-            debug = log.isEnabledFor(logging.DEBUG)
+        cache = session.cache
+        debug = log.isEnabledFor(logging.DEBUG)
+        spent_ms: list[float] = []
+        while h < len(hops) and hops[h].node_index == layout.me:
+            window = hops[h].window
             before = dataclasses.replace(windows.stats) if debug else None
             t0 = time.perf_counter()
             # The accelerator's layers in one call; the host's in one call, or layer by layer
             # while streaming, so compute on one overlaps the prefetch thread reading the next.
-            streaming = windows.limited
-            for piece in layout.pieces(range(hop.window.start, hop.window.end), per_layer=streaming):
+            for piece in layout.pieces(range(window.start, window.end), per_layer=windows.limited):
                 read = not piece.on_accel
                 if read:
                     windows.before_layers(piece.layers)
                 for i, a in enumerate(group):
-                    hidden[i] = model.run(piece, hidden[i], a.positions, session.cache)
+                    hidden[i] = model.run(piece, hidden[i], a.positions, cache)
                 if read:
                     windows.after_layers(piece.layers)
-            if decode:
-                self.hop_times.add_compute(act.plan_epoch, h, len(group), (time.perf_counter() - t0) * 1000)
+            spent_ms.append((time.perf_counter() - t0) * 1000)
             if before is not None:
-                now = windows.stats
-                log.debug(
-                    "window %s (%d tokens): compute %.1f ms, waited %.1f ms for reads; prefetch read "
-                    "%.1f MiB in %.1f ms",
-                    hop.window,
-                    sum(len(a.positions) for a in group),
-                    now.compute_ms - before.compute_ms,
-                    now.wait_ms - before.wait_ms,
-                    (now.bytes_read - before.bytes_read) / (1 << 20),
-                    now.read_ms - before.read_ms,
-                )
+                _log_window(window, group, before, windows.stats)
             h += 1
         for a, out in zip(group, hidden, strict=True):
             # Built directly: dataclasses.replace took ~35 µs on a core just woken (AMD EPYC Zen 4 VM).
@@ -223,19 +219,20 @@ class Worker:
                 session,
                 Activation(a.session_id, a.plan_epoch, h, a.positions, out, a.batch_seq, a.all_rows),
             )
+        if all(len(a.positions) == 1 for a in group):
+            for hop_index, ms in enumerate(spent_ms, first):
+                self.hop_times.add_compute(act.plan_epoch, hop_index, len(group), ms)
 
     # -- routing -------------------------------------------------------------------------------
     def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
-        """Send `act` to the node of its hop: queued here if that is this node, delivered to
-        the session's results if it has been round the whole ring (on the head)."""
+        """Send `act` to the node of its hop: computed or queued here if that is this node,
+        delivered to the session's results if it has been round the whole ring (on the head)."""
         done = act.hop_index == len(layout.hops)
-        # A decode step's output of the hop before `hop_index` (the next to compute): timed.
-        timed = len(act.positions) == 1 and act.hop_index > 0
         dest = 0 if done else layout.hops[act.hop_index].node_index
         if dest == layout.me:
             if done:
                 deliver(session, act)
-            elif not self._compute_here(act):
+            elif not self._compute_here(act, layout, session):
                 self._enqueue(act)
             return
         if done and not act.all_rows:
@@ -248,14 +245,9 @@ class Worker:
                 act.hidden[-1:],
                 act.batch_seq,
             )
-        with self._relay_lock:
-            relay = session.relays.get(dest)
-            if relay is None:
-                sid = session.session_id
-                relay = layout.clients[dest].relay(
-                    lambda err: self.fail(sid, str(err), "relay"), layout.wire_dtype
-                )
-                session.relays[dest] = relay
+        relay = session.relays.get(dest)
+        if relay is None:
+            relay = self._open_relay(layout, session, dest)
         try:
             t0 = time.perf_counter()
             relay.send(act)
@@ -268,8 +260,21 @@ class Worker:
         if relayed is None:
             relayed = self._relayed[relay.transport] = metrics.NODE_RELAYED.labels(relay.transport)
         relayed.inc()
-        if timed:
+        if len(act.positions) == 1 and act.hop_index > 0:
+            # A decode step's output of the hop before `hop_index` (the next to compute): timed.
             self.hop_times.add_relay(act.plan_epoch, act.hop_index - 1, sent_s * 1000)
+
+    def _open_relay(self, layout: Layout, session: NodeSession, dest: int) -> Relay:
+        """The session's relay to node `dest`, opened on its first activation there."""
+        with self._relay_lock:
+            relay = session.relays.get(dest)
+            if relay is None:
+                sid = session.session_id
+                relay = layout.clients[dest].relay(
+                    lambda err: self.fail(sid, str(err), "relay"), layout.wire_dtype
+                )
+                session.relays[dest] = relay
+            return relay
 
     def fail(self, session_id: str, message: str, kind: str = "other") -> None:
         """Tell the head that a session cannot go on (or, on the head, wake its generation)."""
@@ -286,13 +291,21 @@ class Worker:
                 log.warning("could not tell the head about it: %s", exc)
 
 
-def deliver(session: NodeSession, act: Activation) -> None:
+def deliver(session: NodeSession, act: Activation, sender: str = "this node") -> None:
     """Hand a micro-batch that has been round the ring to the head's generation."""
-    if session.results is None:
-        raise ProtocolError(
-            f"session {session.session_id} was not started on this node; only the head collects results"
-        )
-    session.results.put(act)
+    session.hand_back(act, sender)
+
+
+def _log_window(window: Window, group: list[Activation], before: StreamStats, now: StreamStats) -> None:
+    log.debug(
+        "window %s (%d tokens): compute %.1f ms, waited %.1f ms for reads; prefetch read %.1f MiB in %.1f ms",
+        window,
+        sum(len(a.positions) for a in group),
+        now.compute_ms - before.compute_ms,
+        now.wait_ms - before.wait_ms,
+        (now.bytes_read - before.bytes_read) / (1 << 20),
+        now.read_ms - before.read_ms,
+    )
 
 
 def _same_hop(a: Activation | None, b: Activation) -> bool:

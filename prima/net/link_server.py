@@ -153,9 +153,16 @@ class LinkServer:
         idle_s, open_s = self.limits.relay_idle_s, self.limits.relay_open_s
         closes_at = time.monotonic() + open_s
         sock.settimeout(idle_s)
+        # Looked up once: the loop runs for every token, on a core that has just woken.
+        accept, parse, read_frame = h.accept, link_wire.parse_activation, link_wire.read_frame
+        d_model, max_tokens, max_bytes = h.d_model, h.max_batch_tokens, self.max_message_bytes
+
+        def read(n: int) -> bytes | bytearray:
+            return read_exactly(sock, n)
+
         while True:
             try:
-                got = link_wire.read_frame(lambda n: read_exactly(sock, n), self.max_message_bytes)
+                got = read_frame(read, max_bytes)
             except TimeoutError:
                 raise StreamTimeoutError(
                     f"no message on this link for {idle_s:g} s; a node ends idle links (open one per "
@@ -170,7 +177,7 @@ class LinkServer:
                 raise StreamTimeoutError(
                     f"this link has been open {open_s:g} s, the most a node allows; open a new one"
                 )
-            h.accept(link_wire.parse_activation(payload, d_model=h.d_model, max_tokens=h.max_batch_tokens))
+            accept(parse(payload, d_model=d_model, max_tokens=max_tokens))
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:

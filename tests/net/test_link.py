@@ -143,9 +143,10 @@ def test_a_decode_step_behind_a_queued_prompt_waits_for_it(daemon: Daemon) -> No
     gaps = REGISTRY.get_sample_value("prima_node_errors_total", {"kind": "cache_gap"}) or 0.0
     before = _steps(daemon)
     n = INLINE_MAX_TOKENS + 4
+    runtime = daemon.runtime
     for _ in range(3):
-        daemon.runtime.worker.submit(_act(sid, 0, n), 64)
-        daemon.runtime.worker.submit(_act(sid, n), 64)
+        runtime.worker.submit(_act(sid, 0, n), runtime.need_layout(), runtime.need_session(sid))
+        runtime.worker.submit(_act(sid, n), runtime.need_layout(), runtime.need_session(sid))
     _wait_for_steps(daemon, before + 3)
     assert (REGISTRY.get_sample_value("prima_node_errors_total", {"kind": "cache_gap"}) or 0.0) == gaps
 
