@@ -6,7 +6,6 @@ on 127.0.0.1 and a throwaway cluster CA's certificates."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from prima.daemon.runtime import NodeRuntime
 from prima.engine.generate import GenerateRequest, GenerationDone
 from prima.engine.sampling import SamplerConfig
 from prima.engine.warmup import ensure_compiled
-from prima.errors import NodeError
 from prima.forward.loader import load_model
 from prima.net import credentials
 from prima.net.client import NodeClient
@@ -29,6 +27,7 @@ from prima.net.link_server import LinkServer
 from prima.net.server import start_server
 from prima.plan import plan_from_window_sizes
 from tests.conftest import load_oracle
+from tests.net.link_errors import Errors
 
 EPOCH = 3
 D_MODEL = 576
@@ -68,18 +67,6 @@ def ring(smollm2_path: Path) -> Iterator[tuple[Node, Node]]:
         n.runtime.shutdown()
 
 
-class Errors:
-    """What a LinkRelay reports through on_error, waited for with a bound."""
-
-    def __init__(self) -> None:
-        self.got: list[NodeError] = []
-        self.event = threading.Event()
-
-    def __call__(self, err: NodeError) -> None:
-        self.got.append(err)
-        self.event.set()
-
-
 def _peer_link(head: Node, peer: Node, errors: Errors) -> LinkRelay:
     port = head.runtime.link_port
     return LinkRelay(open_link("127.0.0.1", port, peer.identity, "head"), "head", f"127.0.0.1:{port}", errors)
@@ -91,9 +78,9 @@ def _refusal(head: Node, peer: Node, act: Activation) -> str:
     errors = Errors()
     relay = _peer_link(head, peer, errors)
     relay.send(act)
-    assert errors.event.wait(10), "the head took it"
+    message = errors.wait()
     relay.close()
-    return str(errors.got[0])
+    return message
 
 
 @pytest.mark.parametrize("what", ["a result", "the head's own hop"])

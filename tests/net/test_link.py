@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from prima.net.link_socket import read_exactly
 from prima.net.revocation import RevocationList
 from prima.net.server import start_server
 from prima.plan import plan_from_window_sizes
+from tests.net.link_errors import Errors
 
 IDLE_S = 1.0
 MAX_MESSAGE = 1 << 20
@@ -89,22 +89,6 @@ def _act(session: str, first: int = 0, n: int = 1, **changes: object) -> Activat
     for key, value in changes.items():
         object.__setattr__(act, key, value)
     return act
-
-
-class Errors:
-    """What a LinkRelay reports through on_error, waited for with a bound."""
-
-    def __init__(self) -> None:
-        self.got: list[NodeError] = []
-        self.event = threading.Event()
-
-    def __call__(self, err: NodeError) -> None:
-        self.got.append(err)
-        self.event.set()
-
-    def wait(self) -> str:
-        assert self.event.wait(10), "the link never reported why it ended"
-        return str(self.got[0])
 
 
 def _relay(daemon: Daemon, identity: credentials.Identity | None, errors: Errors) -> LinkRelay:
