@@ -26,12 +26,15 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from prima.backends.base import KVState
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
 from prima.engine.generate import GenerateRequest, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
+from prima.forward.placement import Piece
+from prima.forward.transformer import Transformer
 from prima.net.client import NodeClient, Relay
 from prima.net.codec import Activation
 from prima.net.link_client import LinkRelay, open_link
@@ -54,23 +57,45 @@ class SingleEngine:
         child.close()  # so that a worker that dies ends our reads (EOFError), not hangs them
         self.ids: list[int] = self._conn.recv()
 
-    def ms_per_token(self, n: int) -> float:
+    def ms_per_token(self, n: int) -> tuple[float, float]:
+        """(ms per token, of which its layers took ms per token)."""
         self._conn.send(n)
-        return float(self._conn.recv())
+        ms, layers = self._conn.recv()
+        return float(ms), float(layers)
 
     def close(self) -> None:
         self._conn.send(None)
         self._proc.join(30)
 
 
+class TimedLayers(Transformer):
+    """The model, with the time its decode steps spend in the layers added up (as a ring's
+    nodes time their hops), so that the ring's extra time splits into slower layers and the
+    ring's own cost."""
+
+    decode_ms: float = 0.0
+
+    def run(self, piece: Piece, h: np.ndarray, positions: np.ndarray, cache: KVState) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = super().run(piece, h, positions, cache)
+        if len(positions) == 1:
+            self.decode_ms += (time.perf_counter() - t0) * 1000
+        return out
+
+
 def _single_engine(conn: Connection, model: str, threads: int | None) -> None:
     loaded = load_model(model, threads=threads)
+    loaded.model.__class__ = TimedLayers
+    timed: TimedLayers = loaded.model  # type: ignore[assignment]
     ids = loaded.tokenizer.encode(PROMPT)
-    engine = LocalEngine(loaded.model, n_ctx=512)
+    engine = LocalEngine(timed, n_ctx=512)
     generate(engine, ids, max_tokens=4, sampler=SamplerConfig())  # warm up the kernels
     conn.send(ids)
     while (n := conn.recv()) is not None:
-        conn.send(generate(engine, ids, max_tokens=n, sampler=SamplerConfig()).timings.ms_per_token)
+        timed.decode_ms = 0.0
+        ms = generate(engine, ids, max_tokens=n, sampler=SamplerConfig()).timings.ms_per_token
+        # The first token comes from the prompt's pass; the n - 1 after it are decode steps.
+        conn.send((ms, timed.decode_ms / max(n - 1, 1)))
 
 
 def ms_per_token_ring(ring: Ring, ids: list[int], n: int) -> tuple[float, float]:
@@ -177,17 +202,19 @@ def main() -> None:
             ring = Ring.connect(local.addresses[:n_nodes], rounds=rounds)
             hops = n_nodes * rounds
             pairs = [
-                (single.ms_per_token(args.n), *ms_per_token_ring(ring, single.ids, args.n))
+                (*single.ms_per_token(args.n), *ms_per_token_ring(ring, single.ids, args.n))
                 for _ in range(args.reps)
             ]
             ring.close()
             alone = statistics.median(p[0] for p in pairs)
-            ringed = statistics.median(p[1] for p in pairs)
-            layers = statistics.median(p[2] for p in pairs)
-            extra = statistics.median((r - s) / hops for s, r, _ in pairs)
+            ringed = statistics.median(p[2] for p in pairs)
+            extra = statistics.median((r - s) / hops for s, _, r, _ in pairs)
+            slower = statistics.median((rl - sl) / hops for _, sl, _, rl in pairs)
+            own = statistics.median(((r - rl) - (s - sl)) / hops for s, sl, r, rl in pairs)
             print(
                 f"ring {n_nodes} nodes x {rounds} round(s): {ringed:6.2f} ms/token vs {alone:.2f} single, "
-                f"{extra:5.2f} ms extra per hop ({hops} hops/token); the nodes' layers took {layers:.2f} ms/token"
+                f"{extra:5.2f} ms extra per hop ({hops} hops/token): the layers {slower:5.2f} slower, "
+                f"the ring's own {own:5.2f}"
             )
     single.close()
 
