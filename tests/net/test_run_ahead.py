@@ -105,3 +105,44 @@ def test_an_item_is_handed_over_when_the_source_waits_or_makes_the_next() -> Non
     assert ahead.next(0.2) is WAITING
     go_on.set()
     assert [ahead.next(10), ahead.next(10), ahead.next(10)] == [1, 2, None]
+
+
+def test_with_every_s_items_go_over_at_most_that_often_and_the_rest_at_the_end() -> None:
+    every_s = 0.5
+    made = threading.Event()
+    go_on = threading.Event()
+    later: list[float] = []
+
+    def source() -> Generator[int, None, None]:
+        yield 0
+        later.append(waiting())  # the first went over at once: nothing held, nothing due
+        yield 1
+        later.append(waiting())  # 1 is held until every_s after 0 went over
+        made.set()
+        go_on.wait(10)
+        yield 2  # the end follows at once: 1 and 2 go over with it
+
+    ahead = RunAhead(source(), every_s=every_s)
+    assert ahead.next(10) == 0
+    assert made.wait(10)
+    assert later[0] == 0.0
+    assert 0 < later[1] <= every_s
+    assert ahead.next(0.1) is WAITING  # held, not yet due
+    go_on.set()
+    assert [ahead.next(10), ahead.next(10), ahead.next(10)] == [1, 2, None]
+
+
+def test_a_forced_hand_over_goes_at_once() -> None:
+    go_on = threading.Event()
+
+    def source() -> Generator[int, None, None]:
+        yield 0
+        yield 1
+        waiting(force=True)
+        go_on.wait(10)
+        yield 2
+
+    ahead = RunAhead(source(), every_s=60.0)
+    assert [ahead.next(10), ahead.next(10)] == [0, 1]
+    go_on.set()
+    assert [ahead.next(10), ahead.next(10)] == [2, None]
