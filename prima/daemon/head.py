@@ -259,15 +259,7 @@ class Head:
             item = results.get(timeout=HAND_OVER_AFTER_S)
         except queue.Empty:
             item = None
-        if item is None:
-            # Tokens sampled so far go to the coordinator while this thread waits: now if they
-            # are due, else when they are, unless the ring answers first.
-            later = waiting()
-            if later:
-                try:
-                    item = results.get(timeout=later)
-                except queue.Empty:
-                    waiting(force=True)
+        waiting()  # tokens sampled so far go to the coordinator while this thread waits
         while True:
             layout = self.host.need_layout()
             if item is None:

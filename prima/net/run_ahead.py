@@ -9,18 +9,12 @@ Overlap needs timing too: both threads need the interpreter lock, so a consumer 
 token would compete with the generation starting the next one. Items are therefore handed over
 when the source is about to wait (it calls `waiting()`, as the head does before it waits for the
 ring), and at the latest when the source makes its next item or ends.
-
-With `every_s`, items are handed over at most that often (the first at once, the last at the
-end), a few at a time: each hand-over wakes gRPC and the coordinator while a ring's node
-computes, which slowed that node's layers by 0.3-0.5 ms a token on a 2-vCPU AMD EPYC Zen 4 VM.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
-import time
 from collections.abc import Callable, Generator
 from typing import Generic, TypeVar
 
@@ -40,14 +34,12 @@ WAITING = object()  # what `next` returns when nothing arrived within its timeou
 _running = threading.local()  # .ahead: the RunAhead whose source runs in this thread
 
 
-def waiting(*, force: bool = False) -> float:
+def waiting() -> None:
     """The calling thread is about to wait: if it runs a RunAhead's source, hand over the items
-    that source has made so far, if they are due (or `force`). The seconds until held items are
-    due: 0 when none are held (anywhere but in a source, always)."""
+    that source has made so far. Anywhere else this does nothing."""
     ahead: RunAhead[object] | None = getattr(_running, "ahead", None)
-    if ahead is None:
-        return 0.0
-    return ahead._hand_over(force)
+    if ahead is not None:
+        ahead._hand_over()
 
 
 class RunAhead(Generic[T]):
@@ -62,12 +54,9 @@ class RunAhead(Generic[T]):
         source: Generator[T, None, None],
         name: str = "run-ahead",
         on_end: Callable[[], None] | None = None,
-        every_s: float = 0.0,
     ) -> None:
         self._source = source
         self._on_end = on_end
-        self._every_s = every_s
-        self._handed_at = -math.inf
         self._items: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._held: list[object] = []  # made by the source, not yet handed over
         self._stop = threading.Event()
@@ -96,22 +85,13 @@ class RunAhead(Generic[T]):
                 if self._on_end is not None:
                     self._on_end()
                 self._held.append(last)
-                self._hand_over(force=True)
+                self._hand_over()
 
-    def _hand_over(self, force: bool = False) -> float:
-        """Queue the held items for the consumer if they are due or `force`; else the seconds
-        until they are (only ever called in the source's thread)."""
-        if not self._held:
-            return 0.0
-        now = time.monotonic()
-        due = self._handed_at + self._every_s
-        if now < due and not force:
-            return due - now
+    def _hand_over(self) -> None:
+        """Queue the held items for the consumer (only ever called in the source's thread)."""
         for item in self._held:
             self._items.put(item)
         self._held.clear()
-        self._handed_at = now
-        return 0.0
 
     def next(self, timeout_s: float | None = None) -> T | None | object:
         """The next item; None once the source has ended; WAITING if `timeout_s` passed first.

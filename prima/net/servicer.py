@@ -30,9 +30,6 @@ log = logging.getLogger("prima.net")
 T = TypeVar("T")
 MAX_FETCH_SOURCES = 16  # peers a LoadPlan may name besides the plan's nodes
 GENERATE_POLL_S = 0.25  # how often a waiting Generate looks whether its caller hung up
-# Tokens go to the coordinator at most this often, a few at a time when they come faster (the
-# first at once): each hand-over slows the node computing meanwhile (prima.net.run_ahead).
-GENERATE_BATCH_S = 0.05
 
 
 class NodeHandler(Protocol):
@@ -204,12 +201,7 @@ class NodeServicer(FileServicer):
         except BaseException:
             self._generates.give_back(caller)
             raise
-        ahead = RunAhead(
-            events,
-            "primad-generate",
-            on_end=lambda: self._generates.give_back(caller),
-            every_s=GENERATE_BATCH_S,
-        )
+        ahead = RunAhead(events, "primad-generate", on_end=lambda: self._generates.give_back(caller))
         try:
             while context.is_active():
                 event = self._guard(context, lambda: ahead.next(GENERATE_POLL_S))
