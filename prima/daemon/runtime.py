@@ -41,7 +41,7 @@ from .head import Head
 from .profile import node_profile, window_budget
 from .state import Layout, NodeSession
 from .threads import use_threads
-from .worker import INLINE_MAX_TOKENS, Worker, deliver
+from .worker import INLINE_MAX_TOKENS, Worker
 
 log = logging.getLogger("prima.daemon")
 
@@ -475,7 +475,7 @@ class NodeRuntime:
                 f"position {int(act.positions[-1])} is beyond the session's context of {session.n_ctx}"
             )
         if act.hop_index == n_hops:
-            deliver(session, act, "a peer")
+            session.hand_back(act, "a peer")  # it has been round the ring
         elif session.results is not None and len(act.positions) <= INLINE_MAX_TOKENS:
             # The head's own hop of a decode step: its generation thread, which waits for the
             # step, computes it (Head.receive). Computed here, the step would wake that thread

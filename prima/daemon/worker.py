@@ -231,7 +231,7 @@ class Worker:
         dest = 0 if done else layout.hops[act.hop_index].node_index
         if dest == layout.me:
             if done:
-                deliver(session, act)
+                session.hand_back(act, "this node")
             elif not self._compute_here(act, layout, session):
                 self._enqueue(act)
             return
@@ -289,11 +289,6 @@ class Worker:
                 layout.clients[0].abort(session_id, self.host.node_id, message)
             except NodeError as exc:
                 log.warning("could not tell the head about it: %s", exc)
-
-
-def deliver(session: NodeSession, act: Activation, sender: str = "this node") -> None:
-    """Hand a micro-batch that has been round the ring to the head's generation."""
-    session.hand_back(act, sender)
 
 
 def _log_window(window: Window, group: list[Activation], before: StreamStats, now: StreamStats) -> None:

@@ -31,7 +31,7 @@ from prima.net.admission import Admission
 from prima.net.codec import Activation
 from prima.net.credentials import Identity, cert_name
 from prima.net.limits import DaemonLimits
-from prima.net.link_socket import shut
+from prima.net.link_socket import read_exactly_from, shut
 from prima.net.revocation import RevocationList
 from prima.net.status import StreamTimeoutError, status_for
 
@@ -157,9 +157,7 @@ class LinkServer:
         """Read the link's opening, then hand each activation on until the caller hangs up."""
 
         def read(n: int) -> bytes | bytearray:
-            buf = bytearray(n)
-            got = stream.readinto(buf)  # fills `buf` but at the end of the stream
-            return buf if got == n else bytes(buf[:got])
+            return read_exactly_from(stream, n)
 
         link_wire.check_magic(read(len(link_wire.MAGIC)))
         h = self.handler

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import BinaryIO
 
 
 def read_exactly(sock: socket.socket, n: int) -> bytes | bytearray:
@@ -16,6 +17,14 @@ def read_exactly(sock: socket.socket, n: int) -> bytes | bytearray:
             break
         got += k
     return buf if got == n else bytes(view[:got])  # the buffer itself: no copy of a whole frame
+
+
+def read_exactly_from(stream: BinaryIO, n: int) -> bytes | bytearray:
+    """`read_exactly` from a buffered stream over a socket (`socket.makefile`), which reads a
+    whole TLS record at a time: a frame written at once comes in one read."""
+    buf = bytearray(n)
+    got = stream.readinto(buf)  # fills `buf` but where the stream ends
+    return buf if got == n else bytes(buf[:got])
 
 
 def shut(sock: socket.socket) -> None:
