@@ -1,8 +1,10 @@
 """Shared fixtures: the two test models (fetched through the registry if absent), llama.cpp's
-reference outputs in ../shared/oracle, and the two tiny Qwen models that ship with them (tiny/)."""
+outputs for them (tests/data/llama_cpp), and the two tiny Qwen models (tests/tiny_qwen.py),
+written from SmolLM2's vocabulary, with llama.cpp's outputs for them computed live."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -16,10 +18,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from prima.errors import ModelFetchError
 from prima.model.registry import resolve_model
+from tests.skip_policy import ALLOWED_SKIPS_ENV, allowed_patterns, skip_reason, unexpected_skips
+from tests.tiny_qwen import TINY_TAGS, llama_cpp_outputs, write_tiny_qwen
 
 # Tests send traffic only to loopback: mDNS discovery binds 127.0.0.1 (daemons inherit this).
 os.environ.setdefault("PRIMA_MDNS_INTERFACES", "127.0.0.1")
@@ -33,11 +38,9 @@ os.environ.setdefault("PRIMA_THREAD_TUNING", "off")
 
 # Set by .ci/run: the test models must be there (see models_required).
 REQUIRE_MODELS_ENV = "PRIMA_REQUIRE_MODELS"
-ORACLE_DIR = Path(__file__).resolve().parents[2] / "shared" / "oracle"
+# llama.cpp's outputs for the two test models (tests/data/llama_cpp/README.md says how they were made).
+ORACLE_DIR = Path(__file__).resolve().parent / "data" / "llama_cpp"
 ORACLE_TAGS = ("smollm2-135m", "gemma3-270m")
-# Random-weight F32 models with a real vocabulary, and llama.cpp's outputs for them.
-TINY_ORACLE_DIR = ORACLE_DIR / "tiny"
-TINY_TAGS = ("tiny-qwen2", "tiny-qwen3")
 # Both test models continue this text by repeating it: speculative decoding's drafts are kept.
 REPEAT_TEXT = (
     "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday, Thursday, Friday. Monday,"
@@ -46,19 +49,38 @@ REPEAT_TEXT = (
 
 @cache
 def load_oracle(tag: str) -> dict[str, Any]:
-    """The parsed `<tag>.json` from the oracle directory (cached: tests only read it)."""
-    return json.loads((ORACLE_DIR / f"{tag}.json").read_text(encoding="utf-8"))
+    """The parsed `<tag>.json`, each run's `logits_file` read into `logits`, as the tiny
+    models' outputs have it (cached: tests only read it)."""
+    outputs = json.loads((ORACLE_DIR / f"{tag}.json").read_text(encoding="utf-8"))
+    for prompt in outputs["prompts"]:
+        for run in ("f32", "quant"):
+            prompt[run]["logits"] = np.load(ORACLE_DIR / prompt[run].pop("logits_file"))
+    return outputs
+
+
+@cache
+def tiny_model_path(tag: str) -> Path:
+    """The GGUF of a tiny Qwen model (`tiny-qwen2`, `tiny-qwen3`), written once per test run
+    from the SmolLM2 test model's vocabulary (fetched if absent, as `smollm2_path`)."""
+    if tag not in TINY_TAGS:
+        raise ValueError(f"no tiny model {tag!r}; there are {', '.join(TINY_TAGS)}")
+    path = _tiny_dir() / f"{tag}-f32.gguf"
+    arch = tag.removeprefix("tiny-")
+    return write_tiny_qwen(path, arch, _model_path("smollm2-135m"), seed=TINY_TAGS.index(tag) + 2)
+
+
+@cache
+def _tiny_dir() -> Path:
+    directory = Path(tempfile.mkdtemp(prefix="prima-tiny-models-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 @cache
 def load_tiny_oracle(tag: str) -> dict[str, Any]:
-    """The parsed `tiny/<tag>.json`; its `logits_file` names are relative to TINY_ORACLE_DIR."""
-    return json.loads((TINY_ORACLE_DIR / f"{tag}.json").read_text(encoding="utf-8"))
-
-
-def tiny_model_path(tag: str) -> Path:
-    """The GGUF of a tiny oracle model (`tiny-qwen2` -> tiny/tiny-qwen2-f32.gguf)."""
-    return TINY_ORACLE_DIR / f"{tag}-f32.gguf"
+    """llama.cpp's outputs for a tiny model (tests/tiny_qwen.py's `llama_cpp_outputs`: each
+    run's `logits` is an array), computed once per test run; skips without llama-cpp-python."""
+    return llama_cpp_outputs(tiny_model_path(tag))
 
 
 def models_required() -> bool:
@@ -101,28 +123,14 @@ def gemma3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def oracle_dir() -> Path:
-    if not ORACLE_DIR.is_dir():
-        pytest.skip(f"no llama.cpp oracle at {ORACLE_DIR}")
-    return ORACLE_DIR
-
-
-@pytest.fixture(scope="session")
-def oracle(oracle_dir: Path) -> Callable[[str], dict[str, Any]]:
-    """`oracle(tag)` -> the reference dict for that model (`tokenize`, `prompts`, ...)."""
-    del oracle_dir  # only ensures the directory exists (skips otherwise)
+def oracle() -> Callable[[str], dict[str, Any]]:
+    """`oracle(tag)` -> llama.cpp's outputs for that test model (`tokenize`, `prompts`, ...)."""
     return load_oracle
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize `oracle_tokenize_case` as (tag, text, ids) and `oracle_prompt_case` as
     (tag, prompt dict) over every case in the oracle files, one test id per case."""
-    if not ORACLE_DIR.is_dir():
-        absent = pytest.param(None, marks=pytest.mark.skip(reason=f"no llama.cpp oracle at {ORACLE_DIR}"))
-        for name in ("oracle_tokenize_case", "oracle_prompt_case"):
-            if name in metafunc.fixturenames:
-                metafunc.parametrize(name, [absent])
-        return
     if "oracle_tokenize_case" in metafunc.fixturenames:
         cases = [(t, c["text"], c["ids"]) for t in ORACLE_TAGS for c in load_oracle(t)["tokenize"]]
         ids = [f"{t}-{i}" for t in ORACLE_TAGS for i in range(len(load_oracle(t)["tokenize"]))]
@@ -171,3 +179,29 @@ def run_python(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under $PRIMA_ALLOWED_SKIPS (set by .ci/run), a skip whose reason is not listed there as
+    something a machine may lack fails the run (tests/skip_policy.py)."""
+    patterns = allowed_patterns()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if patterns is None or reporter is None:
+        return
+    reasons = [skip_reason(r.longrepr) for r in reporter.stats.get("skipped", [])]
+    unexpected = unexpected_skips(reasons, patterns)
+    session.config.stash[_UNEXPECTED_SKIPS] = unexpected
+    if unexpected and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_UNEXPECTED_SKIPS = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    unexpected = config.stash.get(_UNEXPECTED_SKIPS, [])
+    if unexpected:
+        terminalreporter.section(f"skips not allowed by ${ALLOWED_SKIPS_ENV}", red=True)
+        for reason in unexpected:
+            terminalreporter.line(f"  {reason}")
+        terminalreporter.line("a skip is for what a machine cannot do: ship or compute what the test needs")

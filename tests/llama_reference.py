@@ -1,14 +1,20 @@
-"""llama.cpp itself (through llama-cpp-python) as a reference computed while the tests run.
+"""llama.cpp itself (through llama-cpp-python, in the dev extra) as a reference computed while
+the tests run.
 
-The shared oracle holds llama.cpp's outputs for fixed strings and prompts; these helpers produce
-the same kind of reference for strings, prompts and files the oracle does not have (held-out
-cases, other `tokenizer.ggml.pre` values, tiny models written by tests/tiny_models.py). Tests that use them skip
-with the reason when llama-cpp-python is not installed (`pip install -e '.[bench]'`).
+tests/data/llama_cpp holds llama.cpp's outputs for fixed strings and prompts of the two test
+models; these helpers produce the same kind of reference for everything else: the tiny Qwen
+models (tests/tiny_qwen.py), held-out strings and prompts, other `tokenizer.ggml.pre` values,
+and the tiny models of tests/tiny_models.py. Tests that use them skip with the reason when
+llama-cpp-python is not installed or cannot run on this CPU.
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -20,10 +26,46 @@ GGML_TYPE_F16 = 1  # llama.cpp's default KV cache, which prima's q8 mode keeps t
 
 
 def require_llama_cpp() -> ModuleType:
-    """The llama_cpp module, or skip the calling test with the reason."""
-    return pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not installed; it computes the reference for this test"
+    """The llama_cpp module, or skip the calling test with the reason: not installed, or it
+    cannot run on this CPU (a build for instructions the CPU lacks dies on its first eval)."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp",
+        reason="llama-cpp-python is not installed (pip install -e '.[dev]'); it computes the reference",
     )
+    failure = _llama_cpp_failure()
+    if failure:
+        pytest.skip(f"llama-cpp-python cannot run on this CPU ({failure}); rebuild it for this machine")
+    return llama_cpp
+
+
+_PROBE = """
+import sys, tempfile
+from pathlib import Path
+import llama_cpp
+from tests.tiny_models import write_tiny_model
+path = write_tiny_model(Path(tempfile.mkdtemp()) / "probe.gguf")
+llm = llama_cpp.Llama(model_path=str(path), n_ctx=16, verbose=False)
+llm.eval([1, 2, 3])
+"""
+
+
+@cache
+def _llama_cpp_failure() -> str:
+    """Why llama.cpp cannot evaluate a tiny model here, "" if it can: tried once, in a child,
+    since an illegal instruction would take the test process down with it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode == 0:
+        return ""
+    if done.returncode < 0:
+        return f"killed by {signal.Signals(-done.returncode).name}"
+    return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
 
 
 def llama_tokenize(
@@ -45,8 +87,8 @@ class LlamaF32:
     flash attention."""
 
     def __init__(self, path: Path, n_ctx: int = 512, kv_type: int = GGML_TYPE_F32) -> None:
-        llama_cpp = require_llama_cpp()
-        self._llm = llama_cpp.Llama(
+        self._llama_cpp = require_llama_cpp()
+        self._llm = self._llama_cpp.Llama(
             model_path=str(path),
             n_ctx=n_ctx,
             n_threads=2,
@@ -56,6 +98,32 @@ class LlamaF32:
             flash_attn=False,
             verbose=False,
         )
+
+    def adds_bos(self) -> bool:
+        """Whether llama.cpp puts BOS before a prompt of this vocabulary."""
+        return bool(self._llm._model.add_bos_token())
+
+    def end_of_generation_ids(self) -> list[int]:
+        """Every id llama.cpp ends a generation at (end of text, of turn, ...)."""
+        vocab = self._llm._model.vocab
+        return [i for i in range(self._llm.n_vocab()) if self._llama_cpp.llama_vocab_is_eog(vocab, i)]
+
+    def render_chat(self, user_text: str) -> str:
+        """One user message rendered with the model's own `tokenizer.chat_template`, the
+        generation prompt added, by llama-cpp-python's Jinja2 chat formatter."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        model = self._llm._model
+        formatter = Jinja2ChatFormatter(
+            template=self._llm.metadata["tokenizer.chat_template"],
+            eos_token=model.token_get_text(model.token_eos()),
+            bos_token=model.token_get_text(model.token_bos()),
+        )
+        return formatter(messages=[{"role": "user", "content": user_text}]).prompt
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """llama.cpp's text of `ids` (special tokens as text), invalid UTF-8 replaced."""
+        return self._llm.detokenize(list(ids), special=True).decode("utf-8", errors="replace")
 
     def tokenize_prompt(self, text: str, add_bos: bool) -> list[int]:
         """Prompt ids with special tokens parsed, as the oracle's `prompt_token_ids`."""

@@ -38,3 +38,17 @@ def test_ci_fetches_both_test_models_and_requires_them() -> None:
     assert script.index("models pull") < pytest_line
     for name in ("smollm2-135m", "gemma3-270m"):
         assert name in script[: script.index("models pull")]
+
+
+def test_ci_runs_the_readmes_test_command_as_written() -> None:
+    """The test command in the README's code block is a line of .ci/run, with the skip policy
+    set before it."""
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    block = readme[readme.index("Run the tests") :]
+    command = block[
+        block.index("```bash\n") + len("```bash\n") : block.index("\n```", block.index("```bash"))
+    ]
+    script = (repo / ".ci" / "run").read_text()
+    assert command.strip() in script.splitlines()
+    assert script.index("export PRIMA_ALLOWED_SKIPS") < script.index(command.strip())

@@ -1,9 +1,10 @@
 """Every backend against the Backend protocol's promises (prima.backends.base), on the two tiny
-Qwen models with F32 weights and llama.cpp's outputs for them (../shared/oracle/tiny):
+Qwen models with F32 weights and llama.cpp's outputs for them (tests/tiny_qwen.py):
 
 - the prompt's last-token logits are within the backend's `logit_tolerance` of llama.cpp's, and
   decoding on from there gives llama.cpp's greedy tokens;
-- layers run in several windows give the bits of one window (if it says so);
+- layers run in several windows give the bits of one window (if it says so; else logits within
+  its tolerance);
 - KV state carries across calls: a prompt fed in two calls gives what one call gives;
 - a released window loads again and computes the same.
 
@@ -23,7 +24,8 @@ import pytest
 from prima.backends import get_backend
 from prima.backends.base import Backend
 from prima.model.files import open_model
-from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.conftest import load_tiny_oracle, tiny_model_path
+from tests.tiny_qwen import TINY_TAGS
 
 BACKENDS: list[tuple[str, str]] = [("cpu", "exact"), ("cpu", "q8"), ("acl", "fp16")]
 N_CTX = 128
@@ -46,8 +48,6 @@ def case(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Backend, list[dict[str, Any]]]]:
     name, mode, tag = request.param
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     weights = open_model(tiny_model_path(tag)).weights
     with _test_double(name, tmp_path_factory):
         yield get_backend(name, weights, threads=2, mode=mode), load_tiny_oracle(tag)["prompts"]
@@ -80,7 +80,7 @@ def _oracle_logits(prompt: dict[str, Any], backend: Backend) -> np.ndarray:
     """llama.cpp's logits from its run with the KV cache the backend keeps: the CPU's halves
     (q8 mode) are llama.cpp's default (`quant`, same F32 weights), otherwise the `f32` run."""
     halves = backend.name == "cpu" and np.dtype(getattr(backend, "kv_dtype", np.float32)) == np.float16
-    return np.load(TINY_ORACLE_DIR / prompt["quant" if halves else "f32"]["logits_file"])
+    return prompt["quant" if halves else "f32"]["logits"]
 
 
 def test_logits_and_greedy_tokens_match_llama_cpp(case: tuple[Backend, list[dict[str, Any]]]) -> None:
@@ -107,15 +107,19 @@ def test_logits_and_greedy_tokens_match_llama_cpp(case: tuple[Backend, list[dict
         backend.release_window(window)
 
 
-def test_windows_give_the_bits_of_one_window(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+def test_windows_give_what_one_window_gives(case: tuple[Backend, list[dict[str, Any]]]) -> None:
+    """The same bits where the backend promises them (`windows_bit_identical`), else logits
+    within its `logit_tolerance` of one window's."""
     backend, prompts = case
-    if not backend.windows_bit_identical:
-        pytest.skip(f"{backend.name} does not promise bit-identical windows")
     n = backend.config.n_layers
     ids = prompts[0]["prompt_token_ids"]
     whole = _prefill(backend, ids, [], [range(n)])
     for windows in ([range(0, 1), range(1, n)], [range(i, i + 1) for i in range(n)]):
-        np.testing.assert_array_equal(_prefill(backend, ids, [], windows), whole)
+        split = _prefill(backend, ids, [], windows)
+        if backend.windows_bit_identical:
+            np.testing.assert_array_equal(split, whole)
+        else:
+            assert np.abs(split - whole).max() <= backend.logit_tolerance
 
 
 def test_kv_state_carries_across_calls(case: tuple[Backend, list[dict[str, Any]]]) -> None:

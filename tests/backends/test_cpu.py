@@ -18,14 +18,12 @@ from prima.errors import InputError
 from prima.kernels.tensor import QTensor
 from prima.model.files import open_model
 from prima.model.weights import ModelWeights
-from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
+from tests.conftest import tiny_model_path
 from tests.kernels.weights import random_qtensor, reference, relative_error
 
 
 @pytest.fixture(scope="module")
 def weights() -> ModelWeights:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     return open_model(tiny_model_path("tiny-qwen2")).weights
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from prima.cli.main import main
 from tests.conftest import run_python
+from tests.llama_reference import require_llama_cpp
 
 
 @pytest.mark.slow
@@ -51,7 +52,7 @@ def test_the_engine_worker_module_carries_nothing_of_prima() -> None:
 def test_the_llama_worker_reads_the_logits_llama_cpp_computed(smollm2_path: Path) -> None:
     """llama.cpp's decode in the bench follows its own greedy choice, past one batch of prompt:
     the logits it reads are those llama.cpp keeps for every token when asked (logits_all)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = require_llama_cpp()
     from prima.cli.bench_worker import llama_last_logits
 
     ids = list(range(100, 700))  # longer than the 512-token batch

@@ -25,7 +25,7 @@ from prima.engine.generate import GenerateRequest, GenerationResult
 from prima.kernels import compile_cache
 from prima.model.gguf_file import GGUFFile
 from prima.model.tokenizer import Tokenizer
-from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
+from tests.conftest import load_tiny_oracle, tiny_model_path
 
 WAIT_S = 120.0
 
@@ -132,8 +132,6 @@ def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> N
 @pytest.fixture
 def tiny_chat(monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any], list[list[int]]]:
     """tiny-qwen2, the oracle's chat prompt, and the prompt ids of every turn the chat generates."""
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     prompt = next(p for p in load_tiny_oracle("tiny-qwen2")["prompts"] if p["chat"])
     turns: list[list[int]] = []
     real_open = cmd_chat.open_session

@@ -17,7 +17,7 @@ import pytest
 
 from prima.cli.main import main
 from prima.kernels import compile_cache
-from tests.conftest import TINY_ORACLE_DIR, load_tiny_oracle, run_python, tiny_model_path
+from tests.conftest import load_tiny_oracle, run_python, tiny_model_path
 
 PROMPT = "The capital of France is"
 
@@ -61,7 +61,7 @@ def test_p_and_f_together_are_a_usage_error(tmp_path: Path) -> None:
         main(["run", "-p", "x", "-f", str(tmp_path / "x.txt")])
 
 
-# In-process on the tiny qwen2 model of the oracle (F32 weights, so --exact is llama.cpp's
+# In-process on the tiny qwen2 model of tests/tiny_qwen.py (F32 weights, so --exact is llama.cpp's
 # float32 run): fast enough to run by default.
 TINY_TOLERANCE = 1e-3  # tests/model/test_tiny_qwen.py's bound for float32 logits
 
@@ -69,8 +69,6 @@ TINY_TOLERANCE = 1e-3  # tests/model/test_tiny_qwen.py's bound for float32 logit
 @pytest.fixture
 def tiny_capital() -> tuple[Path, dict[str, Any]]:
     """tiny-qwen2 and the oracle's `capital` prompt (its ids, greedy f32 run and logits file)."""
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     prompt = next(p for p in load_tiny_oracle("tiny-qwen2")["prompts"] if p["name"] == "capital")
     return tiny_model_path("tiny-qwen2"), prompt
 
@@ -110,7 +108,7 @@ def test_json_reports_llama_cpps_tokens_text_and_logits(
     # The last prompt token's logits, float32, as llama.cpp computed them.
     logits = np.load(logits_file)
     assert logits.dtype == np.float32
-    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    f32 = prompt["f32"]["logits"]
     assert logits.shape == f32.shape
     assert np.abs(logits - f32).max() <= TINY_TOLERANCE
 
@@ -126,7 +124,7 @@ def test_zero_tokens_computes_only_the_prompt(
     doc = json.loads(out)
     assert (doc["token_ids"], doc["text"], doc["stop_reason"]) == ([], "", "length")
     assert doc["timings"]["generated_tokens"] == 0
-    f32 = np.load(TINY_ORACLE_DIR / prompt["f32"]["logits_file"])
+    f32 = prompt["f32"]["logits"]
     assert np.abs(np.load(logits_file) - f32).max() <= TINY_TOLERANCE
 
 

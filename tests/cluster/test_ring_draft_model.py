@@ -22,7 +22,7 @@ from prima.engine.speculative import DraftConfig
 from prima.errors import NodeError
 from prima.forward.loader import load_model
 from prima.model.gguf_file import GGUFFile
-from tests.conftest import REPEAT_TEXT, TINY_ORACLE_DIR, tiny_model_path
+from tests.conftest import REPEAT_TEXT, tiny_model_path
 
 from .conftest import N_CTX, UBATCH, reference_tokens, ring_request, start_ring
 
@@ -87,8 +87,6 @@ def test_model_drafts_on_a_ring_equal_single_device(
 def test_a_head_refuses_another_draft_model_and_keeps_serving(
     drafting_ring: LocalRing, smollm2_path: Path
 ) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     ids = [1, 504, 3575, 282, 4649, 314]
     ring = Ring.connect(drafting_ring.addresses, rounds=1)
     try:

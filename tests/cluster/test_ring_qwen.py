@@ -1,4 +1,4 @@
-"""qwen2 and qwen3 across real primad processes against llama.cpp: the tiny oracle models on a
+"""qwen2 and qwen3 across real primad processes against llama.cpp: the tiny Qwen models on a
 2- and a 3-daemon ring, in exact mode and in the default q8 mode. Each oracle prompt's last-token
 logits must be within 1e-3 of llama.cpp's `f32` run in exact mode, and in q8 mode (F32 weights:
 computed exactly too, but a KV cache of halves) within 1e-2 of its `quant` run, whose KV cache is
@@ -20,8 +20,9 @@ from prima.engine.generate import GenerationDone, generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
-from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.conftest import load_tiny_oracle, tiny_model_path
 from tests.tiny_models import write_tiny_model
+from tests.tiny_qwen import TINY_TAGS
 
 from .conftest import N_CTX, ring_request, ring_tokens, start_ring
 
@@ -42,8 +43,6 @@ MODE_ARGS = {"exact": ("--exact",), "q8": ()}
 )
 def tiny_ring(request: pytest.FixtureRequest, ring_logs: Path) -> Iterator[tuple[str, str, LocalRing]]:
     tag, mode = request.param
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     for ring in start_ring(3, tiny_model_path(tag), ring_logs / f"{tag}-{mode}", extra_args=MODE_ARGS[mode]):
         yield tag, mode, ring
 
@@ -56,7 +55,7 @@ def _check(ring: Ring, prompt: dict[str, Any], mode: str) -> None:
     done = events[-1]
     assert isinstance(done, GenerationDone)
     assert [t for t in events if isinstance(t, int)] == expected
-    want = np.load(TINY_ORACLE_DIR / run["logits_file"])
+    want = run["logits"]
     assert done.prompt_logits is not None
     tolerance = F32_TOLERANCE if mode == "exact" else F16_KV_TOLERANCE
     assert np.abs(np.asarray(done.prompt_logits) - want).max() <= tolerance

@@ -20,7 +20,7 @@ from prima.forward.placement import Piece
 from prima.scheduler import profiler
 from prima.scheduler.cost_model import device_cost, gemv_ms
 from prima.scheduler.profile import DeviceProfile, ModelProfile
-from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
+from tests.conftest import tiny_model_path
 from tests.fake_time import FakeTime
 
 Measure = Callable[[Callable[[LoadedModel], float]], tuple[DeviceProfile, ModelProfile, dict[str, float]]]
@@ -34,8 +34,6 @@ def _tiny() -> LoadedModel:
 
 @pytest.fixture
 def tiny() -> LoadedModel:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny models at {TINY_ORACLE_DIR}")
     return _tiny()
 
 
@@ -183,8 +181,6 @@ def test_an_npu_node_profiles_its_accelerator(monkeypatch: pytest.MonkeyPatch, t
     acl.rt.get_mem_info reports, read afresh, and its speed is the timed one-layer window, so the
     cost model's accelerator time per layer is exactly the measured one (time is injected)."""
     pytest.importorskip("onnxruntime")
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny models at {TINY_ORACLE_DIR}")
     from tests.backends.acl.fake_acl import fake_cann
 
     with fake_cann(tmp_path, memory_bytes=256 << 20) as fake:

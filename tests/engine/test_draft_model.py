@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model: a second GGUF sharing the target's vocabulary guesses
 greedily from its own KV cache, which follows the context (rewound past rejected drafts), and
-the output stays plain decoding's, greedy and seeded. The two tiny Qwen models of the oracle
+the output stays plain decoding's, greedy and seeded. The two tiny Qwen models (tests/tiny_qwen.py)
 and SmolLM2 share one vocabulary; Gemma's differs. Fast on the tiny models; marked slow, every
 oracle prompt of both test models."""
 
@@ -23,16 +23,10 @@ from prima.engine.speculative import DraftConfig
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel, load_model
 from prima.model.files import open_model
-from tests.conftest import ORACLE_TAGS, REPEAT_TEXT, TINY_ORACLE_DIR, load_tiny_oracle, tiny_model_path
+from tests.conftest import ORACLE_TAGS, REPEAT_TEXT, load_tiny_oracle, tiny_model_path
 
 SEEDED = SamplerConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11)
 MODEL_DRAFT = DraftConfig("model", 3)
-
-
-@pytest.fixture(autouse=True)
-def _tiny_oracle() -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
 
 
 @cache

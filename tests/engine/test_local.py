@@ -1,5 +1,5 @@
 """LocalEngine, the whole model on one device: prefill in micro-batches or in pieces gives
-llama.cpp's logits (../shared/oracle, the float32 run, prima's exact mode), reset starts a new
+llama.cpp's logits (tests/data/llama_cpp, the float32 run, prima's exact mode), reset starts a new
 session, and a prompt the context cannot hold or an empty one is refused before any work."""
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ import pytest
 from prima.engine.local import LocalEngine
 from prima.errors import ContextFullError, InputError
 from prima.forward.loader import LoadedModel, load_model
-from tests.conftest import ORACLE_DIR, TINY_ORACLE_DIR, load_oracle, load_tiny_oracle, tiny_model_path
+from tests.conftest import load_oracle, load_tiny_oracle, tiny_model_path
 
 # The tolerance tests/model/test_transformer.py holds one pass to (measured here: ~2e-5).
 F32_TOLERANCE = 1e-3
-
-pytestmark = pytest.mark.skipif(not ORACLE_DIR.is_dir(), reason=f"no llama.cpp oracle at {ORACLE_DIR}")
 
 
 @cache
@@ -27,16 +25,16 @@ def _load(path: Path) -> LoadedModel:
     return load_model(path, mode="exact")
 
 
-def _prompt(oracle: dict[str, Any], name: str, directory: Path) -> tuple[list[int], np.ndarray]:
+def _prompt(oracle: dict[str, Any], name: str) -> tuple[list[int], np.ndarray]:
     """A prompt's token ids and llama.cpp's float32 logits of its last token."""
     prompt = next(p for p in oracle["prompts"] if p["name"] == name)
-    return prompt["prompt_token_ids"], np.load(directory / prompt["f32"]["logits_file"])
+    return prompt["prompt_token_ids"], prompt["f32"]["logits"]
 
 
 @pytest.fixture(scope="module")
 def tiny() -> tuple[LoadedModel, list[int], np.ndarray]:
     """tiny-qwen2 (4 F32 layers) and its 49-token chat prompt: fast enough for every case."""
-    ids, f32 = _prompt(load_tiny_oracle("tiny-qwen2"), "chat_zh", TINY_ORACLE_DIR)
+    ids, f32 = _prompt(load_tiny_oracle("tiny-qwen2"), "chat_zh")
     return _load(tiny_model_path("tiny-qwen2")), ids, f32
 
 
@@ -61,7 +59,7 @@ def test_micro_batches_give_llama_cpps_logits(
 
 @pytest.mark.slow  # loading SmolLM2's exact-mode kernels takes seconds
 def test_micro_batches_of_a_real_model_give_llama_cpps_logits(smollm2_path: Path) -> None:
-    ids, f32 = _prompt(load_oracle("smollm2-135m"), "code", ORACLE_DIR)
+    ids, f32 = _prompt(load_oracle("smollm2-135m"), "code")
     engine = LocalEngine(_load(smollm2_path).model, n_ctx=64, ubatch=5)  # 18 tokens: 4 micro-batches
     assert _close(engine.forward(ids), f32)
 

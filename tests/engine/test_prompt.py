@@ -1,4 +1,4 @@
-"""Prompt text and chat messages become the token ids llama.cpp feeds the model (../shared/oracle):
+"""Prompt text and chat messages become the token ids llama.cpp feeds the model (tests/data/llama_cpp):
 BOS as the model's metadata says (never twice), special tokens parsed, chat through the template."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from prima.engine.prompt import chat_prompt_ids, prompt_ids, render_messages
 from prima.errors import InputError
 from prima.model.gguf_file import GGUFFile
 from prima.model.tokenizer import Tokenizer
-from tests.conftest import ORACLE_DIR, ORACLE_TAGS, load_oracle
+from tests.conftest import ORACLE_TAGS, load_oracle
 
 Model = tuple[dict[str, Any], Tokenizer]
 
@@ -30,10 +30,6 @@ def models(smollm2_path: Path, gemma3_path: Path) -> dict[str, Model]:
 
 
 def _cases(chat: bool) -> list[Any]:
-    if not ORACLE_DIR.is_dir():
-        return [
-            pytest.param(None, None, marks=pytest.mark.skip(reason=f"no llama.cpp oracle at {ORACLE_DIR}"))
-        ]
     return [
         pytest.param(tag, p, id=f"{tag}-{p['name']}")
         for tag in ORACLE_TAGS

@@ -1,6 +1,6 @@
 """Speculative decoding on one device: prompt lookup drafts what followed the context's suffix
 before, and the generation loop keeps exactly plain decoding's tokens (greedy and seeded) while
-checking several drafts per pass. The loop runs on the tiny Qwen models of the oracle (fast)
+checking several drafts per pass. The loop runs on the tiny Qwen models (tests/tiny_qwen.py, fast)
 and, marked slow, on every oracle prompt of both test models."""
 
 from __future__ import annotations
@@ -21,14 +21,8 @@ from prima.engine.sampling import SamplerConfig
 from prima.engine.speculative import MAX_DRAFT_TOKENS, DraftConfig, DraftLength, PromptLookup
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel, load_model
-from tests.conftest import (
-    ORACLE_TAGS,
-    TINY_ORACLE_DIR,
-    TINY_TAGS,
-    load_oracle,
-    load_tiny_oracle,
-    tiny_model_path,
-)
+from tests.conftest import ORACLE_TAGS, load_oracle, load_tiny_oracle, tiny_model_path
+from tests.tiny_qwen import TINY_TAGS
 
 LOOKUP = DraftConfig("lookup", 3)
 # Both test models continue this by repeating it: drafts get checked and kept.
@@ -105,8 +99,6 @@ def _run(loaded: LoadedModel, request: GenerateRequest) -> tuple[list[int], Gene
 
 
 def _tiny(tag: str) -> LoadedModel:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     return _loaded(str(tiny_model_path(tag)))
 
 

@@ -96,14 +96,17 @@ def _resident_bytes_of_mapping(address: int) -> int:
 def test_header_pages_are_released_after_parsing_and_indexing(smollm2_path: Path) -> None:
     """Peak memory: the header (SmolLM2's vocabulary and merges, 1.7 MiB) is read to parse it
     and to index the vocabulary, then dropped from this process's resident pages; the strings
-    still read back, refaulted from the page cache."""
+    still read back, refaulted from the page cache.
+
+    How many pages a refault maps around itself is the kernel's choice (fault-around, 16 pages
+    by default; 77 pages stayed resident on Linux 6.18), so the bound is half the header: what
+    stays is the kernel's, what the release dropped is ours."""
     files = open_model(smollm2_path)
     gguf = files.gguf
     address = gguf.data.ctypes.data
     header = gguf.data_offset
     assert header > 1 << 20
-    # Linux maps up to 16 pages around a faulting one: allow that much, a fraction of the header.
-    allowance = 32 * mmap.PAGESIZE
+    allowance = header // 2
     assert _resident_bytes_of_mapping(address) <= allowance
     tokens = gguf.metadata["tokenizer.ggml.tokens"]
     merges = gguf.metadata["tokenizer.ggml.merges"]
@@ -113,4 +116,10 @@ def test_header_pages_are_released_after_parsing_and_indexing(smollm2_path: Path
     assert (tokens[:5], tokens[-1], merges[:3]) == texts
     assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
     assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    # Every header page touched, then released again: the mapping's resident bytes fall by most
+    # of the header.
+    assert int(np.asarray(gguf.data[:header]).sum(dtype=np.uint64)) > 0
+    touched = _resident_bytes_of_mapping(address)
+    assert touched >= header * 9 // 10
     assert gguf.release_header_pages() == header // mmap.PAGESIZE * mmap.PAGESIZE
+    assert _resident_bytes_of_mapping(address) <= min(allowance, touched - header // 2)

@@ -2,11 +2,11 @@
 
 The reference is computed while the test runs, by llama.cpp (llama-cpp-python) reading the same
 file with `tokenizer.ggml.pre` overridden: the same vocabulary and merges, split by another
-pre-tokenizer. Two vocabularies: the tiny-qwen2 oracle model's (SmolLM2's real 49152 tokens), and
+pre-tokenizer. Two vocabularies: tiny-qwen2's (SmolLM2's real 49152 tokens), and
 a small one learned from the test strings with nothing split first (tests/tiny_models.py), whose
 tokens cross word, digit, case and script boundaries, so a split in the wrong place changes the
 ids (SmolLM2's vocabulary, for one, has no multi-digit tokens to show how digits group). None of
-these strings is in the shared oracle. Skips when llama-cpp-python is absent.
+these strings is in tests/data/llama_cpp. Skips when llama-cpp-python is absent.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from prima.errors import TokenizerError
 from prima.model.gguf_file import GGUFFile
 from prima.model.pre_tokenizers import PRE_TOKENIZERS
 from prima.model.tokenizer import Tokenizer
-from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, tiny_model_path
+from tests.conftest import tiny_model_path
 from tests.llama_reference import llama_tokenize
 from tests.tiny_models import write_vocab_only
+from tests.tiny_qwen import TINY_TAGS
 
 # Cases that separate the pre-tokenizers: digit runs of every length (single digits, groups of
 # three, whole runs), contractions in both cases, letters of several scripts and cases, CJK and
@@ -97,8 +98,6 @@ def test_pre_tokenizer_matches_llama_cpp_on_learned_vocab(learned_vocab: Path, p
 
 @pytest.mark.parametrize("pre", LLAMA_CPP_NAMES)
 def test_pre_tokenizer_matches_llama_cpp_on_real_vocab(pre: str) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     _assert_same(tiny_model_path("tiny-qwen2"), pre)
 
 
@@ -148,8 +147,6 @@ def test_gpt2_is_gpt_2() -> None:
 
 @pytest.mark.parametrize("tag", TINY_TAGS)
 def test_tiny_models_tokenize_held_out_like_llama_cpp(tag: str) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     _assert_same(tiny_model_path(tag))
 
 

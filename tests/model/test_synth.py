@@ -16,6 +16,7 @@ from prima.forward.loader import load_model
 from prima.model.gguf_file import GGUFFile
 from prima.model.synth import SynthSpec, spec_for_size, write_synth_model
 from prima.scheduler.profile import ModelProfile
+from tests.llama_reference import require_llama_cpp
 
 SMALL = {"n_layers": 3, "d_model": 128, "ffn": 256, "n_heads": 4, "n_kv_heads": 2}
 
@@ -38,7 +39,7 @@ def test_synth_model_has_the_shape_asked_for(synth_path: Path, smollm2_path: Pat
 
 def test_synth_model_runs_like_llama_cpp_reads_it(synth_path: Path) -> None:
     """prima (exact mode) and llama.cpp give the same greedy tokens from the synthetic file."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional bench dependency")
+    llama_cpp = require_llama_cpp()
     loaded = load_model(synth_path, mode="exact", threads=1)
     prompt = loaded.tokenizer.encode("The capital of France is", add_bos=True)
     ours = generate(LocalEngine(loaded.model, n_ctx=64), prompt, max_tokens=6, sampler=SamplerConfig())

@@ -1,10 +1,11 @@
-"""qwen2 and qwen3 on one device against llama.cpp: the two tiny random-weight models of the
-oracle (tiny/: q/k/v biases, per-head QK norms, the `qwen2` pre-tokenizer, a chat template).
+"""qwen2 and qwen3 on one device against llama.cpp: the two tiny random-weight models of
+tests/tiny_qwen.py (q/k/v biases, per-head QK norms, the `qwen2` pre-tokenizer, a chat template),
+with llama.cpp's outputs for them computed by llama-cpp-python as the tests run.
 
-Their weights are F32, so both of prima's modes use exactly llama.cpp's weights: `exact` and the
-default `q8` (which quantizes activations only against quantized weights) must both match the
-oracle's `f32` logits to 1e-3 and its greedy ids exactly. The oracle's `quant` run keeps the KV
-cache in F16, so against it only the top token and the logit direction must agree.
+Their weights are F32, so both of prima's modes use exactly llama.cpp's weights: `exact` must
+match llama.cpp's `f32` run (float32 KV cache) to 1e-3, and the default `q8` (which quantizes
+activations only against quantized weights, and keeps the KV cache in halves) its `quant` run
+(F16 KV cache) to 1e-2, each with the greedy ids exactly.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from prima.engine.local import LocalEngine
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import LoadedModel, load_model
-from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.conftest import load_tiny_oracle, tiny_model_path
 from tests.llama_reference import GGML_TYPE_F16, GGML_TYPE_F32, LlamaF32
+from tests.tiny_qwen import PROMPTS, TINY_TAGS, TOKENIZE_TEXTS
 
 F32_TOLERANCE = 1e-3
 # q8 mode keeps the KV cache in halves and rounds queries and softmax weights to halves before
@@ -38,22 +40,12 @@ def _load(tag: str, mode: str) -> LoadedModel:
     return load_model(tiny_model_path(tag), mode=mode)
 
 
-def _cases(key: str) -> list[Any]:
-    if not TINY_ORACLE_DIR.is_dir():
-        return [
-            pytest.param(None, None, marks=pytest.mark.skip(reason=f"no tiny oracle at {TINY_ORACLE_DIR}"))
-        ]
-    if key == "tokenize":
-        return [
-            pytest.param(tag, case, id=f"{tag}-{i}")
-            for tag in TINY_TAGS
-            for i, case in enumerate(load_tiny_oracle(tag)["tokenize"])
-        ]
-    return [
-        pytest.param(tag, p, id=f"{tag}-{p['name']}")
-        for tag in TINY_TAGS
-        for p in load_tiny_oracle(tag)["prompts"]
-    ]
+def _prompt(tag: str, name: str) -> dict[str, Any]:
+    return next(p for p in load_tiny_oracle(tag)["prompts"] if p["name"] == name)
+
+
+TOKENIZE_CASES = [(tag, i) for tag in TINY_TAGS for i in range(len(TOKENIZE_TEXTS))]
+PROMPT_CASES = [(tag, p.name) for tag in TINY_TAGS for p in PROMPTS]
 
 
 def last_logits(loaded: LoadedModel, ids: list[int]) -> np.ndarray:
@@ -81,16 +73,18 @@ def assert_close_to_llama_cpp(
         assert cosine >= 0.998
 
 
-@pytest.mark.parametrize(("tag", "case"), _cases("tokenize"))
-def test_tiny_encode_matches_llama_cpp(tag: str, case: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("tag", "index"), TOKENIZE_CASES)
+def test_tiny_encode_matches_llama_cpp(tag: str, index: int) -> None:
+    case = load_tiny_oracle(tag)["tokenize"][index]
     tok = _load(tag, "exact").tokenizer
     assert tok.encode(case["text"]) == case["ids"]
     assert tok.decode(case["ids"]) == case["text"]
 
 
-@pytest.mark.parametrize(("tag", "prompt"), _cases("prompts"))
-def test_tiny_prompt_tokens_match_llama_cpp(tag: str, prompt: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("tag", "name"), PROMPT_CASES)
+def test_tiny_prompt_tokens_match_llama_cpp(tag: str, name: str) -> None:
     """Prompt text -> ids as `prima run` builds them; chat prompts through the GGUF's template."""
+    prompt = _prompt(tag, name)
     loaded = _load(tag, "exact")
     tok = loaded.tokenizer
     if prompt["chat"]:
@@ -100,8 +94,9 @@ def test_tiny_prompt_tokens_match_llama_cpp(tag: str, prompt: dict[str, Any]) ->
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("tag", "prompt"), _cases("prompts"))
-def test_tiny_logits_match_llama_cpp(tag: str, prompt: dict[str, Any], mode: str) -> None:
+@pytest.mark.parametrize(("tag", "name"), PROMPT_CASES)
+def test_tiny_logits_match_llama_cpp(tag: str, name: str, mode: str) -> None:
+    prompt = _prompt(tag, name)
     loaded = _load(tag, mode)
     assert loaded.model.backend.mode == mode
     logits = last_logits(loaded, prompt["prompt_token_ids"])
@@ -110,16 +105,17 @@ def test_tiny_logits_match_llama_cpp(tag: str, prompt: dict[str, Any], mode: str
     run = "f32" if mode == "exact" else "quant"
     assert_close_to_llama_cpp(
         logits,
-        np.load(TINY_ORACLE_DIR / prompt[run]["logits_file"]),
-        np.load(TINY_ORACLE_DIR / prompt["quant"]["logits_file"]),
+        prompt[run]["logits"],
+        prompt["quant"]["logits"],
         F32_TOLERANCE if mode == "exact" else F16_KV_TOLERANCE,
     )
     assert list(np.argsort(-logits)[:5]) == prompt[run]["top5_ids"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("tag", "prompt"), _cases("prompts"))
-def test_tiny_greedy_matches_llama_cpp(tag: str, prompt: dict[str, Any], mode: str) -> None:
+@pytest.mark.parametrize(("tag", "name"), PROMPT_CASES)
+def test_tiny_greedy_matches_llama_cpp(tag: str, name: str, mode: str) -> None:
+    prompt = _prompt(tag, name)
     loaded = _load(tag, mode)
     expected = prompt["f32"]["greedy_token_ids"]
     result = generate(
@@ -166,8 +162,6 @@ def llama_f32() -> Iterator[Callable[[str, str], LlamaF32]]:
 def test_tiny_held_out_prompts_match_llama_cpp(
     llama_f32: Callable[[str, str], LlamaF32], tag: str, text: str, mode: str
 ) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     loaded = _load(tag, mode)
     tok = loaded.tokenizer
     reference = llama_f32(tag, mode)

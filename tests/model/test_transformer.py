@@ -13,7 +13,7 @@ from prima.engine.generate import generate
 from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import LoadedModel, load_model
-from tests.conftest import ORACLE_DIR, load_oracle
+from tests.conftest import load_oracle
 
 # Exact mode (weights dequantized exactly, float32 activations) against llama.cpp on an
 # F32-dequantized copy. Gemma's GELU goes through an fp16 table in ggml (we do the same), which
@@ -33,8 +33,6 @@ def _last_logits(loaded: LoadedModel, ids: list[int]) -> np.ndarray:
 
 
 def _prompt_cases() -> list[Any]:
-    if not ORACLE_DIR.is_dir():
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason="no oracle"))]
     return [
         pytest.param(tag, p, id=f"{tag}-{p['name']}")
         for tag in F32_TOLERANCE
@@ -46,8 +44,8 @@ def _prompt_cases() -> list[Any]:
 def test_logits_match_llama_cpp(tag: str, prompt: dict[str, Any]) -> None:
     loaded = _load(tag)
     logits = _last_logits(loaded, prompt["prompt_token_ids"])
-    f32 = np.load(ORACLE_DIR / prompt["f32"]["logits_file"])
-    quant = np.load(ORACLE_DIR / prompt["quant"]["logits_file"])
+    f32 = prompt["f32"]["logits"]
+    quant = prompt["quant"]["logits"]
     assert np.abs(logits - f32).max() <= F32_TOLERANCE[tag]
     assert int(np.argmax(logits)) == int(np.argmax(quant))
     cosine = float(logits @ quant / (np.linalg.norm(logits) * np.linalg.norm(quant)))
@@ -76,11 +74,7 @@ def test_windows_are_bit_identical_to_one_pass(tag: str, cuts: list[int]) -> Non
     loaded = _load(tag)
     model = loaded.model
     n = model.config.n_layers
-    ids = (
-        np.array(load_oracle(tag)["prompts"][0]["prompt_token_ids"])
-        if ORACLE_DIR.is_dir()
-        else np.arange(2, 9)
-    )
+    ids = np.array(load_oracle(tag)["prompts"][0]["prompt_token_ids"])
     positions = np.arange(ids.size)
 
     whole = model.forward_layers(model.embed(ids), positions, 0, n, model.new_cache(64))

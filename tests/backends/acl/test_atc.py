@@ -12,7 +12,7 @@ import pytest
 
 from prima.cli.main import main
 from prima.model.files import open_model
-from tests.conftest import TINY_ORACLE_DIR, tiny_model_path
+from tests.conftest import tiny_model_path
 
 pytest.importorskip("onnx")
 
@@ -33,8 +33,6 @@ def _flags(argv: list[str]) -> dict[str, str]:
 def test_dry_run_prints_the_atc_command_of_each_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     monkeypatch.setenv("PRIMA_CACHE", str(tmp_path))
     path = tiny_model_path("tiny-qwen2")
     cfg = open_model(path).config
@@ -63,9 +61,7 @@ def test_dry_run_prints_the_atc_command_of_each_window(
 
 
 def test_sliding_windows_get_their_own_mask_dims() -> None:
-    cfg = open_model(tiny_model_path("tiny-qwen2")).config if TINY_ORACLE_DIR.is_dir() else None
-    if cfg is None:
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
+    cfg = open_model(tiny_model_path("tiny-qwen2")).config
     assert atc.gear_values(4, 100, sliding=True) == [4, 4, 4, 104, 4, 104]
     shape, dims = atc.shapes(cfg, range(1), 100, (1, 2))
     assert shape.startswith(f"hidden:-1,{cfg.d_model};positions:-1;mask:-1,-1;past_k_0:")

@@ -14,7 +14,8 @@ import pytest
 from prima.backends import get_backend
 from prima.backends.base import Backend
 from prima.model.files import open_model
-from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, load_tiny_oracle, tiny_model_path
+from tests.conftest import load_tiny_oracle, tiny_model_path
+from tests.tiny_qwen import TINY_TAGS
 
 pytest.importorskip("onnxruntime")
 
@@ -47,8 +48,6 @@ def _greedy(stages: list[tuple[Backend, range]], ids: list[int]) -> tuple[np.nda
 
 @pytest.mark.parametrize("tag", TINY_TAGS)
 def test_cpu_then_npu_equals_one_cpu(tag: str, tmp_path: Path) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     weights = open_model(tiny_model_path(tag)).weights
     n = weights.config.n_layers
     cpu = get_backend("cpu", weights, threads=1, mode="exact")

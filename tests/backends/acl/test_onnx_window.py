@@ -14,7 +14,8 @@ import pytest
 from prima.backends import get_backend
 from prima.model.files import open_model
 from prima.model.weights import ModelWeights
-from tests.conftest import TINY_ORACLE_DIR, TINY_TAGS, tiny_model_path
+from tests.conftest import tiny_model_path
+from tests.tiny_qwen import TINY_TAGS
 
 ort = pytest.importorskip("onnxruntime")
 onnx_window = pytest.importorskip("prima.backends.acl.onnx_window")
@@ -76,8 +77,6 @@ def check_windows(weights: ModelWeights, windows: list[range], kv_dtype: str = "
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("tag", TINY_TAGS)
 def test_window_graphs_of_tiny_models_match_the_cpu_backend(tag: str, kv_dtype: str) -> None:
-    if not TINY_ORACLE_DIR.is_dir():
-        pytest.skip(f"no tiny oracle at {TINY_ORACLE_DIR}")
     weights = open_model(tiny_model_path(tag)).weights
     n = weights.config.n_layers
     check_windows(weights, [range(n)], kv_dtype)
