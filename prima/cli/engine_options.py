@@ -461,8 +461,10 @@ def connect_ring(
     skip_untrusted: bool = False,
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
-    (with `pick_head`, the node with the most memory becomes the head). `skip_untrusted` leaves
-    out nodes that cannot prove cluster membership (for discovered addresses: adverts are hints)."""
+    (with `pick_head`, the node with the most memory becomes the head), then say in one line on
+    stderr which node computes which layers and why any daemon left out is idle. `skip_untrusted`
+    leaves out nodes that cannot prove cluster membership (discovered addresses: adverts are hints)."""
+    from prima.coordinator.plan_summary import describe_plan
     from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
 
@@ -470,7 +472,7 @@ def connect_ring(
     if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
     with StepBar("planning") as bar, FetchBar() as fetch_bar:
-        return Ring.connect(
+        ring = Ring.connect(
             addresses,
             window_sizes=args.windows,
             rounds=args.rounds or 1,
@@ -482,6 +484,8 @@ def connect_ring(
             on_fetch=fetch_bar,
             serve_file=loaded.path,
         )
+    stage(describe_plan(ring.plan, ring.devices, halda.model if halda is not None else None))
+    return ring
 
 
 def _report_transfers(view: ClusterView) -> None:

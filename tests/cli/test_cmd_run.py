@@ -190,7 +190,9 @@ def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
         str(smollm2_path),
     ]
     assert main([*argv, "-p", prompt["text"], "-n", "6", "--ctx", "64", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert "prima: plan: node1 [0,5) [15,20), node0 [5,15) [20,30) (head); windows by hand" in captured.err
+    doc = json.loads(captured.out)
     # Ring order puts the head (node 0) last in each round.
     assert [n["windows"] for n in doc["plan"]["nodes"]] == [[[5, 15], [20, 30]], [[0, 5], [15, 20]]]
     assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:6]
