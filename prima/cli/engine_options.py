@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from prima.backends import AVAILABLE_BACKENDS
 from prima.cli.arg_types import (
     mdns_interface,
+    mem_budget,
     node_addresses,
     non_negative_float,
     positive_int,
@@ -142,6 +143,15 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
         type=node_addresses,
         metavar="HOST:PORT,...",
         help="running daemons in ring order; the first is the head",
+    )
+    g.add_argument(
+        "--mem-budget",
+        type=mem_budget,
+        default=None,
+        metavar="SIZE",
+        help="with --local-ring: bytes of layer weights each daemon keeps in memory (primad --mem-budget), "
+        "as if each were a small device; e.g. 25M, a third of the default model, splits it across three "
+        "(default auto: what this machine leaves)",
     )
     add_discovery_args(g)
     g.add_argument(
@@ -331,6 +341,11 @@ def _with_draft_model(args: argparse.Namespace, session: Session, draft: DraftCo
 
 
 def _open_session(args: argparse.Namespace) -> Session:
+    if getattr(args, "mem_budget", None) is not None and not getattr(args, "local_ring", None):
+        raise InputError(
+            "--mem-budget sets the budget of the daemons --local-ring starts; give running daemons "
+            "theirs with `primad --mem-budget`"
+        )
     if args.local:  # before the ring's modules: one device loads no gRPC, mDNS or TLS (memory)
         return _local_session(args, resolve_model(args.model))
     from prima.coordinator.failover import FailoverRing, RingSpec
@@ -378,6 +393,7 @@ def _open_session(args: argparse.Namespace) -> Session:
                 threads=args.threads,
                 extra_args=exact,
                 node_args=[head, *([()] * (local_ring - 1))],
+                mem_budgets=[args.mem_budget] * local_ring if args.mem_budget else None,
             )
             closers.append(local.close)
             addresses = local.addresses
