@@ -122,6 +122,16 @@ def parse_budget(text: str) -> int | None:
         ) from None
 
 
+def mem_budget(text: str) -> str:
+    """--mem-budget as primad reads it (auto, 0 or a size such as 25M), checked here and passed
+    on as given to the daemons a command starts."""
+    try:
+        parse_budget(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--mem-budget: ")) from None
+    return text.strip()
+
+
 def parse_disk_budget(text: str) -> int:
     """--disk-budget: bytes of the model file a node may hold; 0 = no cap."""
     try:

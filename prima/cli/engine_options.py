@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from prima.backends import AVAILABLE_BACKENDS
 from prima.cli.arg_types import (
     mdns_interface,
+    mem_budget,
     node_addresses,
     non_negative_float,
     positive_int,
@@ -142,6 +143,15 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
         type=node_addresses,
         metavar="HOST:PORT,...",
         help="running daemons in ring order; the first is the head",
+    )
+    g.add_argument(
+        "--mem-budget",
+        type=mem_budget,
+        default=None,
+        metavar="SIZE",
+        help="with --local-ring: bytes of layer weights each daemon keeps in memory (primad --mem-budget), "
+        "as if each were a small device; e.g. 25M, a third of the default model, splits it across three "
+        "(default auto: what this machine leaves)",
     )
     add_discovery_args(g)
     g.add_argument(
@@ -331,6 +341,11 @@ def _with_draft_model(args: argparse.Namespace, session: Session, draft: DraftCo
 
 
 def _open_session(args: argparse.Namespace) -> Session:
+    if getattr(args, "mem_budget", None) is not None and not getattr(args, "local_ring", None):
+        raise InputError(
+            "--mem-budget sets the budget of the daemons --local-ring starts; give running daemons "
+            "theirs with `primad --mem-budget`"
+        )
     if args.local:  # before the ring's modules: one device loads no gRPC, mDNS or TLS (memory)
         return _local_session(args, resolve_model(args.model))
     from prima.coordinator.failover import FailoverRing, RingSpec
@@ -378,6 +393,7 @@ def _open_session(args: argparse.Namespace) -> Session:
                 threads=args.threads,
                 extra_args=exact,
                 node_args=[head, *([()] * (local_ring - 1))],
+                mem_budgets=[args.mem_budget] * local_ring if args.mem_budget else None,
             )
             closers.append(local.close)
             addresses = local.addresses
@@ -461,8 +477,10 @@ def connect_ring(
     skip_untrusted: bool = False,
 ) -> Ring:
     """Connect and load a plan: --windows/--rounds by hand, else Halda over the nodes' profiles
-    (with `pick_head`, the node with the most memory becomes the head). `skip_untrusted` leaves
-    out nodes that cannot prove cluster membership (for discovered addresses: adverts are hints)."""
+    (with `pick_head`, the node with the most memory becomes the head), then say in one line on
+    stderr which node computes which layers and why any daemon left out is idle. `skip_untrusted`
+    leaves out nodes that cannot prove cluster membership (discovered addresses: adverts are hints)."""
+    from prima.coordinator.plan_summary import describe_plan
     from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
 
@@ -470,7 +488,7 @@ def connect_ring(
     if halda is not None:
         stage(f"profiling {len(addresses)} daemon(s) and planning the ring")
     with StepBar("planning") as bar, FetchBar() as fetch_bar:
-        return Ring.connect(
+        ring = Ring.connect(
             addresses,
             window_sizes=args.windows,
             rounds=args.rounds or 1,
@@ -482,6 +500,8 @@ def connect_ring(
             on_fetch=fetch_bar,
             serve_file=loaded.path,
         )
+    stage(describe_plan(ring.plan, ring.devices, halda.model if halda is not None else None))
+    return ring
 
 
 def _report_transfers(view: ClusterView) -> None:

@@ -23,6 +23,7 @@ is exact under the cost model; the tests check it against brute force.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 from collections.abc import Sequence
@@ -226,23 +227,49 @@ def solve_rounds(
     return Assignment(k, members, windows, accel, ms, found.fetched_layers)
 
 
+class DropCause(enum.Enum):
+    """Which limit kept a device out of the best plan (`drop_cause`)."""
+
+    NO_CPU = "no_cpu"  # no throughput measured for the model's formats
+    UNREACHABLE = "unreachable"  # no network bandwidth to it
+    NO_ROOM = "no_room"  # not even one layer fits its memory (and it cannot stream)
+    DISK_BUDGET = "disk_budget"  # it may fetch no layer, and holds none where a window lies
+    SLOWER = "slower"  # it could join, but the ring is as fast or faster without it
+
+
+def drop_cause(cost: DeviceCost, rounds: int, n_layers: int) -> DropCause:
+    """Why a device with coefficients `cost` is not in the best plan of `rounds` rounds over
+    `n_layers` layers. The program considered every subset of devices, so leaving it out is
+    optimal; this says which limit made it so (the first that applies)."""
+    if not math.isfinite(cost.cpu_ms_per_layer):
+        return DropCause.NO_CPU
+    if not math.isfinite(cost.hop_ms):
+        return DropCause.UNREACHABLE
+    per_round = n_layers // rounds
+    if capacity(cost, rounds, per_round).window(cost, per_round) < 1:
+        return DropCause.NO_ROOM
+    if cost.fetch_room_layers == 0 and cost.held_layers is not None and len(cost.held_layers) < n_layers:
+        return DropCause.DISK_BUDGET
+    return DropCause.SLOWER
+
+
 def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m: int) -> str:
-    """Why device m is not in the best plan, in words a user can act on. The program considered
-    every subset of devices, so leaving m out is optimal; this says which limit made it so."""
+    """Why device m is not in the best plan, in words a user can act on."""
     c = costs[m]
     k = best.rounds
-    if not math.isfinite(c.cpu_ms_per_layer):
+    cause = drop_cause(c, k, n_layers)
+    if cause is DropCause.NO_CPU:
         return "no CPU throughput measured; re-run `prima profile` on it"
-    if not math.isfinite(c.hop_ms):
+    if cause is DropCause.UNREACHABLE:
         return "no network bandwidth to it; check that it is reachable"
-    if capacity(c, k, n_layers // k).window(c, n_layers // k) < 1:
+    if cause is DropCause.NO_ROOM:
         disk = "" if c.can_stream else " and no disk to stream from"
         return (
             f"cannot hold a layer in {k} round(s): a layer with its KV cache needs "
             f"{c.layer_ram_bytes / MiB:.0f} MiB, it has {c.ram_budget_bytes / MiB:.0f} MiB free{disk}"
         )
-    if c.fetch_room_layers == 0 and c.held_layers is not None and len(c.held_layers) < n_layers:
-        held = ", ".join(map(str, sorted(c.held_layers))) or "none"
+    if cause is DropCause.DISK_BUDGET:
+        held = ", ".join(map(str, sorted(c.held_layers or ()))) or "none"
         return (
             f"its --disk-budget leaves no room to fetch a layer, and the layers it holds ({held}) "
             "are not where a window of the best plan lies; raise its --disk-budget or free room on it"

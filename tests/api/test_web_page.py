@@ -1,8 +1,10 @@
 """The web page in a real browser: `prima serve` on a real 3-daemon local ring, the page opened in
 headless Chromium (Debian's chromium package, driven by Playwright with no browser download).
 
-It shows the three nodes with the windows the plan gave them, streams a chat answer equal to the
-API's own greedy answer, and stops a long answer with the Stop button. The screenshot is kept in
+The ring is the README's quick start: each daemon keeps 25 MiB of layer weights (11 of SmolLM2's
+30 layers), so Halda splits the model across all three. The page shows the three nodes with the
+windows the plan gave them and Halda's prediction, streams a chat answer equal to the API's own
+greedy answer, and stops a long answer with the Stop button. The screenshot is kept in
 the test's tmp_path; PRIMA_UPDATE_SCREENSHOT=1 also writes it to docs/images/web.png (the README's).
 """
 
@@ -34,9 +36,8 @@ START_TIMEOUT_S = 900.0  # kernels compile on a first run; a bound for a loaded 
 UI_WAIT_MS = 60_000  # the page drawing what the server already answered
 GENERATE_WAIT_MS = 600_000  # an answer (a token can be slow on a busy machine)
 STOP_TIMEOUT_S = 60.0
-WINDOWS = "10,10,10"  # by hand: Halda may leave a loopback node out, and the test wants all three
-# node0 heads the ring, so one forward pass goes node1, node2, node0.
-EXPECTED_WINDOWS = {"node0": [[20, 30]], "node1": [[0, 10]], "node2": [[10, 20]]}
+MEM_BUDGET = "25M"  # per daemon; Halda cannot leave one out: two hold 22 of the 30 layers
+MAX_LAYERS = 11  # SmolLM2's layers in 25 MiB (2.1 MiB each)
 QUESTION = "Which city is the capital of France?"
 
 
@@ -49,11 +50,12 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_path: Path) -> Iterator[str]:
-    """`prima serve --local-ring 3` on 127.0.0.1:0; its URL, read from the line it prints once
-    it listens. Stopped with SIGINT (Ctrl-C), which also stops its daemons."""
+def served(smollm2_path: Path) -> Iterator[tuple[str, list[str]]]:
+    """`prima serve --local-ring 3 --mem-budget 25M` on 127.0.0.1:0: its URL, read from the line
+    it prints once it listens, and the lines it printed until then. Stopped with SIGINT (Ctrl-C),
+    which also stops its daemons."""
     del smollm2_path  # fetched by the fixture; the command names the model
-    cmd = [sys.executable, "-m", "prima.cli.main", "serve", "--local-ring", "3", "--windows", WINDOWS]
+    cmd = [sys.executable, "-m", "prima.cli.main", "serve", "--local-ring", "3", "--mem-budget", MEM_BUDGET]
     cmd += ["--port", "0", "-n", "32"]
     proc, lines = popen_with_stderr_lines(cmd)
     try:
@@ -67,7 +69,7 @@ def served(smollm2_path: Path) -> Iterator[str]:
             proc.wait(STOP_TIMEOUT_S)
 
 
-def _wait_for_url(lines: queue.Queue[str | None], proc: subprocess.Popen[str]) -> str:
+def _wait_for_url(lines: queue.Queue[str | None], proc: subprocess.Popen[str]) -> tuple[str, list[str]]:
     seen: list[str] = []
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -80,7 +82,7 @@ def _wait_for_url(lines: queue.Queue[str | None], proc: subprocess.Popen[str]) -
         seen.append(line)
         found = re.search(r"web page at (http://\S+/)", line)
         if found:
-            return found.group(1)
+            return found.group(1), seen
     raise AssertionError(f"prima serve did not listen within {START_TIMEOUT_S:g} s:\n{''.join(seen)[-3000:]}")
 
 
@@ -97,11 +99,21 @@ def _api(url: str, method: str, path: str, body: Any = None) -> Any:
         conn.close()
 
 
-def test_page_chats_and_shows_the_ring(chromium: str, served: str, tmp_path: Path) -> None:
+def test_page_chats_and_shows_the_ring(chromium: str, served: tuple[str, list[str]], tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    view = _api(served, "GET", "/v1/cluster")
-    assert {n["node_id"]: n["windows"] for n in view["nodes"]} == EXPECTED_WINDOWS
+    url, printed = served
+    view = _api(url, "GET", "/v1/cluster")
+    windows = {n["node_id"]: n["windows"] for n in view["nodes"]}
+    assert sorted(windows) == ["node0", "node1", "node2"]
+    # One round (more would only add hops), each window within its daemon's budget.
+    assert all(len(w) == 1 and 0 < w[0][1] - w[0][0] <= MAX_LAYERS for w in windows.values())
+    assert view["predicted_ms_per_token"] > 0
+    # serve said so in its plan line before it listened, the nodes in the order they run.
+    (plan_line,) = [line for line in printed if line.startswith("prima: plan: ")]
+    in_order = sorted(windows.items(), key=lambda item: item[1][0][0])
+    assert ", ".join(f"{n} [{w[0][0]},{w[0][1]})" for n, w in in_order) in plan_line
+    assert f"Halda predicts {view['predicted_ms_per_token']:.1f} ms/token" in plan_line
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium)
         try:
@@ -110,15 +122,18 @@ def test_page_chats_and_shows_the_ring(chromium: str, served: str, tmp_path: Pat
             expect.set_options(timeout=UI_WAIT_MS)
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(served)
+            page.goto(url)
 
             # The three nodes, each with its window.
             nodes = page.locator("article.node")
             expect(nodes).to_have_count(3)
-            for node_id, [[start, end]] in EXPECTED_WINDOWS.items():
+            for node_id, [[start, end]] in windows.items():
                 card = page.locator(f'article.node[data-node="{node_id}"]')
                 expect(card.locator("dd.windows")).to_have_text(f"round 1: [{start},{end})")
                 expect(card).to_contain_text("resident of")
+                expect(card).to_contain_text("budget 25.0 MiB")
+                expect(card).to_contain_text("predicted")
+            expect(page.locator("#summary")).to_contain_text("predicted")
 
             # A chat message, streamed; greedy, so it must equal the API's own answer.
             page.locator("#sampling summary").click()
@@ -130,7 +145,7 @@ def test_page_chats_and_shows_the_ring(chromium: str, served: str, tmp_path: Pat
             expect(reply.locator(".meta")).to_contain_text("tokens", timeout=GENERATE_WAIT_MS)
             expect(page.locator("#send")).to_be_enabled()
             expected = _api(
-                served,
+                url,
                 "POST",
                 "/v1/chat/completions",
                 {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 24},
@@ -162,5 +177,5 @@ def test_page_chats_and_shows_the_ring(chromium: str, served: str, tmp_path: Pat
         finally:
             browser.close()
     # The stopped request freed the model: the next one is answered.
-    done = _api(served, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    done = _api(url, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
     assert done["usage"]["completion_tokens"] >= 1

@@ -17,6 +17,8 @@ import pytest
 
 from prima.cli.main import main
 from prima.kernels import compile_cache
+from prima.model.files import open_model
+from prima.scheduler.profile import ModelProfile
 from tests.conftest import load_tiny_oracle, run_python, tiny_model_path
 
 PROMPT = "The capital of France is"
@@ -188,7 +190,9 @@ def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
         str(smollm2_path),
     ]
     assert main([*argv, "-p", prompt["text"], "-n", "6", "--ctx", "64", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert "prima: plan: node1 [0,5) [15,20), node0 [5,15) [20,30) (head); windows by hand" in captured.err
+    doc = json.loads(captured.out)
     # Ring order puts the head (node 0) last in each round.
     assert [n["windows"] for n in doc["plan"]["nodes"]] == [[[5, 15], [20, 30]], [[0, 5], [15, 20]]]
     assert doc["token_ids"] == prompt["f32"]["greedy_token_ids"][:6]
@@ -198,6 +202,30 @@ def test_windows_by_hand_on_a_local_ring_give_llama_cpps_tokens(
     assert [h["window"] for h in hops] == [[0, 5], [5, 15], [15, 20], [20, 30]]
     assert [h["node_id"] for h in hops] == ["node1", "node0", "node1", "node0"]
     assert all(h["measured_steps"] == 5 and h["compute_ms"] > 0 for h in hops)
+
+
+@pytest.mark.slow
+def test_a_memory_budget_splits_the_local_ring_and_the_plan_is_told(
+    smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's quick start: --mem-budget 25M reaches each daemon, whose 25 MiB of layer
+    weights hold 11 of SmolLM2's 30 layers, so Halda needs all three; stderr says how it split
+    them and what it predicts."""
+    argv = ["run", "--local-ring", "3", "--mem-budget", "25M", "-m", str(smollm2_path), "-p", PROMPT]
+    assert main([*argv, "-n", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    plan = json.loads(captured.out)["plan"]
+    model = ModelProfile.from_gguf(open_model(smollm2_path, layers=range(0)).gguf, ctx_tokens=2048)
+    fits = (25 << 20) // model.layer_bytes
+    assert fits == 11
+    sizes = {n["node_id"]: sum(b - a for a, b in n["windows"]) for n in plan["nodes"]}
+    assert sorted(sizes) == ["node0", "node1", "node2"]
+    assert max(sizes.values()) <= fits
+    (line,) = [x for x in captured.err.splitlines() if x.startswith("prima: plan: ")]
+    for node in plan["nodes"]:
+        assert f"{node['node_id']} {' '.join(f'[{a},{b})' for a, b in node['windows'])}" in line
+    assert f"Halda predicts {plan['predicted_ms_per_token']:.1f} ms/token" in line
+    assert "idle" not in line
 
 
 def test_draft_lookup_gives_the_same_tokens_and_reports_its_counts(
