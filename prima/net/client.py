@@ -20,6 +20,7 @@ import grpc
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, ProtocolError, UntrustedNodeError
+from prima.kernels import compile_cache
 from prima.net import codec, credentials
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.link_client import CONNECT_TIMEOUT_S as LINK_CONNECT_TIMEOUT_S
@@ -72,7 +73,7 @@ def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeE
         return NodeError(
             f"node {name} at {address} did not answer ({doing}: {code.name}); "
             "check that primad is running there and the address is reachable (on its first start a "
-            "daemon compiles its kernels, 1-2 min, before it listens)"
+            f"daemon compiles its kernels, {compile_cache.COMPILE_TIME}, before it listens)"
         )
     return NodeError(f"{doing} on node {name} at {address} failed: {details}")
 
