@@ -21,7 +21,14 @@ from prima.weights.window import Residency
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # -- the API (prima serve) ---------------------------------------------------------------------
-REQUESTS = Counter("prima_requests", "Generation requests answered, by outcome", ["outcome"])
+# How a request ended (prima.api.service.request_outcome): ok; cancelled (the client went away or
+# the server is stopping); busy (the queue was full or the wait too long); bad_request (the input
+# could not run, e.g. past the context); node_lost (a ring node failed or stopped answering);
+# error (anything else).
+REQUEST_OUTCOMES = ("ok", "cancelled", "busy", "bad_request", "node_lost", "error")
+REQUESTS = Counter(
+    "prima_requests", f"Generation requests answered, by outcome ({', '.join(REQUEST_OUTCOMES)})", ["outcome"]
+)
 PROMPT_TOKENS = Counter("prima_prompt_tokens", "Prompt tokens processed")
 GENERATED_TOKENS = Counter("prima_generated_tokens", "Tokens generated")
 TIME_TO_FIRST_TOKEN = Histogram(
