@@ -301,6 +301,11 @@ class ClusterMonitor:
         with self._lock:
             self._failures.append(Failure(self._clock(), message))
 
+    def read(self) -> ClusterReading | None:
+        """The cluster as its members answer now (None: nothing to read), with no view built
+        and nothing recorded (what /metrics scrapes)."""
+        return self._read() if self._read is not None else None
+
     def snapshot(self) -> ClusterView:
         """Read the cluster now. A node that stops answering is logged as a failure once."""
         reading = self._read() if self._read is not None else None
