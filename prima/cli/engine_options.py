@@ -465,6 +465,7 @@ def connect_ring(
     out nodes that cannot prove cluster membership (for discovered addresses: adverts are hints)."""
     from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
+    from prima.scheduler.profile import ModelProfile
 
     halda = halda_options(args, loaded, pick_head=pick_head)
     if halda is not None:
@@ -481,6 +482,7 @@ def connect_ring(
             on_plan=_report_transfers,
             on_fetch=fetch_bar,
             serve_file=loaded.path,
+            model=None if halda is not None else ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx),
         )
 
 
