@@ -1,4 +1,7 @@
-"""Prometheus metrics of `prima serve` and `primad`, in prometheus_client's default registry.
+"""Prometheus metrics of `prima serve` and `primad`: the API's in SERVE_REGISTRY (prima serve's
+/metrics, which adds its ring's nodes as read from them: prima.api.node_metrics), a daemon's in
+prometheus_client's default registry (primad --metrics-port). Kept apart, neither exports the
+other's families as zeros.
 
 Counters and histograms are module objects, updated where the work happens; a daemon's residency
 (resident bytes, budget, bytes read) is read when scraped, through `ResidencyCollector`, so a
@@ -11,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import REGISTRY, Collector
+from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from prima.weights.window import Residency
 
@@ -21,18 +24,35 @@ from prima.weights.window import Residency
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # -- the API (prima serve) ---------------------------------------------------------------------
-REQUESTS = Counter("prima_requests", "Generation requests answered, by outcome", ["outcome"])
-PROMPT_TOKENS = Counter("prima_prompt_tokens", "Prompt tokens processed")
-GENERATED_TOKENS = Counter("prima_generated_tokens", "Tokens generated")
+SERVE_REGISTRY = CollectorRegistry()
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # as the default registry has
+    SERVE_REGISTRY.register(_collector)
+# How a request ended (prima.api.service.request_outcome): ok; cancelled (the client went away or
+# the server is stopping); busy (the queue was full or the wait too long); bad_request (the input
+# could not run, e.g. past the context); node_lost (a ring node failed or stopped answering);
+# error (anything else).
+REQUEST_OUTCOMES = ("ok", "cancelled", "busy", "bad_request", "node_lost", "error")
+REQUESTS = Counter(
+    "prima_requests",
+    f"Generation requests answered, by outcome ({', '.join(REQUEST_OUTCOMES)})",
+    ["outcome"],
+    registry=SERVE_REGISTRY,
+)
+PROMPT_TOKENS = Counter("prima_prompt_tokens", "Prompt tokens processed", registry=SERVE_REGISTRY)
+GENERATED_TOKENS = Counter("prima_generated_tokens", "Tokens generated", registry=SERVE_REGISTRY)
 TIME_TO_FIRST_TOKEN = Histogram(
     "prima_time_to_first_token_seconds",
     "From a request reaching the engine queue to its first token",
     buckets=_LATENCY_BUCKETS,
+    registry=SERVE_REGISTRY,
 )
 TOKEN_LATENCY = Histogram(
-    "prima_token_latency_seconds", "One decode step (a forward pass of one token)", buckets=_LATENCY_BUCKETS
+    "prima_token_latency_seconds",
+    "One decode step (a forward pass of one token)",
+    buckets=_LATENCY_BUCKETS,
+    registry=SERVE_REGISTRY,
 )
-QUEUE_DEPTH = Gauge("prima_queue_depth", "Requests waiting for the engine")
+QUEUE_DEPTH = Gauge("prima_queue_depth", "Requests waiting for the engine", registry=SERVE_REGISTRY)
 
 # -- a daemon (primad) -------------------------------------------------------------------------
 NODE_COMPUTE = Histogram(

@@ -2,7 +2,7 @@
 
 Reading the cluster is one function, `read_ring` (or `read_local` for `--local`), so a new way
 of talking to the daemons changes one place. `ClusterMonitor` adds what only the server knows:
-the times it measured, the per-node compute time per token those imply, and the failures it
+the times it measured, the per-node read waits per token those imply, and the failures it
 saw. Nothing here runs on the generation path; a poll costs one Info RPC per node.
 """
 
@@ -139,8 +139,10 @@ class NodeView:
     """One ring member: the plan's windows (one per round), what the node reports, and times.
 
     `predicted_ms_per_token` is the cost model's time for this node's layers and its hop;
-    `compute_ms_per_token` and `wait_ms_per_token` are what the node's counters moved per token
-    (prompt and generated) over the latest requests the server finished."""
+    `compute_ms_per_token` and `relay_ms_per_token` what the node measured per decode step in its
+    hops' layers and sends (the sum of its hop rows; None on this device, which has no hops);
+    `wait_ms_per_token` what its read-wait counter moved per token (prompt and generated) over
+    the latest requests the server finished."""
 
     index: int
     node_id: str
@@ -156,6 +158,7 @@ class NodeView:
     device: DeviceSummary | None
     predicted_ms_per_token: float | None
     compute_ms_per_token: float | None
+    relay_ms_per_token: float | None
     wait_ms_per_token: float | None
 
 
@@ -255,12 +258,6 @@ class _Mark:
     wait_ms: float
 
 
-@dataclass(frozen=True)
-class _Rates:
-    compute_ms: float
-    wait_ms: float
-
-
 class ClusterMonitor:
     """Builds ClusterViews from `read()` (None: nothing to read, the server alone) and keeps
     what the server learns between polls. Thread-safe: handlers poll while others generate."""
@@ -282,7 +279,7 @@ class ClusterMonitor:
         self._decode_ms = 0.0
         self._decode_steps = 0
         self._marks: dict[str, _Mark] = {}
-        self._rates: dict[str, _Rates] = {}
+        self._wait_rates: dict[str, float] = {}
         self._silent: set[str] = set()  # nodes whose last poll got no answer
 
     def record_generation(self, timings: Timings) -> None:
@@ -303,6 +300,11 @@ class ClusterMonitor:
     def record_failure(self, message: str) -> None:
         with self._lock:
             self._failures.append(Failure(self._clock(), message))
+
+    def read(self) -> ClusterReading | None:
+        """The cluster as its members answer now (None: nothing to read), with no view built
+        and nothing recorded (what /metrics scrapes)."""
+        return self._read() if self._read is not None else None
 
     def snapshot(self) -> ClusterView:
         """Read the cluster now. A node that stops answering is logged as a failure once."""
@@ -327,12 +329,23 @@ class ClusterMonitor:
         plan = reading.plan
         devices = {d.node_id: d for d in reading.devices}
         predicted = self._predicted_ms(plan, devices)
+        measured = {t.hop_index: t for r in reading.nodes if r.status is not None for t in r.status.hop_times}
+        hops = []
+        for i, h in enumerate(plan.hops()):
+            node_id = plan.nodes[h.node_index].node_id
+            cost = predicted.get(node_id)
+            accel = plan.nodes[h.node_index].accel_layers
+            hop_ms = None if cost is None else cost.hop_ms(h.window, min(accel, h.window.n_layers))
+            hops.append(HopView(node_id, h.round_index, h.window, hop_ms).with_measured(measured.get(i)))
         nodes = []
         for i, (member, r) in enumerate(zip(plan.nodes, reading.nodes, strict=True)):
             s = r.status
             device = devices.get(member.node_id)
-            rates = self._update_rates(member.node_id, s.residency if s else None)
+            wait = self._update_wait_rate(member.node_id, s.residency if s else None)
             own = predicted.get(member.node_id)
+            # One decode token passes every hop of this node once: its hops' times add up.
+            mine = [h for h in hops if h.node_id == member.node_id]
+            decoded = bool(mine) and all(h.compute_ms is not None for h in mine)
             nodes.append(
                 NodeView(
                     index=i,
@@ -348,18 +361,11 @@ class ClusterMonitor:
                     residency=s.residency if s else None,
                     device=DeviceSummary.of(device) if device else None,
                     predicted_ms_per_token=None if own is None else own.own_ms,
-                    compute_ms_per_token=rates.compute_ms if rates else None,
-                    wait_ms_per_token=rates.wait_ms if rates else None,
+                    compute_ms_per_token=sum(h.compute_ms or 0.0 for h in mine) if decoded else None,
+                    relay_ms_per_token=sum(h.relay_ms or 0.0 for h in mine) if decoded else None,
+                    wait_ms_per_token=wait,
                 )
             )
-        measured = {t.hop_index: t for r in reading.nodes if r.status is not None for t in r.status.hop_times}
-        hops = []
-        for i, h in enumerate(plan.hops()):
-            node_id = plan.nodes[h.node_index].node_id
-            cost = predicted.get(node_id)
-            accel = plan.nodes[h.node_index].accel_layers
-            hop_ms = None if cost is None else cost.hop_ms(h.window, min(accel, h.window.n_layers))
-            hops.append(HopView(node_id, h.round_index, h.window, hop_ms).with_measured(measured.get(i)))
         return ClusterView(
             model=self.model_id,
             mode="local" if reading.local else "ring",
@@ -393,21 +399,19 @@ class ClusterMonitor:
                 )
         return out
 
-    def _update_rates(self, node_id: str, residency: Residency | None) -> _Rates | None:
-        """The node's compute and read-wait ms per token since the last poll after which the
-        server finished a request; counters that went back (a new plan) start over, and a node
-        that counts no compute time (this device when nothing streams) has no rate."""
+    def _update_wait_rate(self, node_id: str, residency: Residency | None) -> float | None:
+        """The node's read-wait ms per token (prompt and generated: reads do not tell them apart)
+        since the last poll after which the server finished a request; counters that went back
+        (a new plan) start over, and a node that counts no compute time (this device when
+        nothing streams) has no rate."""
         if residency is not None:
             tokens = self._times.prompt_tokens + self._times.generated_tokens
             now = _Mark(tokens, residency.compute_ms, residency.wait_ms)
             mark = self._marks.get(node_id)
             if mark is None or now.compute_ms < mark.compute_ms:
                 self._marks[node_id] = now
-                self._rates.pop(node_id, None)
+                self._wait_rates.pop(node_id, None)
             elif now.tokens > mark.tokens and now.compute_ms > mark.compute_ms:
-                n = now.tokens - mark.tokens
-                self._rates[node_id] = _Rates(
-                    (now.compute_ms - mark.compute_ms) / n, (now.wait_ms - mark.wait_ms) / n
-                )
+                self._wait_rates[node_id] = (now.wait_ms - mark.wait_ms) / (now.tokens - mark.tokens)
                 self._marks[node_id] = now
-        return self._rates.get(node_id)
+        return self._wait_rates.get(node_id)

@@ -139,7 +139,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
 
 def parse_completion_request(body: Any) -> GenerationRequest:
     """Validate a /v1/completions body. `prompt` is a string or a list of token ids; a batch
-    of prompts is refused since one engine serves one generation at a time."""
+    of prompts is refused: each request is one generation (requests run in parallel instead)."""
     obj = _require_object(body)
     _reject_unsupported(obj)
     for name in ("echo",):

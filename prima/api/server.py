@@ -27,10 +27,12 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from prima import metrics
 from prima.api.cluster_view import ClusterMonitor
 from prima.api.embeddings import embeddings_response, parse_embeddings_request
+from prima.api.node_metrics import NodeMetricsCollector
 from prima.api.openai_schema import (
     GenerationRequest,
     ModelNotFoundError,
@@ -118,6 +120,10 @@ class ApiServer(ThreadingHTTPServer):
         self.limits = limits or HttpLimits()
         self.api_key = api_key.encode() if api_key else None
         self.monitor = monitor or ClusterMonitor(service.model_id)
+        # The ring's nodes on /metrics, read from them at each scrape (this server's own
+        # families are in metrics.SERVE_REGISTRY).
+        self.node_metrics = CollectorRegistry()
+        self.node_metrics.register(NodeMetricsCollector(self.monitor.read))
         self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self._refusals = threading.BoundedSemaphore(self.REFUSALS_AT_ONCE)
         super().__init__(address, ApiHandler)
@@ -319,7 +325,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         elif path == "/v1/cluster":
             self._send_json(HTTPStatus.OK, self.server.monitor.snapshot().to_dict())
         elif path == "/metrics":
-            self._send_bytes(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
+            body = generate_latest(metrics.SERVE_REGISTRY) + generate_latest(self.server.node_metrics)
+            self._send_bytes(HTTPStatus.OK, body, CONTENT_TYPE_LATEST)
         elif (page := asset(path)) is not None:
             self._send_bytes(HTTPStatus.OK, page.data, page.content_type, SECURITY_HEADERS)
         elif path in POST_ROUTES or path == EMBEDDINGS_ROUTE:

@@ -32,7 +32,7 @@ from prima.engine.generate import (
 from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.engine.speculative import DraftConfig
-from prima.errors import GenerationCancelled, PrimaError, ProtocolError
+from prima.errors import GenerationCancelled, InputError, NodeError, PrimaError, ProtocolError
 from prima.model.files import ModelFiles
 
 log = logging.getLogger("prima.api")
@@ -42,6 +42,20 @@ Cancelled = Callable[[], bool]
 
 class ServerBusyError(PrimaError):
     """Too many requests are already waiting for the engine; the client should retry later."""
+
+
+def request_outcome(exc: BaseException) -> str:
+    """The `outcome` label of prima_requests_total for a request that ended in `exc`: one of
+    metrics.REQUEST_OUTCOMES, never a class name (those change with the code)."""
+    if isinstance(exc, GenerationCancelled | GeneratorExit):
+        return "cancelled"  # the client went away, or the server is stopping
+    if isinstance(exc, ServerBusyError):
+        return "busy"
+    if isinstance(exc, InputError):
+        return "bad_request"
+    if isinstance(exc, NodeError):
+        return "node_lost"
+    return "error"
 
 
 class EngineQueue:
@@ -262,8 +276,9 @@ class CompletionService:
                     metrics.PROMPT_TOKENS.inc(event.timings.prompt_tokens)
                     metrics.GENERATED_TOKENS.inc(event.timings.generated_tokens)
                 yield event
-        except PrimaError as exc:
-            outcome = type(exc).__name__
+        except BaseException as exc:
+            if outcome != "ok":  # a client closing the stream after the result still got it all
+                outcome = request_outcome(exc)
             raise
         finally:
             metrics.REQUESTS.labels(outcome).inc()
@@ -325,8 +340,8 @@ class CompletionService:
             n_tokens = sum(len(ids) for ids in prompts)
             metrics.PROMPT_TOKENS.inc(n_tokens)
             return Embeddings(vectors, n_tokens)
-        except PrimaError as exc:
-            outcome = type(exc).__name__
+        except BaseException as exc:
+            outcome = request_outcome(exc)
             raise
         finally:
             metrics.REQUESTS.labels(outcome).inc()
@@ -340,7 +355,7 @@ class CompletionService:
         try:
             self.queue.acquire(stop, self.defaults.queue_timeout_s)
         except PrimaError as exc:
-            metrics.REQUESTS.labels(type(exc).__name__).inc()
+            metrics.REQUESTS.labels(request_outcome(exc)).inc()
             raise
         finally:
             metrics.QUEUE_DEPTH.dec()

@@ -95,10 +95,13 @@ def cluster_issue(args: argparse.Namespace) -> int:
     revocation.record_issued(_dir(args), identity)
     out = args.out or Path(f"{args.name}.pem")
     credentials.write_private(out, identity.to_pem())
-    print(f"wrote {out}; on the device run `prima cluster join {out.name}` (or copy it to")
-    print(
-        f"~/.config/prima/cluster/{credentials.IDENTITY_FILE}), then start primad there; delete {out} after"
+    then = (
+        "then `prima run`, `chat` and `serve` there reach the cluster's daemons"
+        if identity.role == credentials.ROLE_COORDINATOR
+        else "then start primad there"
     )
+    print(f"wrote {out}; on the device run `prima cluster join {out.name}` (or copy it to")
+    print(f"~/.config/prima/cluster/{credentials.IDENTITY_FILE}), {then}; delete {out} after")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 prima ring up -n 3            start 3 primad on 127.0.0.1 (advertised over mDNS there) until Ctrl-C
 prima ring up -n 3 --detach   the same in the background; `prima ring down` stops them
-prima ring status --nodes h:p,h:p   what each daemon holds (plan, windows, residency)
+prima ring status --nodes h:p,h:p   what each daemon holds (plan, windows, residency), in ring order
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from prima.errors import InputError, NodeError
 from prima.model.registry import DEFAULT_MODEL
 from prima.net import credentials
 from prima.net.client import NodeClient
+from prima.net.codec import NodeStatus
 from prima.net.credentials import ClusterCA
 
 log = logging.getLogger("prima.cli")
@@ -93,43 +94,77 @@ def ring_up(args: argparse.Namespace, stop: threading.Event | None = None) -> in
 
 
 def ring_status(args: argparse.Namespace) -> int:
+    """Every daemon's Info, in ring order (the head first, marked), and the ones that did not
+    answer said so; exit 1 if a daemon named with --nodes did not answer."""
     addresses = args.nodes or discover_addresses(args, None)
     if not addresses:
         raise InputError(
             f"no primad answered over mDNS within {args.discover_timeout:g} s; start one (prima ring up) "
             "or name them with --nodes host:port,..."
         )
-    rows = []
+    answers: list[tuple[str, NodeStatus]] = []
+    silent: list[tuple[str, str]] = []
     for address in addresses:
         client = NodeClient(address)
         try:
-            rows.append((address, client.info()))
+            answers.append((address, client.info()))
         except NodeError as exc:
-            if args.nodes:
-                raise
-            log.warning("leaving out %s: %s", address, exc)  # a discovered address is only a hint
+            silent.append((address, str(exc)))
         finally:
             client.close()
+    ordered = ring_order(answers)
+    head = ordered[0][0] if ordered and _holds_last_layer(ordered[0][1]) else None
     if args.json:
-        print(json.dumps([{"address": a, **dataclasses.asdict(s)} for a, s in rows]))
-        return 0
-    for address, s in rows:
-        wins = " ".join(str(w) for w in s.windows) or "-"
-        res = s.residency
-        mem = f", {res.resident_bytes / 2**20:.1f}/{res.owned_bytes / 2**20:.1f} MiB resident" if res else ""
-        link = (
-            f", activation link on port {s.link_port}"
-            if s.link_port
-            else ", no activation link (relays over gRPC)"
+        rows: list[dict[str, Any]] = [
+            {"address": a, "head": a == head, **dataclasses.asdict(s)} for a, s in ordered
+        ]
+        rows += [{"address": a, "error": why} for a, why in silent]
+        print(json.dumps(rows))
+    else:
+        for address, s in ordered:
+            _print_status(address, s, is_head=address == head)
+        for address, why in silent:
+            print(f"{address}: not answering: {why}")
+    return 1 if silent and args.nodes else 0
+
+
+def ring_order(answers: list[tuple[str, NodeStatus]]) -> list[tuple[str, NodeStatus]]:
+    """`answers` as the ring runs: of the nodes under the newest plan, the head (which computes
+    the last layers: prima.plan.Plan.hops) first, then the rest by their first layer; then
+    nodes under an older plan or none, by address."""
+    newest = max((s.plan_epoch for _, s in answers), default=0)
+
+    def key(item: tuple[str, NodeStatus]) -> tuple[int, int, str]:
+        address, s = item
+        starts = [w.start for w in s.windows if w.n_layers]
+        if s.plan_epoch != newest or not starts:
+            return (2, 0, address)
+        return (0 if _holds_last_layer(s) else 1, min(starts), address)
+
+    return sorted(answers, key=key)
+
+
+def _holds_last_layer(s: NodeStatus) -> bool:
+    return any(w.end == s.n_layers and w.n_layers for w in s.windows)
+
+
+def _print_status(address: str, s: NodeStatus, *, is_head: bool) -> None:
+    wins = " ".join(str(w) for w in s.windows) or "-"
+    res = s.residency
+    mem = f", {res.resident_bytes / 2**20:.1f}/{res.owned_bytes / 2**20:.1f} MiB resident" if res else ""
+    link = (
+        f", activation link on port {s.link_port}"
+        if s.link_port
+        else ", no activation link (relays over gRPC)"
+    )
+    role = " (head)" if is_head else ""
+    print(f"{s.node_id} @ {address}{role}: {s.status}, epoch {s.plan_epoch}, windows {wins}{mem}{link}")
+    if res and res.budget_bytes and res.budget_bytes < res.owned_bytes:
+        print(
+            f"  streaming: budget {res.budget_bytes / 2**20:.0f} MiB, {res.pinned_layers} layers pinned; read "
+            f"{res.bytes_read / 2**20:.0f} MiB in {res.read_ms:.0f} ms, computed {res.compute_ms:.0f} ms, "
+            f"waited {res.wait_ms:.0f} ms for reads"
         )
-        print(f"{s.node_id} @ {address}: {s.status}, epoch {s.plan_epoch}, windows {wins}{mem}{link}")
-        if res and res.budget_bytes and res.budget_bytes < res.owned_bytes:
-            print(
-                f"  streaming: budget {res.budget_bytes / 2**20:.0f} MiB, {res.pinned_layers} layers pinned; read "
-                f"{res.bytes_read / 2**20:.0f} MiB in {res.read_ms:.0f} ms, computed {res.compute_ms:.0f} ms, "
-                f"waited {res.wait_ms:.0f} ms for reads"
-            )
-    return 0
 
 
 def ring_credentials() -> dict[str, Any]:

@@ -483,6 +483,7 @@ def connect_ring(
     from prima.coordinator.plan_summary import describe_plan
     from prima.coordinator.ring import Ring
     from prima.net.codec import WireDType
+    from prima.scheduler.profile import ModelProfile
 
     halda = halda_options(args, loaded, pick_head=pick_head)
     if halda is not None:
@@ -499,6 +500,7 @@ def connect_ring(
             on_plan=_report_transfers,
             on_fetch=fetch_bar,
             serve_file=loaded.path,
+            model=None if halda is not None else ModelProfile.from_gguf(loaded.gguf, ctx_tokens=args.ctx),
         )
     stage(describe_plan(ring.plan, ring.devices, halda.model if halda is not None else None))
     return ring

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -55,6 +56,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC's C core logs a refused TLS handshake itself ("Handshake failed with error
+    # SSL_ERROR_SSL ...") before prima's own message says what it means and what to do; only its
+    # errors are shown. It reads this when grpc is imported, which no command has done yet.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser([a for a in argv if not a.startswith("-")][:1])  # only -v comes before it
     args = parser.parse_args(argv)

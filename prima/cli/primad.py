@@ -343,7 +343,7 @@ def serve(args: argparse.Namespace) -> int:
                 stack.enter_context(Advertiser(advert, interfaces=args.mdns_interface))
             except NodeError as exc:
                 log.warning("%s; serving without mDNS", exc)
-        _announce_ready(runtime, args.host, port, budget, metrics_port)
+        _announce_ready(runtime, args.host, port, budget, metrics_port, tls=identity is not None)
         stop.wait()
         # Leaving the stack sends the mDNS goodbye before the server stops answering.
     if link is not None:
@@ -418,8 +418,23 @@ def _serve_metrics(runtime: NodeRuntime, host: str, port: int | None) -> int | N
 
 
 def _announce_ready(
-    runtime: NodeRuntime, host: str, port: int, budget: int | None, metrics_port: int | None = None
+    runtime: NodeRuntime,
+    host: str,
+    port: int,
+    budget: int | None,
+    metrics_port: int | None = None,
+    *,
+    tls: bool,
 ) -> None:
+    """The ready line, JSON on stdout for whoever started this daemon, and the same in words on
+    stderr, saying how it can be called."""
+    transport = "mutual TLS" if tls else "plaintext"
+    how = (
+        "mutual TLS: members of its cluster only"
+        if tls
+        else "plaintext gRPC: no cluster identity, any caller that reaches the port"
+    )
+    stage(f"{runtime.node_id} ready on {host}:{port} ({how})", prog="primad")
     ready = {
         "node_id": runtime.node_id,
         "address": f"{host}:{port}",
@@ -430,6 +445,7 @@ def _announce_ready(
         "mem_budget": "auto" if budget is None else budget,
         "metrics_port": metrics_port,
         "link_port": runtime.link_port or None,
+        "transport": transport,
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
 

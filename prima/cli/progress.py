@@ -1,11 +1,14 @@
 """What a slow start is doing, on stderr: one line per stage (fetching, compiling kernels,
 starting daemons, planning), and a tqdm bar for stages that report steps (compiling, profiling,
 loading a plan), so that a first run says what it is doing instead of sitting silent for minutes.
-Bars draw only on a terminal; piped or logged, the stage lines say it all."""
+Bars draw only on a terminal; piped or logged, the stage lines say it all. A bar ends before any
+stage line is printed (and a step bar when its last step is done), so a line never lands on the
+end of a bar."""
 
 from __future__ import annotations
 
 import sys
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -15,7 +18,13 @@ if TYPE_CHECKING:  # the ring's types: a run on one device loads no gRPC
     from prima.coordinator.readiness import RingFetch
 
 
+# The bars drawing now: a stage line ends them first (a later report starts a new bar).
+_open_bars: weakref.WeakSet[FetchBar | StepBar] = weakref.WeakSet()
+
+
 def stage(message: str, prog: str = "prima") -> None:
+    for bar in list(_open_bars):
+        bar.close()
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
@@ -37,12 +46,14 @@ class FetchBar:
                 file=sys.stderr,
                 disable=None,  # draw only when stderr is a terminal
             )
+            _open_bars.add(self)
         self._bar.total = fetch.needed_bytes
         self._bar.n = fetch.held_bytes
         names = ", ".join(f"{n} from {p.source or '?'}" for n, p in fetch.nodes)
         self._bar.set_postfix_str(f"{names}; ready in ~{fetch.eta_s:.0f} s", refresh=True)
 
     def close(self) -> None:
+        _open_bars.discard(self)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -67,13 +78,19 @@ class StepBar:
     def __call__(self, done: int, total: int, what: str) -> None:
         if self._bar is None:
             # disable=None: draw only when stderr is a terminal.
-            self._bar = tqdm(total=total, desc=self.description, unit="step", disable=None, leave=False)
+            self._bar = tqdm(
+                total=total, desc=self.description, unit="step", disable=None, leave=False, file=sys.stderr
+            )
+            _open_bars.add(self)
         self._bar.total = total
         self._bar.n = done
         self._bar.set_postfix_str(what, refresh=False)
         self._bar.refresh()
+        if done >= total:  # the last step: whatever is printed next starts on a line of its own
+            self.close()
 
     def close(self) -> None:
+        _open_bars.discard(self)
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -97,13 +97,42 @@ def plan_ring(
             can_head = [not head_draft_problem(options.draft, c.info()) for c in clients]
         order = ring_order(first, model, can_head)
     ring = [clients[i] for i in order]
+    devices = profile_ring(
+        ring, model, refresh=options.refresh and not options.pick_head, on_progress=on_progress
+    )
+    for names in shared_disks(devices):
+        log.info("%s read one disk: what they stream from it shares its bandwidth", ", ".join(names))
+    if on_progress:
+        on_progress(len(ring), len(ring), "solving")
+    plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
+    transfers = estimate_transfers(devices, model, plan)
+    log.info("plan epoch %d: %s", epoch, transfers.describe())
+    return ClusterView(tuple(devices), plan, transfers)
+
+
+def hand_plan_view(clients: Sequence[NodeClient], plan: Plan, model: ModelProfile) -> ClusterView:
+    """A plan made by hand (its nodes are `clients`, in order) with what its nodes must fetch
+    for it, over the links their profiles measure, as `plan_ring` reports Halda's."""
+    devices = profile_ring(clients, model, refresh=False)
+    return ClusterView(tuple(devices), plan, estimate_transfers(devices, model, plan))
+
+
+def profile_ring(
+    ring: Sequence[NodeClient],
+    model: ModelProfile,
+    *,
+    refresh: bool,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> list[DeviceProfile]:
+    """Each node's profile in ring order, its --mem-budget folded in and its link to the next
+    member measured."""
     devices = []
     for m, client in enumerate(ring):
         # Node m sends to node m+1; the last sends back to the head.
         peer = ring[(m + 1) % len(ring)].address if len(ring) > 1 else ""
         if on_progress:
             on_progress(m, len(ring), f"profiling {client.name}")
-        found = client.profile(peer, refresh=options.refresh and not options.pick_head)
+        found = client.profile(peer, refresh=refresh)
         device = budgeted_device(found, model, is_head=m == 0)
         devices.append(dataclasses.replace(device, node_id=client.name, address=client.address))
         cost = device_cost(device, model, is_head=m == 0)
@@ -116,14 +145,7 @@ def plan_ring(
             device.net_latency_ms,
             f", output head {cost.fixed_ms:.2f} ms" if m == 0 else "",
         )
-    for names in shared_disks(devices):
-        log.info("%s read one disk: what they stream from it shares its bandwidth", ", ".join(names))
-    if on_progress:
-        on_progress(len(ring), len(ring), "solving")
-    plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
-    transfers = estimate_transfers(devices, model, plan)
-    log.info("plan epoch %d: %s", epoch, transfers.describe())
-    return ClusterView(tuple(devices), plan, transfers)
+    return devices
 
 
 def shared_disks(devices: Sequence[DeviceProfile]) -> list[list[str]]:

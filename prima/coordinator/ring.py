@@ -14,10 +14,10 @@ from prima.net import revocation
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
-from prima.scheduler.profile import DeviceProfile
+from prima.scheduler.profile import DeviceProfile, ModelProfile
 
 from .file_source import FileSource
-from .planner import ClusterView, HaldaOptions, plan_ring
+from .planner import ClusterView, HaldaOptions, hand_plan_view, plan_ring
 from .readiness import RingFetch, wait_ready
 
 OnProgress = Callable[[int, int, str], None]  # (steps done, steps in all, the step now)
@@ -67,13 +67,15 @@ class Ring:
         on_fetch: Callable[[RingFetch], None] | None = None,
         serve_file: Path | None = None,
         on_progress: OnProgress | None = None,
+        model: ModelProfile | None = None,
     ) -> Ring:
         """Check that every daemon runs the same model and protocol, then load a plan on all of
         them at an epoch newer than any they hold: Halda's when `halda` is given (and no
         `window_sizes`), else `window_sizes` (an even split if None) over `rounds`. Nodes that
         Halda leaves out are not part of the ring. With `skip_untrusted` (addresses found over
         mDNS, which anyone can advertise), nodes that fail the TLS handshake are left out too.
-        `on_plan` sees Halda's plan before it is loaded. Nodes holding only part of the model
+        `on_plan` sees Halda's plan before it is loaded, and a plan by hand too when some node
+        must fetch for it and `model` is given to count the bytes. Nodes holding only part of the model
         fetch their windows (also from `fetch_sources`, and from this process serving
         `serve_file`, the model file it holds) before the ring is returned; `on_fetch` hears
         how far they are.
@@ -106,13 +108,10 @@ class Ring:
                 clients, _placeholder_plan(infos, addresses), fetch_sources=fetch_sources, on_fetch=on_fetch
             )
             ring.file_source = source
-            ring.load(
-                window_sizes=window_sizes,
-                rounds=rounds,
-                wire_dtype=wire_dtype,
-                infos=infos,
-                on_progress=on_progress,
-            )
+            plan = ring.hand_plan(window_sizes=window_sizes, rounds=rounds, infos=infos)
+            if on_plan is not None and model is not None and lacking:
+                on_plan(hand_plan_view(clients, plan, model))
+            ring.load_plan(plan, wire_dtype, on_progress)
             return ring
         except BaseException:
             for c in clients:
@@ -131,14 +130,25 @@ class Ring:
         on_progress: OnProgress | None = None,
     ) -> Plan:
         """Load a new plan on every node (a higher epoch ends the previous plan's sessions)."""
+        plan = self.hand_plan(window_sizes=window_sizes, rounds=rounds, infos=infos)
+        self.load_plan(plan, wire_dtype, on_progress)
+        return plan
+
+    def hand_plan(
+        self,
+        *,
+        window_sizes: Sequence[int] | None = None,
+        rounds: int = 1,
+        infos: Sequence[NodeStatus] | None = None,
+    ) -> Plan:
+        """`window_sizes` (an even split if None) over `rounds` on this ring's nodes, at an epoch
+        newer than any they hold."""
         infos = list(infos) if infos is not None else [c.info() for c in self.clients]
         n_layers = infos[0].n_layers
         sizes = list(window_sizes) if window_sizes else even_window_sizes(len(self.clients), n_layers, rounds)
         nodes = [(info.node_id, c.address) for c, info in zip(self.clients, infos, strict=True)]
         epoch = max(info.plan_epoch for info in infos) + 1
-        plan = plan_from_window_sizes(nodes, sizes, rounds, n_layers, epoch=epoch)
-        self.load_plan(plan, wire_dtype, on_progress)
-        return plan
+        return plan_from_window_sizes(nodes, sizes, rounds, n_layers, epoch=epoch)
 
     def load_plan(
         self, plan: Plan, wire_dtype: WireDType = WireDType.F32, on_progress: OnProgress | None = None

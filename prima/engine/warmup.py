@@ -1,7 +1,7 @@
 """Compile the kernels once, in a child process, before any process of prima runs them.
 
 numba compiles a kernel on its first call and caches it on disk. Left to that, a first run
-spends one to two minutes compiling in the middle of whatever it was doing: a daemon's Profile
+spends minutes (compile_cache.COMPILE_TIME) compiling in the middle of whatever it was doing: a daemon's Profile
 call outlasts the coordinator's deadline, and a first `prima run --local` reports the compile as
 generation speed. So the entry points call `ensure_compiled` first. While the cache for these
 sources and this CPU is incomplete, it runs `python -m prima.engine.warmup MODEL`, which drives
@@ -63,7 +63,10 @@ def ensure_compiled(
         if compile_cache.is_complete():  # another process compiled while this one waited
             return False
         if on_stage:
-            on_stage("compiling kernels for this CPU, once (1-2 min; later runs load them from the cache)")
+            on_stage(
+                f"compiling kernels for this CPU, once ({compile_cache.COMPILE_TIME}; "
+                "later runs load them from the cache)"
+            )
         t0 = time.monotonic()
         returncode, stderr = _run_child(
             [sys.executable, "-m", "prima.engine.warmup", str(model)], timeout_s, on_progress

@@ -20,6 +20,7 @@ import grpc
 
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, ProtocolError, UntrustedNodeError
+from prima.kernels import compile_cache
 from prima.net import codec, credentials
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.link_client import CONNECT_TIMEOUT_S as LINK_CONNECT_TIMEOUT_S
@@ -58,23 +59,58 @@ class Relay(Protocol):
     def close(self) -> None: ...
 
 
-def node_error(name: str, address: str, exc: grpc.RpcError, doing: str) -> NodeError:
-    """A NodeError for a failed call: unreachable nodes and peer-reported errors read differently."""
+def node_error(
+    name: str, address: str, exc: grpc.RpcError, doing: str, *, plaintext: bool = False
+) -> NodeError:
+    """A NodeError for a failed call: unreachable nodes and peer-reported errors read differently.
+    `plaintext`: this side called without TLS, so a refusal may be a TLS daemon's (probed)."""
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    node = f"node at {address}" if name == address else f"node {name} at {address}"
+    if code == grpc.StatusCode.UNAVAILABLE and plaintext and speaks_tls(address):
+        return UntrustedNodeError(
+            f"{node} serves mutual TLS and refused this device ({doing}): this device has no cluster "
+            "identity. On the device that ran `prima cluster init`, run `prima cluster issue NAME --role "
+            "coordinator`, then here `prima cluster join NAME.pem` (docs/security.md)"
+        )
     if code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(details or ""):
         return UntrustedNodeError(
-            f"node {name} at {address} failed the TLS handshake ({doing}): it is not a member of this "
+            f"{node} failed the TLS handshake ({doing}): it is not a member of this "
             "device's cluster, or this device is not a member of its cluster (or one side has no "
             "credentials); issue it an identity with `prima cluster issue` (docs/security.md)"
         )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return NodeError(
-            f"node {name} at {address} did not answer ({doing}: {code.name}); "
+            f"{node} did not answer ({doing}: {code.name}); "
             "check that primad is running there and the address is reachable (on its first start a "
-            "daemon compiles its kernels, 1-2 min, before it listens)"
+            f"daemon compiles its kernels, {compile_cache.COMPILE_TIME}, before it listens)"
         )
-    return NodeError(f"{doing} on node {name} at {address} failed: {details}")
+    return NodeError(f"{doing} on {node} failed: {details}")
+
+
+TLS_PROBE_TIMEOUT_S = 2.0
+
+
+def speaks_tls(address: str, timeout_s: float = TLS_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TLS server listens at `address` ("host:port"): a handshake without a client
+    certificate gets a TLS answer (done, or the server's alert asking for a certificate), where a
+    plaintext gRPC server, or nobody, does not. Certificates are not checked: this only tells a
+    refusal from a silence."""
+    host, _, port = address.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock,
+            context.wrap_socket(sock),
+        ):
+            return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(exc.reason or "").upper()
+    except (OSError, ValueError):
+        return False
 
 
 # How a client calls: with this identity; "plaintext"; or None, this process's own
@@ -145,7 +181,7 @@ class NodeClient:
         try:
             return fn(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
-            raise node_error(self.name, self.address, exc, doing) from None
+            raise node_error(self.name, self.address, exc, doing, plaintext=self.identity is None) from None
         except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel!"
             raise NodeError(f"{doing} on node {self.name} at {self.address}: {exc}") from None
 

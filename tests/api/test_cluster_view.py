@@ -1,6 +1,6 @@
 """GET /v1/cluster's view, over a ring of stand-in clients: each member with its windows,
 residency and profile; predictions that add up to the plan's; a node that stops answering shown
-and logged once; per-node time per token from the daemons' counters between requests."""
+and logged once; per-node time per decode token from its hops, disk waits from its counters."""
 
 from __future__ import annotations
 
@@ -234,7 +234,35 @@ def test_measured_time_per_token_is_the_mean_decode_step() -> None:
     assert measured.last["ms_per_token"] == pytest.approx(20.0)
 
 
-def test_node_time_per_token_comes_from_its_counters_between_requests() -> None:
+def test_a_nodes_time_per_token_is_the_sum_of_its_hops_per_decode_step() -> None:
+    """The node card's figures are per decode token, as the hop rows are: node1 runs hops 0 and
+    3 (two rounds), so one token costs it both. Its compute counter, which also holds a long
+    prompt's prefill, does not enter: divided by prompt and generated tokens it read 3x low."""
+    ring = _ring()
+    monitor = _monitor(ring)
+    measured = (
+        HopTiming(0, steps=4, compute_ms=10.0, relay_ms=2.0),
+        HopTiming(3, steps=4, compute_ms=6.0, relay_ms=2.0),
+    )
+    ring.clients[1].answer = dataclasses.replace(_status("node1", compute_ms=0.0), hop_times=measured)
+    monitor.snapshot()
+    monitor.record_generation(_timings(40, 5, 50.0))
+    ring.clients[1].answer = dataclasses.replace(_status("node1", compute_ms=900.0), hop_times=measured)
+    view = monitor.snapshot()
+    node1 = view.nodes[1]
+    assert node1.compute_ms_per_token == pytest.approx(2.5 + 1.5)
+    assert node1.relay_ms_per_token == pytest.approx(0.5 + 0.5)
+    mine = [h for h in view.hops if h.node_id == "node1"]
+    assert node1.compute_ms_per_token == pytest.approx(sum(h.compute_ms or 0.0 for h in mine))
+    # Nodes whose hops measured nothing yet show nothing.
+    assert view.nodes[0].compute_ms_per_token is None
+    assert view.nodes[0].relay_ms_per_token is None
+    # One of two hops measured is not a token's time either.
+    ring.clients[1].answer = dataclasses.replace(_status("node1"), hop_times=measured[:1])
+    assert monitor.snapshot().nodes[1].compute_ms_per_token is None
+
+
+def test_node_disk_waits_per_token_come_from_its_counters_between_requests() -> None:
     ring = _ring()
     monitor = _monitor(ring)
 
@@ -242,17 +270,15 @@ def test_node_time_per_token_comes_from_its_counters_between_requests() -> None:
         for c in ring.clients:
             c.answer = _status(c.answer.node_id, compute_ms, wait_ms)  # type: ignore[union-attr]
 
-    assert monitor.snapshot().nodes[0].compute_ms_per_token is None  # a first reading only marks
+    assert monitor.snapshot().nodes[0].wait_ms_per_token is None  # a first reading only marks
     set_counters(150.0, 30.0)  # mid-request: the server has not counted its tokens yet
-    assert monitor.snapshot().nodes[0].compute_ms_per_token is None
+    assert monitor.snapshot().nodes[0].wait_ms_per_token is None
     monitor.record_generation(_timings(10, 20, 50.0))
-    set_counters(300.0, 30.0)
-    node = monitor.snapshot().nodes[0]
-    assert node.compute_ms_per_token == pytest.approx(300.0 / 30)
-    assert node.wait_ms_per_token == pytest.approx(30.0 / 30)
-    assert monitor.snapshot().nodes[0].compute_ms_per_token == pytest.approx(10.0)  # kept while idle
+    set_counters(300.0, 60.0)
+    assert monitor.snapshot().nodes[0].wait_ms_per_token == pytest.approx(60.0 / 30)
+    assert monitor.snapshot().nodes[0].wait_ms_per_token == pytest.approx(2.0)  # kept while idle
     set_counters(5.0)  # a new plan starts the counters again
-    assert monitor.snapshot().nodes[0].compute_ms_per_token is None
+    assert monitor.snapshot().nodes[0].wait_ms_per_token is None
 
 
 def test_read_ring_asks_every_member_even_when_one_fails() -> None:

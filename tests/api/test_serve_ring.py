@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prima.api.cluster_view import ClusterMonitor, read_ring
 from prima.api.server import ApiServer
@@ -184,3 +185,54 @@ def test_top_shows_the_ring_with_each_hops_measured_time(
         assert float(compute) > 0
         assert int(steps) >= 3
     assert [line.split()[1] for line in out.split("\nnodes\n")[1].splitlines()[1:3]] == ["head", "node"]
+
+
+def _scrape(server: ApiServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(str(host), port, timeout=HTTP_TIMEOUT_S)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_nodes_time_per_token_agrees_on_the_page_its_hops_and_metrics(
+    ring: Ring, smollm2_path: Path
+) -> None:
+    """After a long prompt (whose prefill once made the node card read 3x low), a node's
+    decode time per token is one number in its card, the sum of its hop rows, and /metrics;
+    /metrics shows the ring's nodes, not a daemon's families at zero."""
+    loaded = load_model(smollm2_path, layers=range(0))
+    defaults = ServeDefaults(sampler=SamplerConfig(), max_tokens=8)
+    service = CompletionService(loaded, ring, "smollm2-135m", N_CTX, defaults=defaults)
+    monitor = ClusterMonitor("smollm2-135m", lambda: read_ring(ring))
+    server = ApiServer(("127.0.0.1", 0), service, monitor=monitor)
+    thread = server.serve_in_background()
+    try:
+        _complete(server, {"prompt": " ".join([PROMPT] * 12), "max_tokens": 8})
+        view = monitor.snapshot()
+        scraped = _scrape(server)
+    finally:
+        service.close()
+        server.stop()
+        thread.join(HTTP_TIMEOUT_S)
+    assert not any(name.startswith("prima_node_compute_seconds") for name, _ in scraped)
+    assert len(view.nodes) == 2
+    for node in view.nodes:
+        name = (("node", node.node_id),)
+        assert scraped[("prima_node_up", name)] == 1
+        assert scraped[("prima_node_owned_weight_bytes", name)] > 0
+        hops = [h for h in view.hops if h.node_id == node.node_id]
+        assert node.compute_ms_per_token is not None
+        assert node.compute_ms_per_token == pytest.approx(sum(h.compute_ms or 0.0 for h in hops), rel=0.1)
+        labels = [(("hop", str(i)), ("node", node.node_id)) for i, h in enumerate(view.hops) if h in hops]
+        seconds = sum(scraped[("prima_node_hop_compute_seconds_total", lab)] for lab in labels)
+        steps = scraped[("prima_node_hop_steps_total", labels[0])]
+        assert steps >= 7  # 8 tokens, the first from the prompt
+        assert node.compute_ms_per_token == pytest.approx(seconds * 1e3 / steps, rel=0.1)

@@ -336,6 +336,8 @@ def test_concurrent_requests_each_get_their_own_answer(server: ApiServer) -> Non
 
 
 def test_disconnecting_stream_client_frees_the_engine(server: ApiServer, engine: CountingEngine) -> None:
+    cancelled = "prima_requests_total{outcome=cancelled}"
+    before = _metrics(server).get(cancelled, 0)
     body = json.dumps({"prompt": FRANCE, "max_tokens": 200, "stream": True}).encode()
     host, port = server.server_address[:2]
     with socket.create_connection((str(host), port), timeout=HTTP_TIMEOUT_S) as sock:
@@ -359,6 +361,8 @@ def test_disconnecting_stream_client_frees_the_engine(server: ApiServer, engine:
     assert abandoned < 100
     status, health = _request(server, "GET", "/health")
     assert health["busy"] is False
+    # Counted under a short label, not an exception's class name.
+    assert _metrics(server)[cancelled] == before + 1
 
 
 def test_a_stream_client_resetting_the_connection_prints_no_traceback(

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from prima import metrics
 from prima.api.openai_schema import ChatMessage, GenerationRequest
-from prima.api.service import CompletionService, EngineQueue, ServerBusyError
+from prima.api.service import CompletionService, EngineQueue, ServerBusyError, request_outcome
 from prima.engine.generate import LocalGenerator
 from prima.engine.local import LocalEngine
-from prima.errors import GenerationCancelled
+from prima.errors import ContextFullError, GenerationCancelled, ProtocolError, UntrustedNodeError
 from prima.forward.loader import load_model
+from prima.net.liveness import NodeGoneError
 from tests.tiny_models import CHATML_TEMPLATE, write_tiny_model
 
 JOIN_S = 10.0  # safety bound on every wait; never an expectation about speed
@@ -139,3 +141,21 @@ def test_slots_let_that_many_run_at_once_and_the_rest_wait_in_turn() -> None:
     q.release()
     assert q.running == 0
     assert not q.busy
+
+
+@pytest.mark.parametrize(
+    ("exc", "outcome"),
+    [
+        (GenerationCancelled("the client went away"), "cancelled"),
+        (GeneratorExit(), "cancelled"),
+        (ServerBusyError("retry later"), "busy"),
+        (ContextFullError("the context is full"), "bad_request"),
+        (NodeGoneError("node1 stopped answering", ("node1",)), "node_lost"),
+        (UntrustedNodeError("not a member"), "node_lost"),
+        (ProtocolError("a malformed message"), "error"),
+        (RuntimeError("a bug"), "error"),
+    ],
+)
+def test_request_outcomes_are_short_documented_labels(exc: BaseException, outcome: str) -> None:
+    assert request_outcome(exc) == outcome
+    assert outcome in metrics.REQUEST_OUTCOMES

@@ -82,3 +82,17 @@ def test_primad_bounds_come_from_its_flags(tmp_path: Path) -> None:
     )
     assert (limits.max_sessions, limits.max_kv_bytes, limits.max_generates_per_caller) == (3, 64 << 20, 2)
     assert primad.daemon_limits(_args(tmp_path)).max_kv_bytes > 0  # a quarter of this machine's RAM
+
+
+def test_issue_says_the_next_step_for_each_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keeper = tmp_path / "keeper"
+    assert main(["cluster", "--dir", str(keeper), "init", "--name", "laptop"]) == 0
+    capsys.readouterr()
+    node, laptop = tmp_path / "phone.pem", tmp_path / "desk.pem"
+    assert main(["cluster", "--dir", str(keeper), "issue", "phone", "-o", str(node)]) == 0
+    assert "then start primad there" in capsys.readouterr().out
+    argv = ["cluster", "--dir", str(keeper), "issue", "desk", "--role", "coordinator", "-o", str(laptop)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "primad" not in out  # a coordinator's identity cannot serve as a daemon
+    assert "`prima run`, `chat` and `serve` there reach the cluster's daemons" in out

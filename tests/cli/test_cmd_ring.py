@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 
 from prima.cli.main import main
 from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
 from prima.errors import NodeError
 from prima.kernels import compile_cache
 
@@ -115,3 +117,40 @@ def test_detached_ring_runs_until_ring_down(smollm2_path: Path, tmp_path: Path) 
     finally:
         if not _gone(pid, 0):
             os.kill(pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_ring_status_lists_the_ring_in_order_head_first_and_reports_a_silent_node(
+    smollm2_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Given the nodes in any order and one address where nothing listens: the three daemons in
+    ring order, the head first and marked, and the silent one reported, not a stop at it."""
+    dead = f"127.0.0.1:{_free_port()}"
+    with LocalRing.start(3, smollm2_path, log_dir=tmp_path) as local:
+        ring = Ring.connect(local.addresses, window_sizes=[10, 10, 10])
+        try:
+            given = [local.addresses[2], dead, local.addresses[0], local.addresses[1]]
+            code = main(["ring", "status", "--nodes", ",".join(given)])
+            out = capsys.readouterr().out.splitlines()
+            assert main(["ring", "status", "--json", "--nodes", ",".join(given)]) == 1
+            rows = json.loads(capsys.readouterr().out)
+        finally:
+            ring.close()
+    assert code == 1  # a named node did not answer
+    # Ring order: the head (the last layers), then from layer 0 on.
+    assert [line.split()[0] for line in out[:3]] == ["node0", "node1", "node2"]
+    assert out[0].startswith(f"node0 @ {local.addresses[0]} (head): ready")
+    assert "(head)" not in out[1] + out[2]
+    assert "windows [0,10)" in out[1]
+    assert "windows [10,20)" in out[2]
+    assert out[3].startswith(f"{dead}: not answering: ")
+    assert [r.get("node_id") for r in rows] == ["node0", "node1", "node2", None]
+    assert [r.get("head") for r in rows[:3]] == [True, False, False]
+    assert rows[3]["address"] == dead
+    assert "error" in rows[3]

@@ -14,7 +14,7 @@ import pytest
 from prima.api.cluster_view import ClusterMonitor, read_local
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, ServeDefaults
-from prima.cli.main import main
+from prima.cli.main import build_parser, main
 from prima.engine.local import local_generator
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
@@ -83,3 +83,10 @@ def test_top_asks_for_the_api_key(smollm2_path: Path, capsys: pytest.CaptureFixt
         assert "refused the API key" in capsys.readouterr().err
         assert main(["top", "--url", server.url, "--api-key", KEY]) == 0
         assert "smollm2-135m on this device" in capsys.readouterr().out
+
+
+def test_top_reads_where_serve_listens_by_default() -> None:
+    """`prima top` with no --url reads a `prima serve` started with no --host or --port."""
+    serve = build_parser(["serve"]).parse_args(["serve"])
+    top = build_parser(["top"]).parse_args(["top"])
+    assert top.url == f"http://{serve.host}:{serve.port}"

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from prima.cli.main import main
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
 from prima.forward.loader import load_model
@@ -89,3 +90,42 @@ def test_followers_without_the_file_fetch_their_windows_and_match_one_device(
                 assert files[1].stat().st_blocks * 512 == before[1]
             finally:
                 ring.close()
+
+
+def test_a_plan_by_hand_that_makes_a_node_fetch_prints_the_transfer_first(
+    smollm2_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/ring.md: before a plan that makes nodes fetch is loaded, `prima run` prints how much
+    each will fetch; a plan by hand (--windows) too, not only Halda's."""
+    logs = tmp_path / "logs"
+    follower_file = tmp_path / "node1" / "model.gguf"
+    with LocalRing.start(1, smollm2_path, threads=1, log_dir=logs / "holder") as holder:
+        args = ("--fetch-from", holder.addresses[0])
+        with LocalRing.start(
+            1,
+            smollm2_path,
+            models=[follower_file],
+            names=["node1"],
+            threads=1,
+            log_dir=logs / "f",
+            extra_args=args,
+        ) as follower:
+            nodes = ",".join([*holder.addresses, *follower.addresses])
+            argv = [
+                "run",
+                "-m",
+                str(smollm2_path),
+                "--nodes",
+                nodes,
+                "--windows",
+                "15,15",
+                "-p",
+                "Hi",
+                "-n",
+                "2",
+            ]
+            assert main(argv) == 0
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "transfers before the first token" in x]
+    assert "node1 15 layer(s)" in line
+    assert "node0" not in line  # it holds the whole file

@@ -239,12 +239,14 @@ function nodeCard(n) {
     ["memory", memory(r)],
     ["device", device(n.device)],
   ];
+  // Per decode token: the sum of this node's hop rows; disk waits are counted over every token.
   const perToken = [
     ["predicted", n.predicted_ms_per_token],
     ["computed", n.compute_ms_per_token],
-    ["waited for disk", n.wait_ms_per_token],
+    ["sent", n.relay_ms_per_token],
   ].filter(([, t]) => t != null);
   if (perToken.length) rows.push(["per token", perToken.map(([what, t]) => `${what} ${ms(t)}`).join(" · ")]);
+  if (n.wait_ms_per_token) rows.push(["disk waits", `${ms(n.wait_ms_per_token)} per token (prompt and generated)`]);
   if (r && (r.compute_ms || r.wait_ms || r.read_ms)) {
     rows.push(["in all", `computed ${ms(r.compute_ms)} · waited ${ms(r.wait_ms)} · read ${ms(r.read_ms)}`]);
   }
