@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,12 @@ from prima.engine import warmup
 from prima.kernels import compile_cache
 from tests.conftest import tiny_model_path
 
-QUICK_START = ["run", "--local-ring", "3", "-p", "The capital of France is", "-n", "8"]
+
+def readme_quick_start() -> list[str]:
+    """The arguments of the README's quick-start `prima run` line, as a user types them."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    line = next(x for x in readme.splitlines() if x.startswith("prima run --local-ring"))
+    return shlex.split(line)[1:]
 
 
 def test_a_complete_cache_compiles_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,7 +77,7 @@ def test_quick_start_works_on_an_empty_kernel_cache(smollm2_path: Path, tmp_path
     (cache / "models").symlink_to(smollm2_path.parent)  # the model, but no profiles
     numba_cache = tmp_path / "numba"
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache), paths.CACHE_ENV: str(cache)}
-    cmd = [sys.executable, "-m", "prima.cli.main", *QUICK_START]
+    cmd = [sys.executable, "-m", "prima.cli.main", *readme_quick_start()]
     runs = [
         subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, check=False)
         for _ in range(2)
@@ -79,6 +85,8 @@ def test_quick_start_works_on_an_empty_kernel_cache(smollm2_path: Path, tmp_path
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
         assert "Paris" in r.stdout
+        plan = next(x for x in r.stderr.splitlines() if x.startswith("prima: plan:"))
+        assert all(f"node{i} [" in plan for i in range(3)), plan  # the model is split over all three
     assert "compiling kernels" in runs[0].stderr
     assert "compiling kernels" not in runs[1].stderr
     stamps = list(numba_cache.glob("complete-*"))
