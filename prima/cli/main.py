@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ring": ("prima.cli.cmd_ring", "start a local ring of primad daemons, or inspect running ones"),
     "cluster": ("prima.cli.cmd_cluster", "create the cluster's credentials and add devices to it"),
     "tune": ("prima.cli.cmd_tune", "choose compute threads by timing a decode step here"),
+    "warmup": ("prima.cli.cmd_warmup", "fetch a model and compile the kernels for this CPU, then exit"),
     "bench": ("prima.cli.cmd_bench", "measure prima (and llama.cpp, if installed) on a model"),
     "npu": ("prima.cli.cmd_npu", "compile a model's windows for an Ascend NPU (CANN ATC)"),
 }

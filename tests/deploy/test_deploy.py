@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,16 @@ from prima.cli import primad
 from prima.cli.main import build_parser
 from prima.net.client import NodeClient
 
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy"
+from .files import DEPLOY, REPO, compose, mem_limit_bytes, ready_line
 
-
-def _compose() -> dict:
-    yaml = pytest.importorskip("yaml")
-    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text(encoding="utf-8"))
+# The kernel compile's peak RSS, `/usr/bin/time -v prima warmup` from an empty kernel cache on a
+# 2-vCPU AMD EPYC (Zen 4, AVX-512): the limit of whatever compiles must leave room above it.
+COMPILE_PEAK_BYTES = 749 << 20
 
 
 def test_compose_commands_parse() -> None:
-    services = _compose()["services"]
-    assert {"node0", "node1", "node2", "coordinator"} <= set(services)
+    services = compose()["services"]
+    assert {"warmup", "node0", "node1", "node2", "coordinator"} <= set(services)
     ports = []
     for name, svc in services.items():
         argv = svc["command"]
@@ -41,7 +37,27 @@ def test_compose_commands_parse() -> None:
         else:
             assert argv[0] == "prima"
             args = build_parser().parse_args(argv[1:])
-            assert args.nodes == [f"127.0.0.1:{p}" for p in ports]
+            assert args.command == {"warmup": "warmup", "coordinator": "run"}[name]
+    coordinator = build_parser().parse_args(services["coordinator"]["command"][1:])
+    assert coordinator.nodes == [f"127.0.0.1:{p}" for p in ports]
+
+
+def test_compose_compiles_once_before_the_limited_nodes() -> None:
+    """The warmup service fetches the model and compiles the kernels, alone and within a limit
+    above the compile's peak; the nodes start after it has succeeded, come back when they fail,
+    and find the model it fetched (the same name) instead of downloading their own."""
+    services = compose()["services"]
+    warmup = build_parser().parse_args(services["warmup"]["command"][1:])
+    assert mem_limit_bytes(services["warmup"]["mem_limit"]) >= COMPILE_PEAK_BYTES * 5 // 4
+    assert "depends_on" not in services["warmup"]
+    nodes = {name: svc for name, svc in services.items() if svc["command"][0] == "primad"}
+    for name, svc in nodes.items():
+        assert svc["depends_on"] == {"warmup": {"condition": "service_completed_successfully"}}, name
+        assert svc["restart"] == "on-failure", name
+        assert primad.build_parser().parse_args(svc["command"][1:]).model == warmup.model, name
+        assert svc["volumes"] == services["warmup"]["volumes"], name
+    assert services["coordinator"]["depends_on"] == dict.fromkeys(nodes, {"condition": "service_healthy"})
+    assert services["coordinator"]["volumes"] == services["warmup"]["volumes"]
 
 
 def test_unit_command_parses_with_env_file() -> None:
@@ -59,37 +75,66 @@ def test_unit_command_parses_with_env_file() -> None:
     assert args.port == int(env["PRIMAD_PORT"])
 
 
-def test_systemd_unit_verifies(tmp_path: Path) -> None:
+def test_warmup_unit_compiles_into_the_cache_primad_reads() -> None:
+    """prima-warmup.service runs `prima warmup` for primad's model, before primad.service (which
+    wants it), as the same user with the same cache, under a MemoryMax above the compile's peak."""
+    env = _env_file()
+    warm = _unit_settings("prima-warmup.service")
+    daemon = _unit_settings("primad.service")
+    argv = [env.get(a[2:-1], a) if a.startswith("${") else a for a in warm["ExecStart"][0].split()]
+    assert argv[0] == daemon["ExecStart"][0].split()[0].removesuffix("d")  # prima beside primad
+    args = build_parser().parse_args(argv[1:])
+    assert (args.command, args.model) == ("warmup", env["PRIMAD_MODEL"])
+    assert warm["Type"] == ["oneshot"]
+    assert mem_limit_bytes(warm["MemoryMax"][0]) >= COMPILE_PEAK_BYTES * 5 // 4
+    for key in ("EnvironmentFile", "User", "Group", "CacheDirectory", "ProtectSystem", "ProtectHome"):
+        assert warm[key] == daemon[key], key
+    assert "XDG_CACHE_HOME=/var/cache" in warm["Environment"]
+    assert "XDG_CACHE_HOME=/var/cache" in daemon["Environment"]
+    order = _unit_settings("primad.service", "[Unit]")
+    assert "prima-warmup.service" in order["After"][0].split()
+    assert "prima-warmup.service" in order["Wants"][0].split()
+    assert _unit_settings("prima-warmup.service", "[Unit]")["Before"] == ["primad.service"]
+
+
+UNITS = ("primad.service", "prima-warmup.service")
+
+
+def test_systemd_units_verify(tmp_path: Path) -> None:
     tool = shutil.which("systemd-analyze")
     if tool is None:
         pytest.skip("systemd-analyze is not installed")
-    # Verify a copy whose ExecStart binary exists here, so only the unit's syntax is judged.
-    unit = (DEPLOY / "primad.service").read_text(encoding="utf-8")
-    unit = unit.replace("/opt/prima/bin/primad", shutil.which("true") or "/bin/true")
-    unit = unit.replace("EnvironmentFile=/etc/prima/primad.env", f"EnvironmentFile=-{DEPLOY / 'primad.env'}")
-    path = tmp_path / "primad.service"
-    path.write_text(unit, encoding="utf-8")
-    proc = subprocess.run(
-        [tool, "verify", str(path)], capture_output=True, text=True, timeout=60, check=False
-    )
+    # Verify copies whose ExecStart binaries exist here, so only the units' syntax is judged.
+    paths = []
+    for name in UNITS:
+        unit = (DEPLOY / name).read_text(encoding="utf-8")
+        for program in ("/opt/prima/bin/primad", "/opt/prima/bin/prima"):
+            unit = unit.replace(program, shutil.which("true") or "/bin/true")
+        unit = unit.replace(
+            "EnvironmentFile=/etc/prima/primad.env", f"EnvironmentFile=-{DEPLOY / 'primad.env'}"
+        )
+        path = tmp_path / name
+        path.write_text(unit, encoding="utf-8")
+        paths.append(str(path))
+    proc = subprocess.run([tool, "verify", *paths], capture_output=True, text=True, timeout=60, check=False)
     errors = [
         line
         for line in (proc.stdout + proc.stderr).splitlines()
-        if "primad.service" in line and "Documentation" not in line and "User" not in line
+        if any(name in line for name in UNITS) and "Documentation" not in line and "User" not in line
     ]
     if proc.returncode != 0 and not errors:
         pytest.skip(f"systemd-analyze cannot run here: {proc.stderr.strip()[:200]}")
     assert not errors, "\n".join(errors)
 
 
-def _service_settings() -> dict[str, list[str]]:
-    """The unit's [Service] settings, each key's values in order."""
+def _unit_settings(unit: str = "primad.service", section: str = "[Service]") -> dict[str, list[str]]:
+    """A unit's settings in one section, each key's values in order."""
     settings: dict[str, list[str]] = {}
-    section = ""
-    for line in (DEPLOY / "primad.service").read_text(encoding="utf-8").splitlines():
+    current = ""
+    for line in (DEPLOY / unit).read_text(encoding="utf-8").splitlines():
         if line.startswith("["):
-            section = line
-        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            current = line
+        elif current == section and "=" in line and not line.startswith("#"):
             key, value = line.split("=", 1)
             settings.setdefault(key, []).append(value)
     return settings
@@ -131,7 +176,7 @@ def test_unit_starts_under_its_own_sandbox(smollm2_path: Path, tmp_path: Path) -
     from prima.engine.warmup import ensure_compiled
     from prima.kernels import compile_cache
 
-    service = _service_settings()
+    service = _unit_settings()
     assert service["ProtectSystem"] == ["strict"]
     assert service["ProtectHome"] == ["read-only"]
     assert service["CacheDirectory"] == ["prima"]
@@ -162,7 +207,7 @@ def test_unit_starts_under_its_own_sandbox(smollm2_path: Path, tmp_path: Path) -
     cmd += [sys.executable, "-m", "prima.cli.primad", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
     try:
-        ready = _ready_line(proc, timeout_s=300)
+        ready = ready_line(proc, timeout_s=300)
         assert ready, proc.stderr.read() if proc.poll() is not None else "no ready line"
         # Without credentials a daemon serves plaintext on loopback only; this process may hold
         # a local ring's identity from an earlier test, so it asks for plaintext explicitly.
@@ -177,23 +222,6 @@ def test_unit_starts_under_its_own_sandbox(smollm2_path: Path, tmp_path: Path) -
     assert proc.returncode == 0
 
 
-def _ready_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """primad's ready line (its JSON), or "" if it exited or time ran out first."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if not sel.select(timeout=left):
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                return ""
-            if line.startswith(primad.READY_PREFIX):
-                return line[len(primad.READY_PREFIX) :]
-    return ""
-
-
 def test_container_cache_is_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Dockerfile's XDG_CACHE_HOME puts prima's cache on its VOLUME, the one compose shares."""
     from prima import paths
@@ -204,7 +232,6 @@ def test_container_cache_is_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PRIMA_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", env["XDG_CACHE_HOME"])
     assert [str(paths.cache_root())] == volume
-    compose = _compose()
-    for name, svc in compose["services"].items():
+    for name, svc in compose()["services"].items():
         mounts = {m.split(":")[1]: m.split(":")[0] for m in svc["volumes"]}
         assert str(paths.cache_root()) in mounts, name
