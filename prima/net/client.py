@@ -79,11 +79,16 @@ def node_error(
             "device's cluster, or this device is not a member of its cluster (or one side has no "
             "credentials); issue it an identity with `prima cluster issue` (docs/security.md)"
         )
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code == grpc.StatusCode.UNAVAILABLE:
         return NodeError(
             f"{node} did not answer ({doing}: {code.name}); "
             "check that primad is running there and the address is reachable (on its first start a "
             f"daemon compiles its kernels, {compile_cache.COMPILE_TIME}, before it listens)"
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return NodeError(
+            f"{node} is listening but did not answer in time ({doing}: {code.name}): it may be busy "
+            "(its first Profile measures the device; other work may load it); try again"
         )
     return NodeError(f"{doing} on {node} failed: {details}")
 
