@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,7 +47,8 @@ from prima.api.openai_schema import (
     stream_chunk,
     usage_chunk,
 )
-from prima.api.service import CompletionService, ServerBusyError
+from prima.api.service import CompletionService, ServerBusyError, ServerStoppingError
+from prima.api.shutdown import InFlight
 from prima.api.web_page import SECURITY_HEADERS, asset, is_page_file
 from prima.engine.generate import GenerationResult
 from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
@@ -120,6 +122,7 @@ class ApiServer(ThreadingHTTPServer):
         self.limits = limits or HttpLimits()
         self.api_key = api_key.encode() if api_key else None
         self.monitor = monitor or ClusterMonitor(service.model_id)
+        self.in_flight = InFlight()  # generation and embedding requests, for a graceful stop
         # The ring's nodes on /metrics, read from them at each scrape (this server's own
         # families are in metrics.SERVE_REGISTRY).
         self.node_metrics = CollectorRegistry()
@@ -201,6 +204,18 @@ class ApiServer(ThreadingHTTPServer):
             return
         super().handle_error(request, client_address)
 
+    def stop_taking_work(self) -> int:
+        """Answer every new request for work 503 (and /health 503 "stopping"); the requests in
+        flight go on. Returns how many there are."""
+        in_flight = self.in_flight.begin_stop()
+        self.service.stop_taking_work()
+        return in_flight
+
+    def cut_generations(self) -> None:
+        """End the running generations at their next token: streams get an error event and
+        `[DONE]`, other requests a 503."""
+        self.service.close()
+
     def serve_in_background(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="prima-api", daemon=True)
         thread.start()
@@ -262,6 +277,15 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._send_error(HTTPStatus.BAD_REQUEST, str(exc), "invalid_request_error", "invalid_request")
         except ServerBusyError as exc:
             self._send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error", "server_busy")
+        except ServerStoppingError as exc:
+            self.close_connection = True  # the server is going: no keep-alive
+            self._send_error(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                str(exc),
+                "server_error",
+                "server_shutting_down",
+                headers={"Retry-After": "5"},
+            )
         except (GenerationCancelled, ClientGone) as exc:
             log.info("%s %s: %s", self.command, path, exc)
             self.close_connection = True
@@ -310,9 +334,9 @@ class ApiHandler(BaseHTTPRequestHandler):
         service = self.server.service
         if path == "/health":
             self._send_json(
-                HTTPStatus.OK,
+                HTTPStatus.SERVICE_UNAVAILABLE if service.stopping else HTTPStatus.OK,
                 {
-                    "status": "stopping" if service.closing else "ok",
+                    "status": "stopping" if service.stopping else "ok",
                     "model": service.model_id,
                     "busy": service.queue.busy,
                     "waiting": service.queue.waiting,
@@ -336,7 +360,9 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def _handle_post(self, path: str) -> None:
         if path == EMBEDDINGS_ROUTE:
-            self._embeddings()
+            body = self._read_json()
+            with self._in_flight():
+                self._embeddings(body)
             return
         parse = POST_ROUTES.get(path)
         if parse is None:
@@ -344,20 +370,34 @@ class ApiHandler(BaseHTTPRequestHandler):
             if path in GET_ROUTES:
                 self._method_not_allowed(path)
             self._not_found(path)
-        req = parse(self._read_json())
-        service = self.server.service
-        prep = service.prepare(req)
-        events = service.run(prep, self._client_gone)
-        try:
-            if req.stream:
-                self._stream(req, events)
-            else:
-                self._complete(req, events)
-        finally:
-            events.close()  # releases the engine if we stopped early
+        body = self._read_json()  # read before any refusal, so the client reads the answer
+        with self._in_flight():
+            req = parse(body)
+            service = self.server.service
+            prep = service.prepare(req)
+            events = service.run(prep, self._client_gone)
+            try:
+                if req.stream:
+                    self._stream(req, events)
+                else:
+                    self._complete(req, events)
+            finally:
+                events.close()  # releases the engine if we stopped early
 
-    def _embeddings(self) -> None:
-        req = parse_embeddings_request(self._read_json())
+    @contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Count this request in flight for a graceful stop, which refuses it if it has begun;
+        one the stop ends (cut, or refused while queued) is counted as cut."""
+        self.server.service.check_taking_work()
+        with self.server.in_flight.track():
+            try:
+                yield
+            except ServerStoppingError:
+                self.server.in_flight.mark_cut()
+                raise
+
+    def _embeddings(self, body: Any) -> None:
+        req = parse_embeddings_request(body)
         service = self.server.service
         result = service.embed(service.prepare_embeddings(req), req.pooling, self._client_gone)
         body = embeddings_response(
@@ -505,6 +545,10 @@ class ApiHandler(BaseHTTPRequestHandler):
                 event = next(events)
         except (GenerationCancelled, ClientGone):
             raise
+        except ServerStoppingError as exc:
+            log.info("%s: %s", self.path, exc)
+            self.server.in_flight.mark_cut()
+            self._write_event(error_body(str(exc), "server_error", "server_shutting_down"))
         except PrimaError as exc:
             # The status line is gone already; report in-band like OpenAI does, then end the stream.
             log.error("%s: generation failed mid-stream: %s", self.path, exc)

@@ -44,10 +44,19 @@ class ServerBusyError(PrimaError):
     """Too many requests are already waiting for the engine; the client should retry later."""
 
 
+class ServerStoppingError(PrimaError):
+    """The server is stopping (SIGTERM, Ctrl-C): a new or queued request is refused (`cut`
+    False), or a running generation was ended at the shutdown deadline (`cut` True)."""
+
+    def __init__(self, message: str, *, cut: bool) -> None:
+        super().__init__(message)
+        self.cut = cut
+
+
 def request_outcome(exc: BaseException) -> str:
     """The `outcome` label of prima_requests_total for a request that ended in `exc`: one of
     metrics.REQUEST_OUTCOMES, never a class name (those change with the code)."""
-    if isinstance(exc, GenerationCancelled | GeneratorExit):
+    if isinstance(exc, GenerationCancelled | GeneratorExit | ServerStoppingError):
         return "cancelled"  # the client went away, or the server is stopping
     if isinstance(exc, ServerBusyError):
         return "busy"
@@ -123,16 +132,21 @@ class EngineQueue:
                 self._running -= 1
 
 
-def _watched(events: Iterator[TokenEvent], cancelled: Cancelled) -> Iterator[TokenEvent]:
-    """`events`, ended with GenerationCancelled as soon as `cancelled()` turns true between two
-    tokens; the time between tokens goes to the per-token latency histogram."""
+def _watched(events: Iterator[TokenEvent], cancelled: Cancelled, cut: Cancelled) -> Iterator[TokenEvent]:
+    """`events`, ended between two tokens with GenerationCancelled as soon as `cancelled()`
+    turns true (the client went away), or with ServerStoppingError once `cut()` does; the time
+    between tokens goes to the per-token latency histogram."""
     try:
         t = None
         while True:
-            if cancelled():
-                raise GenerationCancelled(
-                    "generation cancelled: the client disconnected or the server is stopping"
+            if cut():
+                raise ServerStoppingError(
+                    "the server is shutting down and ended this generation before it finished; "
+                    "retry the request",
+                    cut=True,
                 )
+            if cancelled():
+                raise GenerationCancelled("generation cancelled: the client disconnected")
             event = next(events, None)
             if event is None:
                 return
@@ -189,11 +203,23 @@ class CompletionService:
         self.defaults = defaults or ServeDefaults()
         self.queue = queue or EngineQueue()
         self.created = int(time.time())
+        self._stopping = threading.Event()
         self._closing = threading.Event()
 
+    def stop_taking_work(self) -> None:
+        """Refuse new requests, and those waiting in the queue, with ServerStoppingError; the
+        running generations go on."""
+        self._stopping.set()
+
     def close(self) -> None:
-        """Stop accepting work; running generations end at their next token."""
+        """Stop taking work, and end the running generations at their next token
+        (ServerStoppingError)."""
+        self._stopping.set()
         self._closing.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     @property
     def closing(self) -> bool:
@@ -242,11 +268,8 @@ class CompletionService:
         The engine is released when the iterator finishes, raises, or is closed early, so a
         caller that stops iterating (a broken pipe) frees it too."""
 
-        def stop() -> bool:
-            return self.closing or cancelled()
-
         t0 = time.perf_counter()
-        self._acquire(stop)
+        self._acquire(cancelled)
         released = False
         first = True
         outcome = "cancelled"
@@ -260,7 +283,7 @@ class CompletionService:
                 n_ctx=self.n_ctx,
                 draft=self.defaults.draft,
             )
-            events = _watched(self.generator.generate(request), stop)
+            events = _watched(self.generator.generate(request), cancelled, lambda: self.closing)
             for event in stream_text(
                 events, prep.prompt_ids, stop_strings=prep.stop_strings, decoder=tok.stream_decoder()
             ):
@@ -319,18 +342,18 @@ class CompletionService:
         """Wait for the generator, then run each prompt for its hidden states and pool them
         (prima.api.embeddings); one place in the queue serves every input of the request."""
 
-        def stop() -> bool:
-            return self.closing or cancelled()
-
-        self._acquire(stop)
+        self._acquire(cancelled)
         outcome = "cancelled"
         try:
             vectors = []
             for ids in prompts:
-                if stop():
-                    raise GenerationCancelled(
-                        "embedding cancelled: the client disconnected or the server is stopping"
+                if self.closing:
+                    raise ServerStoppingError(
+                        "the server is shutting down and ended this request before it finished; retry it",
+                        cut=True,
                     )
+                if cancelled():
+                    raise GenerationCancelled("embedding cancelled: the client disconnected")
                 request = GenerateRequest(tuple(ids), 0, n_ctx=self.n_ctx, want_hidden_states=True)
                 done = _last_event(self.generator.generate(request))
                 if done.hidden_states is None:
@@ -347,18 +370,37 @@ class CompletionService:
             metrics.REQUESTS.labels(outcome).inc()
             self.queue.release()
 
-    def _acquire(self, stop: Cancelled) -> None:
-        """A place in the queue (counted in the queue-depth gauge while waiting for it)."""
-        if self.closing:
-            raise GenerationCancelled("the server is stopping")
+    def check_taking_work(self) -> None:
+        """ServerStoppingError once the server is stopping."""
+        if self.stopping:
+            raise _refused()
+
+    def _acquire(self, cancelled: Cancelled) -> None:
+        """A place in the queue (counted in the queue-depth gauge while waiting for it); a
+        request that comes or waits while the server is stopping is refused."""
+        if self.stopping:
+            metrics.REQUESTS.labels("cancelled").inc()
+            raise _refused()
         metrics.QUEUE_DEPTH.inc()
         try:
-            self.queue.acquire(stop, self.defaults.queue_timeout_s)
+            self.queue.acquire(lambda: self.stopping or cancelled(), self.defaults.queue_timeout_s)
+        except GenerationCancelled:
+            metrics.REQUESTS.labels("cancelled").inc()
+            if self.stopping:
+                raise _refused() from None
+            raise
         except PrimaError as exc:
             metrics.REQUESTS.labels(request_outcome(exc)).inc()
             raise
         finally:
             metrics.QUEUE_DEPTH.dec()
+
+
+def _refused() -> ServerStoppingError:
+    return ServerStoppingError(
+        "the server is shutting down and takes no new requests; retry on another server or once it is back",
+        cut=False,
+    )
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 web page at / to chat with it and watch the cluster.
 
 The sampling flags set the defaults a request gets when it leaves a field out; request fields
-always win. Up to --parallel requests generate at once, the rest wait in turn. Ctrl-C stops the
-server cleanly.
+always win. Up to --parallel requests generate at once, the rest wait in turn. SIGTERM or
+Ctrl-C stops the server gracefully: new requests get 503, those in flight finish within
+--shutdown-timeout or end with an error event, then a ring started here stops too.
 
 With --api-key (or $PRIMA_API_KEY) every route but /health and the web page needs
 `Authorization: Bearer KEY`. Without one, listening beyond loopback prints a warning: anyone
@@ -20,6 +21,7 @@ from pathlib import Path
 from prima.api.cluster_view import ClusterMonitor, read_local, read_ring
 from prima.api.server import API_KEY_ENV, ApiServer, HttpLimits
 from prima.api.service import CompletionService, EngineQueue, ServeDefaults
+from prima.api.shutdown import drain
 from prima.cli.arg_types import non_negative_int, port, positive_int
 from prima.cli.cmd_run import (
     add_chat_template_arg,
@@ -29,6 +31,7 @@ from prima.cli.cmd_run import (
     warn_if_no_chat_template,
 )
 from prima.cli.engine_options import Session, add_model_args, draft_from_args, open_session
+from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.errors import InputError
 from prima.net.credentials import is_loopback
 from prima.scheduler.profile import ModelProfile
@@ -77,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=HttpLimits.max_connections,
         help=f"connections served at once; more get 429 (default {HttpLimits.max_connections})",
     )
+    add_shutdown_timeout_arg(p, "the requests in flight")
     add_chat_template_arg(p)
     add_sampling_args(p, temp=0.7)
     p.set_defaults(func=run)
@@ -121,14 +125,29 @@ def run(args: argparse.Namespace) -> int:
     warning = open_access_warning(args.host, api_key)
     if warning:
         print(f"prima serve: warning: {warning}", file=sys.stderr)
+    signals = StopSignals()
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("\nprima serve: stopping", file=sys.stderr)
+        server.serve_in_background()
+        name = signals.wait()
+        in_flight = server.stop_taking_work()
+        print(
+            f"prima serve: {name}: stopping: {in_flight} request(s) in flight, finishing them within "
+            f"{args.shutdown_timeout:g} s (--shutdown-timeout); new requests get 503",
+            file=sys.stderr,
+            flush=True,
+        )
+        report = drain(server, args.shutdown_timeout, signals.now)
+        print(
+            f"prima serve: stopped: {report.finished} request(s) finished, {report.cut} cut"
+            + (" (ended with an error event, or refused while queued)" if report.cut else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
-        service.close()  # running generations end at their next token
+        service.close()  # anything still running ends at its next token
+        server.shutdown()
         server.server_close()
-        session.close()
+        session.close()  # a ring started here (--local-ring) stops with it
     return 0
 
 

@@ -14,10 +14,8 @@ import argparse
 import json
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,6 +24,8 @@ from pathlib import Path
 import prima.startup  # noqa: F401
 from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import StepBar, stage
+from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
+from prima.daemon.drain import drain
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.draft_model import load_draft_model
 from prima.engine.thread_tuning import tuned_setting
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         "port, which Info tells peers; fix one to open it in a firewall; 'off' relays over gRPC, "
         "~0.5 ms more per hop); see docs/ring.md",
     )
+    add_shutdown_timeout_arg(p, "the sessions open (the ring's generations in flight)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     return p
 
@@ -298,7 +299,6 @@ def serve(args: argparse.Namespace) -> int:
         draft_model = load_draft_model(
             args.draft_model, loaded, threads=threads, mode="exact" if args.exact else "q8"
         )
-    stop = threading.Event()
     bounds = daemon_limits(args)
     runtime = NodeRuntime(
         loaded,
@@ -325,8 +325,7 @@ def serve(args: argparse.Namespace) -> int:
     metrics_port = _serve_metrics(runtime, args.host, args.metrics_port)
     if args.name is None:
         runtime.node_id = f"{socket.gethostname()}:{port}"
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     if args.reprofile:
         runtime.profile(refresh=True)
     with ExitStack() as stack:
@@ -344,8 +343,16 @@ def serve(args: argparse.Namespace) -> int:
             except NodeError as exc:
                 log.warning("%s; serving without mDNS", exc)
         _announce_ready(runtime, args.host, port, budget, metrics_port, tls=identity is not None)
-        stop.wait()
-        # Leaving the stack sends the mDNS goodbye before the server stops answering.
+        name = stop.wait()
+        in_flight = len(runtime.stop_taking_work())
+        stage(
+            f"{name}: stopping: {in_flight} session(s) in flight, finishing them within "
+            f"{args.shutdown_timeout:g} s (--shutdown-timeout); new sessions are refused",
+            prog="primad",
+        )
+        # Leaving the stack sends the mDNS goodbye; the server answers on while sessions finish.
+    report = drain(runtime, args.shutdown_timeout, stop.now)
+    stage(f"stopped: {report.finished} session(s) finished, {report.cut} cut", prog="primad")
     if link is not None:
         link.close()
     server.stop(grace=2.0).wait(5.0)

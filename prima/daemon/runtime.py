@@ -26,9 +26,11 @@ from prima.net.codec import PROTOCOL_VERSION, Activation, FetchProgress, NodePro
 from prima.net.fetch import Manifest, manifest_of
 from prima.net.limits import DaemonLimits, shown
 from prima.net.status import (
+    SHUTTING_DOWN,
     NotReadyError,
     PayloadTooLargeError,
     PermissionDeniedError,
+    ShuttingDownError,
     StaleEpochError,
     UnknownSessionError,
 )
@@ -92,6 +94,7 @@ class NodeRuntime:
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
         self._sessions: dict[str, NodeSession] = {}
+        self._stopping = False  # SIGTERM: no new plan or session (prima.daemon.drain)
         self.worker = Worker(self, threads, self.bounds)
         self.head = Head(self, ring_timeout_s, threads, draft_model=draft_model)
 
@@ -121,6 +124,8 @@ class NodeRuntime:
         cfg = self.model.config
         fetch = self._fetch.progress() if self._fetch else None
         status = "ready" if layout else "idle: waiting for a plan"
+        if self._stopping:
+            status = f"shutting down: finishing {len(self._sessions)} session(s), taking no new ones"
         draft = self.head.draft_model
         if layout is None and fetch is not None:
             status = describe_fetch(fetch)
@@ -208,6 +213,7 @@ class NodeRuntime:
         `owner` (the caller's certificate name) alone may change the plan while it has sessions.
         A node holding only part of its model loads the plan once it has fetched (in the
         background, also from `fetch_sources`) the bytes of its windows; Info shows how far."""
+        self._check_not_stopping("plan")
         cfg = self.model.config
         current_epoch = self._current_epoch()
         limits.check_epoch(plan.epoch, current_epoch)
@@ -372,6 +378,7 @@ class NodeRuntime:
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
         limits.check_session_id(session_id)
+        self._check_not_stopping("sessions")
         layout = self.need_layout()
         if plan_epoch != layout.plan.epoch:
             raise StaleEpochError(
@@ -390,6 +397,7 @@ class NodeRuntime:
         accel = [i for i in layout.layers() if i not in set(host)]
         session = NodeSession(session_id, plan_epoch, n_ctx, self.model.new_split_cache(n_ctx, accel, host))
         with self._lock:
+            self._check_not_stopping("sessions")  # stop_taking_work may have come meanwhile
             if session_id in self._sessions:
                 raise ProtocolError(f"session {shown(session_id)} is already open on node {self.node_id}")
             self._check_room(session.cache.n_bytes)
@@ -439,6 +447,35 @@ class NodeRuntime:
             layout = self._layout
             if layout is not None and session.epoch == layout.plan.epoch:
                 self._fit_kv_caches(layout)
+
+    # -- stopping ------------------------------------------------------------------------------
+    def stop_taking_work(self) -> list[str]:
+        """From now on refuse new plans and sessions (UNAVAILABLE, saying why); the sessions
+        open now run on. Returns their ids."""
+        with self._lock:
+            self._stopping = True
+            return list(self._sessions)
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def cut_session(self, session_id: str, why: str) -> None:
+        """End an open session before its generation finished: its head's generation fails with
+        `why` (a follower tells the head by Abort and closes the session; on the head the
+        generation closes it as it ends)."""
+        session = self.find_session(session_id)
+        if session is None:
+            return
+        self.worker.fail(session_id, why, kind="shutdown")
+        if session.results is None:
+            self.close_session(session_id)
+
+    def _check_not_stopping(self, what: str) -> None:
+        if self._stopping:
+            raise ShuttingDownError(
+                f"node {self.node_id} {SHUTTING_DOWN}: it takes no new {what}; "
+                "send it to another node, or plan again without this one"
+            )
 
     def find_session(self, session_id: str) -> NodeSession | None:
         return self._sessions.get(session_id)

@@ -27,6 +27,7 @@ from prima.net.link_client import CONNECT_TIMEOUT_S as LINK_CONNECT_TIMEOUT_S
 from prima.net.link_client import LinkRelay, open_link
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
+from prima.net.status import SHUTTING_DOWN
 from prima.plan import Plan
 
 log = logging.getLogger("prima.net")
@@ -67,6 +68,8 @@ def node_error(
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     node = f"node at {address}" if name == address else f"node {name} at {address}"
+    if code == grpc.StatusCode.UNAVAILABLE and SHUTTING_DOWN in (details or ""):
+        return NodeError(f"{doing} on {node}: {details}")  # its own words: it is stopping (SIGTERM)
     if code == grpc.StatusCode.UNAVAILABLE and plaintext and speaks_tls(address):
         return UntrustedNodeError(
             f"{node} serves mutual TLS and refused this device ({doing}): this device has no cluster "

@@ -35,8 +35,18 @@ class PermissionDeniedError(ProtocolError):
     plan, a session of a plan the caller is not in)."""
 
 
+class ShuttingDownError(NodeError):
+    """The daemon is stopping (SIGTERM): it takes no new plan or session, and ends the sessions
+    still open at its --shutdown-timeout. Callers should go to another node."""
+
+
+SHUTTING_DOWN = "is shutting down"  # in every ShuttingDownError's message: how a caller tells one
+
+
 def status_for(exc: Exception) -> grpc.StatusCode:
     """The gRPC status a servicer answers with for `exc` (most specific class first)."""
+    if isinstance(exc, ShuttingDownError):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, UnknownSessionError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, StaleEpochError | NotReadyError):
