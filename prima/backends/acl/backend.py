@@ -37,6 +37,9 @@ from prima.weights.kv_cache import WrittenPositions
 log = logging.getLogger("prima.backends")
 
 DEFAULT_CTX = 512  # cache slots a compiled window has; sessions may use up to this many
+# The window a daemon's profile times (prima.daemon.profile.PROFILE_LAYERS), compiled when the
+# backend is made so that the profile never runs ATC inside a request.
+PROFILE_WINDOW = range(0, 1)
 
 
 class AclKV:
@@ -128,6 +131,7 @@ class AclBackend:
         host_mode: str = "exact",
         kv_dtype: str = atc.DEFAULT_KV_DTYPE,
         progress: Callable[[str], None] | None = None,
+        compile_profile_window: bool = True,
     ) -> None:
         self.weights = weights
         self.config = weights.config
@@ -149,16 +153,40 @@ class AclBackend:
         # Embeddings, output head, the profiler's matmul, and the layers a plan leaves on the CPU.
         self.host = CpuBackend(weights, threads=threads, mode=host_mode)
         self.runtime = open_runtime(device_id, acl)
+        if compile_profile_window and self.config.n_layers:
+            self._compile_ahead(PROFILE_WINDOW)
+
+    def _compile_ahead(self, layers: range) -> None:
+        """Compile `layers` now, as the backend is made (a daemon makes it before it serves), so
+        that the profile times them without ATC; a failure is logged, and the profile then
+        reports no accelerator until they are compiled."""
+        try:
+            self.compile(layers)
+        except AclError as exc:
+            log.warning(
+                "could not compile layers %d-%d for the NPU's profile: %s; until they are compiled "
+                "the node profiles as CPU-only",
+                layers.start,
+                layers.stop - 1,
+                exc,
+            )
 
     # -- windows -------------------------------------------------------------------------------
     def compile(self, layers: range) -> atc.WindowArtifacts:
         """Export and compile `layers` unless cached; the cache entry."""
         self.weights.validate(layers)
-        art = atc.artifacts(
-            self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc, kv_dtype=self.kv_dtype
-        )
+        art = self._artifacts(layers)
         atc.compile_window(self.weights, art, layers, self.ctx, self.progress)
         return art
+
+    def compiled(self, layers: range) -> bool:
+        """Whether `layers` load without running ATC (their offline model is in the cache)."""
+        return self._artifacts(layers).om.is_file()
+
+    def _artifacts(self, layers: range) -> atc.WindowArtifacts:
+        return atc.artifacts(
+            self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc, kv_dtype=self.kv_dtype
+        )
 
     def load_window(self, layers: range) -> AclWindow:
         art = self.compile(layers)
