@@ -213,6 +213,9 @@ class FakeAcl:
         self.initialized = True
         return SUCCESS
 
+    def get_soc_name(self) -> str:
+        return "Ascend310B1 (FakeAcl, a stand-in: no NPU here)"
+
     def finalize(self) -> int:
         if not self.initialized:
             return UNINITIALIZE
