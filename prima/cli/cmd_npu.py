@@ -1,5 +1,6 @@
 """`prima npu compile`: export a model's windows to ONNX and compile them with CANN's ATC for the
-Ascend NPU (the acl backend), ahead of a plan; `--dry-run` prints the ATC command lines only."""
+Ascend NPU (the acl backend), ahead of a plan; `--dry-run` prints the ATC command lines only.
+`prima npu doctor`: the first command on a new board; its output is what a bug report needs."""
 
 from __future__ import annotations
 
@@ -44,6 +45,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     comp.add_argument("--soc", default="Ascend310B1", help="ATC --soc_version (default Ascend310B1)")
     comp.add_argument("--dry-run", action="store_true", help="print the ATC command lines, run nothing")
     comp.set_defaults(func=run_compile)
+    doc = sub.add_parser(
+        "doctor",
+        help="check the NPU toolchain, compile, load and run layer 0 against the CPU (paste the output "
+        "into bug reports)",
+    )
+    doc.add_argument(
+        "-m", "--model", default=DEFAULT_MODEL, help=f"model name or GGUF path (default {DEFAULT_MODEL})"
+    )
+    doc.add_argument(
+        "--npu-ctx",
+        dest="ctx",
+        type=positive_int,
+        default=DEFAULT_CTX,
+        metavar="N",
+        help=f"KV slots of the window (default {DEFAULT_CTX}, primad's: its profile window is then cached)",
+    )
+    doc.set_defaults(func=run_doctor)
 
 
 def _window(text: str, n_layers: int) -> range:
@@ -76,3 +94,17 @@ def run_compile(args: argparse.Namespace) -> int:
         om = atc.compile_window(weights, art, layers, args.ctx, progress=print)
         print(f"layers {layers.start}-{layers.stop - 1}: {om}")
     return 0
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Print every finding, the toolchain's first; exit 1 if any is not fine."""
+    from prima.backends.acl import AclBackend, doctor
+
+    weights = open_model(args.model).weights
+    findings = list(doctor.toolchain())
+    if all(f.ok for f in findings if f.check in doctor.NEEDED_FOR_A_WINDOW):
+        findings += doctor.window_report(weights, args.ctx, AclBackend)
+    for f in findings:
+        print(f"{'ok  ' if f.ok else 'FAIL'} {f.check}: {f.found}")
+    print("nothing above is known to be right on a device until someone runs it there (docs/orangepi.md)")
+    return 0 if all(f.ok for f in findings) else 1

@@ -4,7 +4,9 @@ are calibrated (cached per model file); and the memory it may use, read fresh ea
 
 A node with an accelerator (an NPU backend) also times a one-layer window run there, and reads
 the device's free memory (acl.rt.get_mem_info): its AcceleratorProfile, from which Halda decides
-how many layers of each window (`accel_layers`) the device runs."""
+how many layers of each window (`accel_layers`) the device runs. The profile answers an RPC, so
+it never compiles: the acl backend compiles that window when it is made, before the daemon
+serves, and until it is compiled the node profiles as CPU-only."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ TIMED_BYTES = 128 << 20
 # each back to back and 2.2-3.0 ms after 50 ms idle, as in its ring (2.4-2.5). Each timed step
 # starts after this idle time.
 IDLE_BEFORE_STEP_S = 0.05
+PROFILE_LAYERS = range(0, 1)  # the accelerator's timed window (prima.backends.acl's PROFILE_WINDOW)
 
 
 def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
@@ -73,6 +76,14 @@ def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
     if backend.accelerator:
         device = dataclasses.replace(device, accelerator=measure_accelerator(loaded, device))
     return device
+
+
+def accelerator_ready(loaded: LoadedModel) -> bool:
+    """Whether the accelerator's timed window loads without compiling (an NPU's offline model
+    is cached; ATC takes minutes and never runs inside a request). A backend that compiles
+    nothing is always ready."""
+    compiled = getattr(loaded.model.backend, "compiled", None)
+    return compiled is None or bool(compiled(PROFILE_LAYERS))
 
 
 def time_one_layer(loaded: LoadedModel, steps: int = LAYER_STEPS) -> float:
@@ -106,12 +117,26 @@ def time_output_head(loaded: LoadedModel, steps: int = LAYER_STEPS) -> float:
 
 def measure_accelerator(
     loaded: LoadedModel, device: DeviceProfile, steps: int = LAYER_STEPS
-) -> AcceleratorProfile:
+) -> AcceleratorProfile | None:
     """The accelerator of `loaded`'s backend: one decode step through a one-layer window there
-    (compiled and loaded as the plan's windows are; the first step warms up), as the throughput
-    at which the cost model's GEMV time of a layer equals it, and its free memory now."""
+    (loaded as the plan's windows are; the first step warms up), as the throughput at which the
+    cost model's GEMV time of a layer equals it, and its free memory now; None, with a warning,
+    while that window is not compiled (this never compiles)."""
     accel = cast(AcceleratorBackend, loaded.model.backend)
-    layers = range(0, 1)
+    layers = PROFILE_LAYERS
+    if not accelerator_ready(loaded):
+        log.warning(
+            "%s: layers %d-%d are not compiled for the accelerator, so this node profiles as "
+            "CPU-only; restart primad (it compiles them before serving) or run `prima npu compile "
+            "-m %s --window %d-%d` with the daemon's --npu-ctx",
+            accel.name,
+            layers.start,
+            layers.stop - 1,
+            loaded.name,
+            layers.start,
+            layers.stop,
+        )
+        return None
     loaded.weights.validate(layers)
     window = accel.load_window(layers)
     try:
@@ -185,7 +210,8 @@ def node_profile(
         return measure_node(loaded, node_id)
 
     found = load_or_measure(node_id, fingerprint, measure, refresh=refresh, cache_dir=cache_dir)
-    if backend.accelerator and found.profile.accelerator is None:  # cached by a CPU-only run
+    if backend.accelerator and found.profile.accelerator is None and accelerator_ready(loaded):
+        # cached by a CPU-only run, or before the accelerator's window was compiled
         found = load_or_measure(node_id, fingerprint, measure, refresh=True, cache_dir=cache_dir)
     # Memory is read now, as the planner will use it: the cached profile's is from another time.
     limit = memory_limit(loaded)

@@ -28,7 +28,11 @@ before it (`window_offsets`).
 
 Memory, per device (bytes): a resident device needs k*u_m*(layer + KV) + fixed_m <= RAM budget;
 a streaming device pins P_m layers: P_m*layer + (u_m + 1)*layer + k*u_m*KV + fixed_m <= budget. Accelerator layers need
-k*n_m*(layer + KV) <= accelerator memory. Both Halda and the brute-force check in the tests
+k*n_m*e_m <= accelerator memory, e_m one layer's footprint there: the layer and its KV as the CPU
+holds them, or, for an NPU that holds its own copy (acl), its weights in fp16 with room for its
+compiled gears and its KV in fp16 (`accel_layer_bytes`). On a SoC whose NPU shares the RAM
+(the 310B), that copy comes out of the RAM budget too: k*n_m*e_m is added to its left side, and
+u_m = w_m - n_m. Both Halda and the brute-force check in the tests
 evaluate plans through `ring_time_ms`, so they cannot disagree about what a plan costs.
 """
 
@@ -38,9 +42,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile import KV_ELEMENT_BYTES, AcceleratorProfile, DeviceProfile, ModelProfile
 
 FALLBACK_FORMAT = "F32"
+# The compiled gears of an NPU window take memory beside its fp16 weights: ATC builds a graph per
+# gear, and qwen-ascend-llm's notes report 50-100% more for dynamic shapes on the 310B. The upper
+# end, unmeasured here (nothing in prima has run on an NPU).
+NPU_GEAR_OVERHEAD = 1.0
+NPU_KV_ELEMENT_BYTES = 2  # the acl backend's KV cache is float16
 
 
 @dataclass(frozen=True)
@@ -61,11 +70,25 @@ class DeviceCost:
     held_layers: frozenset[int] | None = None  # None: the whole model file
     fetch_room_layers: int = -1  # layers it may fetch within its disk budget; -1: no budget
     shared_disk: str = ""  # devices with the same non-empty name read one disk
+    accel_layer_bytes: int = 0  # e_m: one layer on the accelerator (0: layer_ram_bytes)
+    accel_copies_weights: bool = False  # the accelerator holds its own copy of its layers (an NPU)
 
     @property
     def layer_ram_bytes(self) -> int:
         """b' in the reference: one resident layer with its KV cache."""
         return self.layer_weight_bytes + self.layer_kv_bytes
+
+    @property
+    def accel_bytes_per_layer(self) -> int:
+        """e_m: what one layer takes in the accelerator's memory."""
+        return self.accel_layer_bytes or self.layer_ram_bytes
+
+    def accel_ram_bytes(self, rounds: int, accel_layers: int) -> int:
+        """RAM the accelerator's own copies of its k*n layers take: all of them on a SoC where it
+        shares the RAM, none where it has its own memory or reads the CPU's pages in place."""
+        if self.accel_shares_ram and self.accel_copies_weights:
+            return rounds * accel_layers * self.accel_bytes_per_layer
+        return 0
 
     @property
     def has_accel(self) -> bool:
@@ -97,7 +120,8 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
     accel = device.accelerator
     delta = 0.0
     accel_budget = 0
-    shares = False
+    shares = copies = False
+    accel_bytes = 0
     if accel is not None and accel.memory_available_bytes > 0:
         on_accel = gemv_ms(model.layer_flops, accel.flops) + _transfer_ms(
             kv_read_bytes, accel.mem_bandwidth_bytes_per_s
@@ -106,6 +130,8 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
             delta = on_accel - cpu
             accel_budget = accel.memory_available_bytes
             shares = accel.shares_ram
+            copies = accel.kind == "acl"
+            accel_bytes = accel_layer_bytes(accel, model)
     disk = _transfer_ms(model.layer_bytes, device.disk_read_bytes_per_s)
     hop = device.net_latency_ms + _transfer_ms(model.activation_bytes, device.net_bandwidth_bytes_per_s)
     fixed_ms = 0.0
@@ -126,7 +152,22 @@ def device_cost(device: DeviceProfile, model: ModelProfile, *, is_head: bool) ->
         ram_budget_bytes=device.ram_available_bytes,
         accel_budget_bytes=accel_budget,
         accel_shares_ram=shares,
+        accel_layer_bytes=accel_bytes,
+        accel_copies_weights=copies,
     )
+
+
+def accel_layer_bytes(accel: AcceleratorProfile, model: ModelProfile) -> int:
+    """One layer's footprint in `accel`'s memory. The acl backend holds its own copy: the
+    weights dequantized to fp16 (2 bytes a weight, and a layer's FLOPs per token are 2 a
+    weight), NPU_GEAR_OVERHEAD more for its compiled gears, and the KV cache in fp16 (1.9x a
+    Q8_0 layer's GGUF bytes, 3.5x a Q4_0's, before the gears). Anything else reads the layer as
+    the CPU holds it."""
+    if accel.kind != "acl":
+        return model.layer_bytes + model.kv_bytes_per_layer
+    fp16_weights = sum(model.layer_flops.values())
+    kv = model.kv_bytes_per_layer * NPU_KV_ELEMENT_BYTES // KV_ELEMENT_BYTES
+    return int(fp16_weights * (1 + NPU_GEAR_OVERHEAD)) + kv
 
 
 def fetch_room_layers(device: DeviceProfile, model: ModelProfile, *, is_head: bool) -> int:
@@ -149,15 +190,17 @@ def ring_costs(devices: Sequence[DeviceProfile], model: ModelProfile) -> list[De
 
 
 def ram_layers(cost: DeviceCost, window: int, accel_layers: int) -> int:
-    """u: layers per window whose weights live in RAM (accelerator layers do not, unless the
-    accelerator shares RAM)."""
-    return window if cost.accel_shares_ram else window - accel_layers
+    """u: layers per window the CPU holds in RAM (accelerator layers it does not, unless the
+    accelerator reads them in place from the RAM it shares)."""
+    in_place = cost.accel_shares_ram and not cost.accel_copies_weights
+    return window if in_place else window - accel_layers
 
 
 def streams(cost: DeviceCost, rounds: int, window: int, accel_layers: int) -> bool:
     """Whether the device is short of memory for its k*u layers and must stream some from disk."""
     u = ram_layers(cost, window, accel_layers)
-    return rounds * u * cost.layer_ram_bytes + cost.fixed_bytes > cost.ram_budget_bytes
+    accel_ram = cost.accel_ram_bytes(rounds, accel_layers)
+    return rounds * u * cost.layer_ram_bytes + cost.fixed_bytes + accel_ram > cost.ram_budget_bytes
 
 
 def stream_buffer_layers(ram_layers_per_window: int) -> int:
@@ -166,14 +209,15 @@ def stream_buffer_layers(ram_layers_per_window: int) -> int:
     return ram_layers_per_window + 1
 
 
-def pinned_layers(cost: DeviceCost, rounds: int, ram_layers_per_window: int) -> int:
+def pinned_layers(cost: DeviceCost, rounds: int, ram_layers_per_window: int, accel_ram_bytes: int = 0) -> int:
     """How many of its k*u layers a streaming device keeps resident (the rest it rereads every
-    token): what its budget holds after all its KV cache and the stream buffer; -1 if it cannot
-    stream at all (no disk, or no room for the buffer)."""
+    token): what its budget holds after all its KV cache, the stream buffer and the accelerator's
+    copies in RAM; -1 if it cannot stream at all (no disk, or no room for the buffer)."""
     k, u = rounds, ram_layers_per_window
     room = (
         cost.ram_budget_bytes
         - cost.fixed_bytes
+        - accel_ram_bytes
         - k * u * cost.layer_kv_bytes
         - stream_buffer_layers(u) * cost.layer_weight_bytes
     )
@@ -204,12 +248,12 @@ def device_time(
     """The device's terms of T, or None when its layers do not fit. `sends` is false for a lone
     device, which has no next hop."""
     k, w, n = rounds, window, accel_layers
-    if n and (not cost.has_accel or n > w or k * n * cost.layer_ram_bytes > cost.accel_budget_bytes):
+    if n and (not cost.has_accel or n > w or k * n * cost.accel_bytes_per_layer > cost.accel_budget_bytes):
         return None
     u = ram_layers(cost, w, n)
     disk = 0.0
     if streams(cost, k, w, n):
-        pinned = pinned_layers(cost, k, u)
+        pinned = pinned_layers(cost, k, u, cost.accel_ram_bytes(k, n))
         if pinned < 0:
             return None
         disk = cost.disk_ms_per_layer * (k * u - pinned)

@@ -80,7 +80,7 @@ class Capacity:
 
     resident: int  # R: layers in RAM that fit resident, k u b' + fixed <= budget
     streaming: int  # S: layers in RAM that fit when streaming, or -1 if streaming cannot help
-    accel: int  # nmax: layers the accelerator memory holds, k n b' <= accelerator memory
+    accel: int  # nmax: layers the accelerator memory holds, k n e <= accelerator memory
 
     @property
     def in_ram(self) -> int:
@@ -108,7 +108,7 @@ def capacity(cost: DeviceCost, rounds: int, per_round: int) -> Capacity:
         )
         if streaming <= resident:
             streaming = -1  # streaming lets it hold no more layers
-    accel = _fit(cost.accel_budget_bytes, k * cost.layer_ram_bytes, per_round) if cost.has_accel else 0
+    accel = _fit(cost.accel_budget_bytes, k * cost.accel_bytes_per_layer, per_round) if cost.has_accel else 0
     return Capacity(resident, streaming, accel)
 
 

@@ -62,6 +62,8 @@ class Coefficients:
     ram_budget_bytes: np.ndarray
     accel_budget_bytes: np.ndarray
     accel_shares_ram: np.ndarray
+    accel_layer_bytes: np.ndarray  # e_m, one layer on the accelerator
+    accel_copies_weights: np.ndarray
     fixed_ms: float
     missing_before: np.ndarray  # [m, i]: layers below i that device m does not hold
     fetch_room: np.ndarray  # layers device m may fetch (a large number without a disk budget)
@@ -86,6 +88,8 @@ class Coefficients:
             i64("ram_budget_bytes"),
             i64("accel_budget_bytes"),
             np.array([c.accel_shares_ram for c in costs], dtype=np.bool_),
+            np.array([c.accel_bytes_per_layer for c in costs], dtype=np.int64),
+            np.array([c.accel_copies_weights for c in costs], dtype=np.bool_),
             float(costs[0].fixed_ms),
             np.array([_missing_before(c, n_layers) for c in costs], dtype=np.int64),
             np.array(
@@ -106,6 +110,8 @@ class Coefficients:
             self.ram_budget_bytes,
             self.accel_budget_bytes,
             self.accel_shares_ram,
+            self.accel_layer_bytes,
+            self.accel_copies_weights,
         )
 
 
@@ -149,7 +155,7 @@ def search(coef: Coefficients, rounds: int, per_round: int, cutoff_ms: float = I
 
 
 @njit(cache=True)
-def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, k, per_round, sends):
+def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, per_round, sends):
     m_count = a.shape[0]
     size = per_round + 1
     path = np.full((m_count, size, size), np.inf)
@@ -160,12 +166,15 @@ def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, k, per_round
         n_top = per_round if accel_budget[m] > 0 else 0
         for w in range(1, size):
             for n in range(min(w, n_top) + 1):
-                if n > 0 and k * n * layer_ram > accel_budget[m]:
+                if n > 0 and k * n * accel_bytes[m] > accel_budget[m]:
                     break
-                u = w if shares[m] else w - n
+                u = w if shares[m] and not copies[m] else w - n
+                accel_ram = k * n * accel_bytes[m] if shares[m] and copies[m] else 0
                 reread = 0.0
-                if k * u * layer_ram + fixed[m] > ram[m]:  # streams: pins what fits, rereads the rest
-                    room = ram[m] - fixed[m] - k * u * kv[m] - (u + 1) * lw[m]
+                if (
+                    k * u * layer_ram + fixed[m] + accel_ram > ram[m]
+                ):  # streams: pins what fits, rereads the rest
+                    room = ram[m] - fixed[m] - accel_ram - k * u * kv[m] - (u + 1) * lw[m]
                     if not math.isfinite(d[m]) or room < 0:
                         continue
                     pinned = k * u if lw[m] <= 0 else min(k * u, room // lw[m])

@@ -5,15 +5,18 @@ gears, SoC and CANN version, so a daemon compiles a window once and loads it at 
 The command line (`AtcJob.argv`), with the flags ascend-llm and qwen-ascend-llm use on the 310B:
 
   atc --framework=5 --model=window.onnx --output=window --soc_version=Ascend310B1
-      --input_format=ND --input_shape="hidden:-1,576;positions:-1;mask:-1,-1;past_k_0:512,3,64;..."
+      --input_format=ND
+      --input_shape="hidden:-1,576;positions:-1;mask:1,-1,-1;past_k:30,512,3,64;past_v:30,512,3,64"
       --dynamic_dims="1,1,1,513;2,2,2,514;4,4,4,516;8,8,8,520"
       --precision_mode=must_keep_origin_dtype --log=error
 
 --framework=5 is ONNX; every -1 is the token count n or the key count ctx + n, one value each
 per gear (the prefill lengths the model accepts); must_keep_origin_dtype keeps the graph's own
 mix (fp16 MatMuls, fp32 norms and softmax) instead of letting ATC cast the norms' squares to
-fp16. Nothing here has been run against a real ATC; the tests check the command lines and run
-a stand-in ATC (tests/backends/acl/fake_acl.py).
+fp16. The rules this keeps to (2-100 gears, at most 4 dynamic dims per gear, at most 128 dims
+in a gear's full shape) are in docs/backends.md with their sources. Nothing here has been run
+against a real ATC; the tests check the command lines and run a stand-in ATC
+(tests/backends/acl/fake_acl.py) that enforces those rules.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prima.backends.acl.onnx_window import window_graph
-from prima.backends.acl.runtime import AclError
+from prima.backends.acl.onnx_window import WindowGraph, window_graph
+from prima.backends.acl.runtime import MAX_DIM_CNT, AclError
+from prima.errors import InputError
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
 from prima.paths import cache_root
@@ -39,8 +43,11 @@ DEFAULT_SOC = "Ascend310B1"  # the OrangePi AIpro's NPU
 DEFAULT_GEARS: tuple[int, ...] = (1, 2, 4, 8)  # tokens per call: decode, and prefill in chunks
 PRECISION_FLAGS: tuple[str, ...] = ("--precision_mode=must_keep_origin_dtype",)
 # Bumped whenever onnx_window builds a different graph, so cached models are rebuilt.
-GRAPH_VERSION = 2  # 2: the KV cache's dtype is chosen (float16 by default)
+GRAPH_VERSION = 3  # 2: the KV cache's dtype is chosen; 3: KV packed per window, masks stacked
 DEFAULT_KV_DTYPE = "float16"
+# ATC's --dynamic_dims: 2 to 100 gears, at most 4 dynamic dims in each (docs/backends.md).
+GEAR_COUNT = range(2, 101)
+MAX_DYNAMIC_DIMS = 4
 
 
 @dataclass(frozen=True)
@@ -75,23 +82,41 @@ class AtcJob:
 
 def shapes(cfg: ModelConfig, layers: range, ctx: int, gears: Sequence[int]) -> tuple[str, str]:
     """ATC's --input_shape and --dynamic_dims for a window graph: n and ctx + n are the -1s."""
-    spec = window_graph(cfg, layers, ctx)
-    kv = f"{ctx},{cfg.n_kv_heads},{cfg.head_dim}"
-    dims: dict[str, str] = {
-        "hidden": f"-1,{cfg.d_model}",
-        "positions": "-1",
-        "mask": "-1,-1",
-        "mask_swa": "-1,-1",
-    }
-    input_shape = ";".join(f"{name}:{dims.get(name, kv)}" for name in spec.inputs)
-    n_masks = 2 if spec.sliding else 1
-    gear_dims = [[n, n] + [n, ctx + n] * n_masks for n in gears]
+    check_gears(gears)
+    graph = window_graph(cfg, layers, ctx)
+    symbolic = [graph.shape(name, "n") for name in graph.inputs]
+    input_shape = ";".join(
+        f"{name}:" + ",".join("-1" if isinstance(d, str) else str(d) for d in dims)
+        for name, dims in zip(graph.inputs, symbolic, strict=True)
+    )
+    gear_dims = []
+    for n in gears:
+        values = [
+            d
+            for sym, dims in zip(symbolic, (graph.shape(name, n) for name in graph.inputs), strict=True)
+            for s, d in zip(sym, dims, strict=True)
+            if isinstance(s, str)
+        ]
+        # Internal invariants: the graph is built to keep within ATC's and the runtime's limits.
+        assert len(values) <= MAX_DYNAMIC_DIMS, values
+        assert len(full_dims(graph, graph.inputs, n)) <= MAX_DIM_CNT
+        gear_dims.append(values)
     return input_shape, ";".join(",".join(map(str, g)) for g in gear_dims)
 
 
-def gear_values(n: int, ctx: int, sliding: bool) -> list[int]:
-    """The dynamic dims of the gear for n tokens, in the order `shapes` lists them."""
-    return [n, n] + [n, ctx + n] * (2 if sliding else 1)
+def check_gears(gears: Sequence[int]) -> None:
+    """ATC compiles 2 to 100 gears (--dynamic_dims); an InputError otherwise."""
+    if len(set(gears)) not in GEAR_COUNT:
+        raise InputError(
+            f"gears {','.join(map(str, gears))}: ATC compiles {GEAR_COUNT.start} to {GEAR_COUNT.stop - 1} "
+            "distinct gears (tokens per call), e.g. 1,2,4,8"
+        )
+
+
+def full_dims(graph: WindowGraph, inputs: Sequence[str], n: int) -> list[int]:
+    """What pyACL's set_input_dynamic_dims takes for the gear of n tokens: the full shape of every
+    input in `inputs` (the model's order, without ATC's own dynamic-dims input), concatenated."""
+    return [int(d) for name in inputs for d in graph.shape(name, n)]
 
 
 def cann_version() -> str:

@@ -1,10 +1,11 @@
 """The acl backend: windows of layers run on an Ascend NPU as offline models, through pyACL.
 
 Each window is one graph (onnx_window), compiled by ATC (atc) and loaded on the device with its
-input and output buffers. The KV cache lives on the device, one buffer per layer for keys and
-one for values, (ctx, KVH, hd) float16 each (float32 on request: twice the memory); they are the model's past_k/past_v inputs as they
-are, and after each call the new keys and values are copied into them device to device, so no
-cache crosses to the host. Tokens go through in gears (1, 2, 4, 8 at a time): a prefill of 13
+input and output buffers. The KV cache lives on the device, one buffer for the keys of all of a
+state's layers and one for the values, (layers, ctx, KVH, hd) float16 each (float32 on request:
+twice the memory), so a window's consecutive layers are one contiguous piece of each: the
+model's past_k/past_v inputs as they are. After each call the new keys and values are copied
+into them device to device, so no cache crosses to the host. Tokens go through in gears (1, 2, 4, 8 at a time): a prefill of 13
 tokens is three calls (8, 4, 1). Embedding and output head run on the host CPU.
 
 Numerics: projections in float16, the rest float32, so logits are within fp16 tolerance of
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from prima.backends.acl import atc
-from prima.backends.acl.onnx_window import WindowGraph, attention_mask, window_graph
+from prima.backends.acl.onnx_window import WindowGraph, window_graph, window_masks
 from prima.backends.acl.runtime import DYNAMIC_DIMS_INPUT, AclError, AclRuntime, DeviceModel, open_runtime
 from prima.backends.cpu import CpuBackend
 from prima.errors import InputError
@@ -36,11 +37,15 @@ from prima.weights.kv_cache import WrittenPositions
 log = logging.getLogger("prima.backends")
 
 DEFAULT_CTX = 512  # cache slots a compiled window has; sessions may use up to this many
+# The window a daemon's profile times (prima.daemon.profile.PROFILE_LAYERS), compiled when the
+# backend is made so that the profile never runs ATC inside a request.
+PROFILE_WINDOW = range(0, 1)
 
 
 class AclKV:
-    """Keys and values of some layers on the device: per layer two buffers of `ctx` slots.
-    Freed with the object (or by free())."""
+    """Keys and values of some layers on the device: one buffer of keys and one of values,
+    `ctx` slots per layer, layers in order (layer i's keys at k[i]), so consecutive layers are
+    one contiguous piece (window()). Freed with the object (or by free())."""
 
     def __init__(
         self, runtime: AclRuntime, n_ctx: int, ctx: int, row_bytes: int, layers: Iterable[int]
@@ -48,18 +53,18 @@ class AclKV:
         self.n_ctx = n_ctx
         self.layers = tuple(sorted(set(layers)))
         self.row_bytes = row_bytes  # one position: KVH * hd keys (or values) in the cache's dtype
-        self.slot_bytes = ctx * row_bytes
+        self.slot_bytes = ctx * row_bytes  # one layer's cache
         self.k: dict[int, int] = {}
         self.v: dict[int, int] = {}
         self._written = WrittenPositions(n_ctx, self.layers)
         ptrs: list[int] = []
         self._free = weakref.finalize(self, _free_all, runtime, ptrs)
-        for i in self.layers:
-            for table in (self.k, self.v):
-                ptr = runtime.malloc(self.slot_bytes)
-                ptrs.append(ptr)
-                runtime.zero(ptr, self.slot_bytes)  # unwritten slots are masked, but NaN * 0 is NaN
-                table[i] = ptr
+        size = len(self.layers) * self.slot_bytes
+        for table in (self.k, self.v) if size else ():
+            base = runtime.malloc(size)
+            ptrs.append(base)
+            runtime.zero(base, size)  # unwritten slots are masked, but NaN * 0 is NaN
+            table.update({i: base + j * self.slot_bytes for j, i in enumerate(self.layers)})
 
     @property
     def n_bytes(self) -> int:
@@ -67,6 +72,14 @@ class AclKV:
 
     def free(self) -> None:
         self._free()
+
+    def window(self, layers: range) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The keys and the values of `layers` as device buffers (ptr, bytes): a window's
+        past_k and past_v."""
+        if not set(layers) <= set(self.layers):
+            raise AclError(f"this KV state holds layers {self.layers}, not all of {layers} (prima bug)")
+        n_bytes = len(layers) * self.slot_bytes
+        return (self.k[layers.start], n_bytes), (self.v[layers.start], n_bytes)
 
     def reserve(self, layer: int, start: int, end: int) -> None:
         """Check that [start, end) can be written next (contiguous, within n_ctx)."""
@@ -118,13 +131,15 @@ class AclBackend:
         host_mode: str = "exact",
         kv_dtype: str = atc.DEFAULT_KV_DTYPE,
         progress: Callable[[str], None] | None = None,
+        compile_profile_window: bool = True,
     ) -> None:
         self.weights = weights
         self.config = weights.config
         self.ctx = ctx
-        self.gears = tuple(sorted(gears))
+        self.gears = tuple(sorted(set(gears)))
         if not self.gears or self.gears[0] != 1:
             raise InputError(f"acl gears {gears} must include 1 (a decode step is one token)")
+        atc.check_gears(self.gears)
         if kv_dtype not in ("float16", "float32"):
             raise InputError(f"acl KV cache dtype {kv_dtype!r}: use float16 or float32")
         self.kv_dtype = kv_dtype
@@ -138,16 +153,40 @@ class AclBackend:
         # Embeddings, output head, the profiler's matmul, and the layers a plan leaves on the CPU.
         self.host = CpuBackend(weights, threads=threads, mode=host_mode)
         self.runtime = open_runtime(device_id, acl)
+        if compile_profile_window and self.config.n_layers:
+            self._compile_ahead(PROFILE_WINDOW)
+
+    def _compile_ahead(self, layers: range) -> None:
+        """Compile `layers` now, as the backend is made (a daemon makes it before it serves), so
+        that the profile times them without ATC; a failure is logged, and the profile then
+        reports no accelerator until they are compiled."""
+        try:
+            self.compile(layers)
+        except AclError as exc:
+            log.warning(
+                "could not compile layers %d-%d for the NPU's profile: %s; until they are compiled "
+                "the node profiles as CPU-only",
+                layers.start,
+                layers.stop - 1,
+                exc,
+            )
 
     # -- windows -------------------------------------------------------------------------------
     def compile(self, layers: range) -> atc.WindowArtifacts:
         """Export and compile `layers` unless cached; the cache entry."""
         self.weights.validate(layers)
-        art = atc.artifacts(
-            self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc, kv_dtype=self.kv_dtype
-        )
+        art = self._artifacts(layers)
         atc.compile_window(self.weights, art, layers, self.ctx, self.progress)
         return art
+
+    def compiled(self, layers: range) -> bool:
+        """Whether `layers` load without running ATC (their offline model is in the cache)."""
+        return self._artifacts(layers).om.is_file()
+
+    def _artifacts(self, layers: range) -> atc.WindowArtifacts:
+        return atc.artifacts(
+            self.weights, self.fingerprint, layers, self.ctx, self.gears, self.soc, kv_dtype=self.kv_dtype
+        )
 
     def load_window(self, layers: range) -> AclWindow:
         art = self.compile(layers)
@@ -155,8 +194,9 @@ class AclBackend:
         model = self.runtime.load_model(art.om)
         buffers: dict[str, tuple[int, int]] = {}
         try:
-            want = [*graph.inputs, DYNAMIC_DIMS_INPUT]
-            if list(model.inputs) != want or list(model.outputs) != list(graph.outputs):
+            # Bound by name, in the order the model reports (ATC adds the dynamic-dims input).
+            want = {*graph.inputs, DYNAMIC_DIMS_INPUT}
+            if sorted(model.inputs) != sorted(want) or sorted(model.outputs) != sorted(graph.outputs):
                 raise AclError(
                     f"{art.om} has inputs {model.inputs} and outputs {model.outputs}, not the window's; "
                     f"delete {art.directory} and compile again"
@@ -205,29 +245,25 @@ class AclBackend:
 
     def _run_gear(self, window: AclWindow, h: np.ndarray, pos: np.ndarray, kv: AclKV) -> np.ndarray:
         """One call of the window's model on n (a gear) tokens; their keys and values go into kv."""
-        rt, g, n = self.runtime, window.graph, len(pos)
+        rt, g, model, n = self.runtime, window.graph, window.model, len(pos)
         start, end = int(pos[0]), int(pos[-1]) + 1
         for i in window.layers:
             kv.reserve(i, start, end)
-        host = {"hidden": h, "positions": pos, "mask": attention_mask(pos, self.ctx)}
-        if g.sliding:
-            host["mask_swa"] = attention_mask(pos, self.ctx, self.config.sliding_window)
+        host = {"hidden": h, "positions": pos, "mask": window_masks(self.config, g, pos)}
         for name, array in host.items():
             rt.to_device(*window.buffers[name], array)
-        inputs = [self._input(window, kv, name) for name in (*g.inputs, DYNAMIC_DIMS_INPUT)]
-        outputs = [window.buffers[name] for name in g.outputs]
-        rt.execute(window.model, inputs, outputs, atc.gear_values(n, self.ctx, g.sliding))
-        for i in window.layers:  # the new rows into the cache, on the device
-            for name, table in ((f"new_k_{i}", kv.k), (f"new_v_{i}", kv.v)):
+        past_k, past_v = kv.window(window.layers)
+        bound = {"past_k": past_k, "past_v": past_v}
+        inputs = [bound.get(name) or window.buffers[name] for name in model.inputs]
+        outputs = [window.buffers[name] for name in model.outputs]
+        shaped = [name for name in model.inputs if name != DYNAMIC_DIMS_INPUT]
+        rt.execute(model, inputs, outputs, atc.full_dims(g, shaped, n))
+        rows = n * kv.row_bytes  # new_k, new_v: (L, n, KVH, hd), layer by layer
+        for j, i in enumerate(window.layers):  # the new rows into the cache, on the device
+            for name, table in (("new_k", kv.k), ("new_v", kv.v)):
                 dst = table[i] + start * kv.row_bytes
-                rt.copy(dst, kv.slot_bytes - start * kv.row_bytes, window.buffers[name][0], n * kv.row_bytes)
+                rt.copy(dst, kv.slot_bytes - start * kv.row_bytes, window.buffers[name][0] + j * rows, rows)
         return rt.to_host(window.buffers["hidden_out"][0], np.empty((n, self.config.d_model), np.float32))
-
-    def _input(self, window: AclWindow, kv: AclKV, name: str) -> tuple[int, int]:
-        if name.startswith("past_"):
-            _, kind, layer = name.split("_")
-            return ((kv.k if kind == "k" else kv.v)[int(layer)], kv.slot_bytes)
-        return window.buffers[name]
 
     # -- host side -----------------------------------------------------------------------------
     def embed(self, token_ids: np.ndarray) -> np.ndarray:

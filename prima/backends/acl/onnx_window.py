@@ -4,10 +4,15 @@ weights (no torch): the form ATC compiles into an offline model for the Ascend N
 The graph is the reference block (prima.backends.reference) for every layer of the window:
 
   inputs   hidden (n, d) f32, positions (n,) int64,
-           mask (n, ctx + n) f32 additive (0 or MASKED; ctx past slots, then the n new tokens),
-           mask_swa (same) when the window has sliding-window layers,
-           past_k_<i>, past_v_<i> (ctx, KVH, hd) f16 (or f32) for each layer i of the window
-  outputs  hidden_out (n, d) f32, new_k_<i>, new_v_<i> (n, KVH, hd) f16 (or f32)
+           mask (M, n, ctx + n) f32 additive (0 or MASKED; ctx past slots, then the n new
+             tokens): M = 1, or 2 when the window has sliding-window layers (mask[1] is theirs),
+           past_k, past_v (L, ctx, KVH, hd) f16 (or f32): the L layers' caches, packed
+  outputs  hidden_out (n, d) f32, new_k, new_v (L, n, KVH, hd) f16 (or f32)
+
+Five inputs whatever L is, because of two limits of the runtime and of ATC (docs/backends.md):
+a gear is described by the full shape of every input, at most 128 dims in all, so one input per
+layer's cache would stop a window at 20 layers; and ATC takes at most 4 dynamic dims per gear,
+which are n, n, n and ctx + n here (a second mask input would add two more).
 
 The KV cache is float16 by default (half the device memory of float32): keys and values are
 rounded to f16 as they are stored, and attention reads them back as f32, the new tokens' own
@@ -23,6 +28,7 @@ prima.backends.acl.atc). Opset 17, which ATC's ONNX parser accepts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,27 +54,59 @@ IR_VERSION = 8
 MASKED = float(np.finfo(np.float16).min)
 
 
+INPUTS: tuple[str, ...] = ("hidden", "positions", "mask", "past_k", "past_v")
+OUTPUTS: tuple[str, ...] = ("hidden_out", "new_k", "new_v")
+
+
 @dataclass(frozen=True)
 class WindowGraph:
-    """The names of a window graph's inputs and outputs, in order (what the acl backend binds
-    device buffers to), and whether it takes the sliding-window mask."""
+    """The interface of a window graph: its inputs and outputs in order (what the acl backend
+    binds device buffers to) and their shapes for n tokens; `sliding` when it takes the
+    sliding-window mask too (mask[1])."""
 
     layers: range
     ctx: int
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
+    d_model: int
+    kv_heads: int
+    head_dim: int
     sliding: bool
+    inputs: tuple[str, ...] = INPUTS
+    outputs: tuple[str, ...] = OUTPUTS
+
+    @property
+    def n_masks(self) -> int:
+        return 2 if self.sliding else 1
+
+    def shape(self, name: str, n: int | str) -> tuple[int | str, ...]:
+        """The shape of input or output `name` for n tokens (a number, or a symbol)."""
+        kv = (len(self.layers), self.ctx, self.kv_heads, self.head_dim)
+        keys = "ctx_plus_n" if isinstance(n, str) else self.ctx + n  # past slots, then the new
+        shapes: dict[str, tuple[int | str, ...]] = {
+            "hidden": (n, self.d_model),
+            "positions": (n,),
+            "mask": (self.n_masks, n, keys),
+            "past_k": kv,
+            "past_v": kv,
+            "hidden_out": (n, self.d_model),
+            "new_k": (len(self.layers), n, self.kv_heads, self.head_dim),
+            "new_v": (len(self.layers), n, self.kv_heads, self.head_dim),
+        }
+        return shapes[name]
 
 
 def window_graph(cfg: ModelConfig, layers: range, ctx: int) -> WindowGraph:
     """The interface of the graph export_window builds for `layers` with `ctx` past slots."""
     sliding = any(cfg.is_sliding(i) for i in layers)
-    inputs = ["hidden", "positions", "mask"] + (["mask_swa"] if sliding else [])
-    outputs = ["hidden_out"]
-    for i in layers:
-        inputs += [f"past_k_{i}", f"past_v_{i}"]
-        outputs += [f"new_k_{i}", f"new_v_{i}"]
-    return WindowGraph(layers, ctx, tuple(inputs), tuple(outputs), sliding)
+    return WindowGraph(layers, ctx, cfg.d_model, cfg.n_kv_heads, cfg.head_dim, sliding)
+
+
+def window_masks(cfg: ModelConfig, graph: WindowGraph, positions: np.ndarray) -> np.ndarray:
+    """The graph's mask input (M, n, ctx + n) for tokens at `positions`: the causal mask, and
+    the sliding-window one after it when the window has sliding layers."""
+    masks = [attention_mask(positions, graph.ctx)]
+    if graph.sliding:
+        masks.append(attention_mask(positions, graph.ctx, cfg.sliding_window))
+    return np.stack(masks)
 
 
 def export_window(
@@ -83,27 +121,30 @@ def export_window(
     weights.validate(layers)
     spec = window_graph(cfg, layers, ctx)
     b = _Builder()
-    kv_shape = [ctx, cfg.n_kv_heads, cfg.head_dim]
-    new_shape = ["n", cfg.n_kv_heads, cfg.head_dim]
-    inputs = [
-        _value("hidden", TensorProto.FLOAT, ["n", cfg.d_model]),
-        _value("positions", TensorProto.INT64, ["n"]),
-        _value("mask", TensorProto.FLOAT, ["n", "ctx_plus_n"]),
+    types = {"positions": TensorProto.INT64, "past_k": kv_type, "past_v": kv_type}
+    types |= {"new_k": kv_type, "new_v": kv_type}
+    inputs = [_value(name, types.get(name, TensorProto.FLOAT), spec.shape(name, "n")) for name in spec.inputs]
+    outputs = [
+        _value(name, types.get(name, TensorProto.FLOAT), spec.shape(name, "n")) for name in spec.outputs
     ]
-    if spec.sliding:
-        inputs.append(_value("mask_swa", TensorProto.FLOAT, ["n", "ctx_plus_n"]))
-    outputs = [_value("hidden_out", TensorProto.FLOAT, ["n", cfg.d_model])]
     pos_f = b.op("Cast", ["positions"], to=TensorProto.FLOAT)
+    masks = [b.op("Gather", ["mask", b.const(np.array(m, np.int64))], axis=0) for m in range(spec.n_masks)]
     x = "hidden"
-    for i in layers:
-        inputs += [_value(f"past_k_{i}", kv_type, kv_shape)]
-        inputs += [_value(f"past_v_{i}", kv_type, kv_shape)]
-        outputs += [_value(f"new_k_{i}", kv_type, new_shape)]
-        outputs += [_value(f"new_v_{i}", kv_type, new_shape)]
+    new_k, new_v = [], []
+    for j, i in enumerate(layers):
         params = BlockParams.of(weights.layer(i), cfg)
-        mask = "mask_swa" if params.window else "mask"
-        x = _block(b, cfg, params, x, pos_f, mask, i, kv_type)
+        past = [
+            b.op("Gather", [name, b.const(np.array(j, np.int64))], axis=0) for name in ("past_k", "past_v")
+        ]
+        x, k, v = _block(b, cfg, params, x, pos_f, masks[1 if params.window else 0], past, kv_type)
+        new_k.append(b.op("Unsqueeze", [k, b.const(np.array([0], np.int64))]))  # (1, n, KVH, hd)
+        new_v.append(b.op("Unsqueeze", [v, b.const(np.array([0], np.int64))]))
     b.op("Identity", [x], out="hidden_out")
+    for name, rows in (("new_k", new_k), ("new_v", new_v)):
+        if len(rows) > 1:
+            b.op("Concat", rows, axis=0, out=name)
+        else:
+            b.op("Identity", rows, out=name)
     graph = helper.make_graph(b.nodes, f"prima_window_{layers.start}_{layers.stop}", inputs, outputs, b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="prima")
     model.ir_version = IR_VERSION
@@ -124,10 +165,17 @@ def attention_mask(positions: np.ndarray, ctx: int, window: int = 0) -> np.ndarr
 
 
 def _block(
-    b: _Builder, cfg: ModelConfig, p: BlockParams, x: str, pos_f: str, mask: str, i: int, kv_type: int
-) -> str:
-    """One block (reference.block's steps) on x (n, d); writes new_k_i/new_v_i (in `kv_type`);
-    returns its output."""
+    b: _Builder,
+    cfg: ModelConfig,
+    p: BlockParams,
+    x: str,
+    pos_f: str,
+    mask: str,
+    past: list[str],
+    kv_type: int,
+) -> tuple[str, str, str]:
+    """One block (reference.block's steps) on x (n, d) with its cached keys and values `past`
+    (ctx, KVH, hd); returns its output and its new keys and values (n, KVH, hd) in `kv_type`."""
     lw = p.weights
     eps = cfg.norm_eps
     hd, heads, kv_heads = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -148,10 +196,10 @@ def _block(
     q = _rope(b, cfg, q, cos, sin)
     k = _rope(b, cfg, k, cos, sin)
     # Stored in the cache's dtype; attention sees past and new keys as the cache holds them.
-    new_k = b.op("Cast", [k], to=kv_type, out=f"new_k_{i}")
-    new_v = b.op("Cast", [v], to=kv_type, out=f"new_v_{i}")
-    keys = b.op("Concat", [_as_f32(b, f"past_k_{i}", kv_type), _as_f32(b, new_k, kv_type)], axis=0)
-    values = b.op("Concat", [_as_f32(b, f"past_v_{i}", kv_type), _as_f32(b, new_v, kv_type)], axis=0)
+    new_k = b.op("Cast", [k], to=kv_type)
+    new_v = b.op("Cast", [v], to=kv_type)
+    keys = b.op("Concat", [_as_f32(b, past[0], kv_type), _as_f32(b, new_k, kv_type)], axis=0)
+    values = b.op("Concat", [_as_f32(b, past[1], kv_type), _as_f32(b, new_v, kv_type)], axis=0)
     attn = _attention(b, cfg, q, keys, values, mask)
     attn = _project(b, lw.attn_output, attn, None)
     if p.post_attention_norm.size:
@@ -166,7 +214,7 @@ def _block(
     ffn = _project(b, lw.ffn_down, b.op("Mul", [act, up]), None)
     if p.post_ffw_norm.size:
         ffn = _rms_norm(b, ffn, p.post_ffw_norm, eps)
-    return b.op("Add", [x, ffn])
+    return b.op("Add", [x, ffn]), new_k, new_v
 
 
 def _project(b: _Builder, w: QTensor, x: str, bias: np.ndarray | None) -> str:
@@ -249,8 +297,8 @@ def _gelu(b: _Builder, x: str) -> str:
     return b.op("Mul", [half_x, b.op("Add", [t, b.const(np.array(1.0, np.float32))])])
 
 
-def _value(name: str, dtype: int, shape: list[int | str]) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, dtype, shape)
+def _value(name: str, dtype: int, shape: Sequence[int | str]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, list(shape))
 
 
 class _Builder:

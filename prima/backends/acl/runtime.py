@@ -4,8 +4,12 @@ to do.
 
 pyACL calls return `ret` or `(value, ret)`, 0 meaning success. The context is per thread: a
 daemon loads windows on an RPC thread and runs them on its compute thread, so every call first
-makes this runtime's context current on the calling thread. Nothing here runs on a device we
-have tested; tests/backends/acl/fake_acl.py stands in for the module (see docs/orangepi.md).
+makes this runtime's context current on the calling thread. Host arrays are handed to pyACL by
+address (`ndarray.ctypes.data`), never through acl.util.numpy_to_ptr, which needs the numpy 1.x
+that CANN's pyACL was built against. The rules of pyACL this module keeps to are listed, with
+their sources, in docs/backends.md. Nothing here runs on a device we have tested;
+tests/backends/acl/fake_acl.py stands in for the module and enforces those rules (see
+docs/orangepi.md).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,9 @@ DEVICE_TO_DEVICE = 3
 MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy: huge pages if it can, normal pages otherwise
 DDR_MEM, HBM_MEM = 0, 1  # aclrtMemAttr for get_mem_info
 DYNAMIC_DIMS_INPUT = "ascend_mbatch_shape_data"  # the extra input ATC adds for --dynamic_dims
+MAX_DIM_CNT = 128  # aclmdlIODims.dims: a gear's full shape, every input's dims concatenated
+# aclmdlGetOutputNameByIndex for a model ATC built from ONNX: "<op name>:<edge index>:<output name>".
+_OUTPUT_NAME = re.compile(r"(?P<op>.*):(?P<edge>\d+):(?P<name>[^:]+)")
 
 # CANN's error codes (acl_base.h, rt_error_codes.h) with what the user can do about them.
 OUT_OF_MEMORY = (200000, 207001, 300000)
@@ -44,6 +52,7 @@ ERRORS: dict[int, str] = {
     100014: "the offline model cannot be read; delete it from the acl cache and compile again",
     100017: "the model's inputs do not match what it was compiled for; recompile it",
     107001: "no such NPU device id; `npu-smi info` lists the devices",
+    107002: "no NPU context is current in this thread (a bug in prima's acl backend: please report it)",
     200000: "out of NPU memory",
     207001: "out of NPU memory",
     207004: "the NPU device is not available; check `npu-smi info` and the driver",
@@ -52,6 +61,13 @@ ERRORS: dict[int, str] = {
     500003: "the NPU runtime failed; see the CANN logs in ~/ascend/log",
     500004: "the NPU driver failed; check `npu-smi info` and dmesg",
 }
+
+
+def output_name(reported: str) -> str:
+    """The graph's name for an output from what aclmdlGetOutputNameByIndex reports: for a model
+    ATC built from ONNX "<op name>:<edge index>:<output name>"; anything else as it is."""
+    match = _OUTPUT_NAME.fullmatch(reported)
+    return match["name"] if match else reported
 
 
 class AclError(PrimaError):
@@ -82,7 +98,7 @@ def import_acl() -> Any:
     if standin:
         return load_standin(standin)
     try:
-        return importlib.import_module("acl")
+        module = importlib.import_module("acl")
     except ImportError as exc:
         home = os.environ.get("ASCEND_TOOLKIT_HOME")
         if home:
@@ -96,6 +112,13 @@ def import_acl() -> Any:
             "or not set up in this shell: install CANN and run `source /usr/local/Ascend/ascend-toolkit/"
             "set_env.sh` (see docs/orangepi.md); the PyPI package named pyacl is unrelated"
         ) from exc
+    if int(np.__version__.split(".")[0]) >= 2 and getattr(module, "STANDS_IN_FOR", None) != "acl":
+        log.warning(
+            "numpy %s with CANN's pyACL, which is built against numpy 1.x: if acl calls fail, "
+            "install the board's extra (pip install -e '.[ascend]', numpy < 2)",
+            np.__version__,
+        )
+    return module
 
 
 def load_standin(spec: str) -> Any:
@@ -211,12 +234,14 @@ class AclRuntime:
         if a.nbytes > capacity:
             raise AclError(f"{a.nbytes} bytes do not fit a device buffer of {capacity} (prima bug)")
         self.bind()
-        src = self.acl.util.numpy_to_ptr(a)
+        src = a.ctypes.data  # `a` lives until memcpy returns (a synchronous copy)
         self._check("rt.memcpy", self.acl.rt.memcpy(ptr, capacity, src, a.nbytes, HOST_TO_DEVICE))
 
     def to_host(self, ptr: int, out: np.ndarray) -> np.ndarray:
+        if not out.flags.c_contiguous:
+            raise AclError("a device copy needs a contiguous host array (prima bug)")
         self.bind()
-        dst = self.acl.util.numpy_to_ptr(out)
+        dst = out.ctypes.data
         self._check("rt.memcpy", self.acl.rt.memcpy(dst, out.nbytes, ptr, out.nbytes, DEVICE_TO_HOST))
         return out
 
@@ -225,8 +250,9 @@ class AclRuntime:
         self._check("rt.memcpy", self.acl.rt.memcpy(dst, capacity, src, n_bytes, DEVICE_TO_DEVICE))
 
     def memory(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory (the larger of its DDR and HBM pools: the 310B's
-        LPDDR4X is shared with the CPU and which pool reports it is not verified on a device)."""
+        """(free, total) bytes of device memory, the larger of its DDR and HBM pools (on the
+        Atlas 200I/500 A2 class, the 310B's, an HBM query is answered from DDR, documented; that
+        this DDR is the LPDDR4X the CPU shares is not verified on a device)."""
         self.bind()
         pools = [self._value("rt.get_mem_info", self.acl.rt.get_mem_info(a)) for a in (DDR_MEM, HBM_MEM)]
         return max(pools, key=lambda p: p[1])
@@ -247,7 +273,7 @@ class AclRuntime:
                 desc,
                 tuple(mdl.get_input_name_by_index(desc, i) for i in range(n_in)),
                 tuple(mdl.get_input_size_by_index(desc, i) for i in range(n_in)),
-                tuple(mdl.get_output_name_by_index(desc, i) for i in range(n_out)),
+                tuple(output_name(mdl.get_output_name_by_index(desc, i)) for i in range(n_out)),
                 tuple(mdl.get_output_size_by_index(desc, i) for i in range(n_out)),
             )
         except AclError:
@@ -270,7 +296,10 @@ class AclRuntime:
         dims: list[int] | None = None,
     ) -> None:
         """Run `model` on device buffers (ptr, bytes), in the model's input and output order;
-        `dims` picks the gear of a model compiled with dynamic dims (its values for every -1)."""
+        `dims` picks the gear of a model compiled with dynamic dims: the full shape of every
+        input at that gear, concatenated in the model's order (at most MAX_DIM_CNT)."""
+        if dims is not None and len(dims) > MAX_DIM_CNT:
+            raise AclError(f"a gear of {len(dims)} dims exceeds pyACL's {MAX_DIM_CNT} (prima bug)")
         self.bind()
         mdl = self.acl.mdl
         in_ds, out_ds = self._dataset(inputs), self._dataset(outputs)
@@ -279,7 +308,7 @@ class AclRuntime:
                 index = self._value(
                     "mdl.get_input_index_by_name", mdl.get_input_index_by_name(model.desc, DYNAMIC_DIMS_INPUT)
                 )
-                spec = {"dimCount": len(dims), "name": "", "dims": list(dims)}
+                spec = {"dimCount": len(dims), "name": "", "dims": [int(d) for d in dims]}
                 self._check(
                     "mdl.set_input_dynamic_dims",
                     mdl.set_input_dynamic_dims(model.model_id, in_ds, index, spec),

@@ -1,6 +1,20 @@
 """Test doubles for CANN: FakeAcl for the pyACL module and a stand-in `atc` executable.
 
-Neither is Huawei's software, and nothing tested through them is a hardware result."""
+Neither is Huawei's software, and nothing tested through them is a hardware result. Both
+enforce the documented rules of the real ones that prima depends on, each listed with its
+source in docs/backends.md ("What prima relies on"), so that breaking one fails a test here:
+
+- ATC (`--dynamic_dims`): --input_format=ND, 2 to 100 gears, one value per -1 of
+  --input_shape in each, and at most 4 of them;
+- aclmdlGetOutputNameByIndex answers "<op name>:<edge index>:<output name>" for an ONNX model;
+- aclmdlSetInputDynamicDims takes a gear's full shape, every input's dims concatenated, at most
+  ACL_MAX_DIM_CNT (128) of them;
+- memory and model calls need a context current in the calling thread (ACL_ERROR_RT_CONTEXT_NULL,
+  107002, otherwise);
+- aclrtGetMemInfo answers an HBM query from DDR (the Atlas 200I/500 A2 class, the 310B's) and,
+  for a device that shares the host's memory (`shared_host`), from the host's memory;
+- acl.util.numpy_to_ptr fails under numpy 2 (CANN's pyACL is built against numpy 1.x).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +23,7 @@ import json
 import os
 import stat
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from prima.backends.acl.atc import ACL_CACHE_ENV
@@ -31,23 +47,45 @@ READ_MODEL_FAILURE = 100014
 MODEL_INPUT_NOT_MATCH = 100017
 MODEL_OUTPUT_NOT_MATCH = 100018
 RT_INVALID_DEVICEID = 107001
+RT_CONTEXT_NULL = 107002
 RT_MEMORY_ALLOCATION = 207001
 RT_NO_DEVICE = 207004
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DYNAMIC_DIMS_INPUT = "ascend_mbatch_shape_data"
+MAX_DIM_CNT = 128  # acl_mdl.h: aclmdlIODims.dims
 _SPAN = 1 << 40  # device addresses: each allocation is its own span, so base = ptr - ptr % _SPAN
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(float16)": np.float16}
 
+# Tests only: seconds the stand-in atc takes, and a file it appends each run's output path to.
+FAKE_ATC_SECONDS_ENV = "PRIMA_TEST_FAKE_ATC_SECONDS"
+FAKE_ATC_LOG_ENV = "PRIMA_TEST_FAKE_ATC_LOG"
+
 FAKE_ATC = """#!{python}
-# Stand-in for CANN's atc (tests only): writes <output>.om naming the ONNX file it stands for.
-import json, sys
+# Stand-in for CANN's atc (tests only): checks the --dynamic_dims rules ATC documents, then
+# writes <output>.om naming the ONNX file it stands for.
+import json, os, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 for flag in ("framework", "model", "output", "soc_version", "input_shape"):
     if flag not in args:
         sys.exit("ATC_ERROR: --" + flag + " is required")
 if args["framework"] != "5":
     sys.exit("ATC_ERROR: only ONNX (--framework=5) here")
+if args.get("dynamic_dims"):
+    if args.get("input_format") != "ND":
+        sys.exit("ATC_ERROR: --dynamic_dims needs --input_format=ND")
+    free = sum(part.rsplit(":", 1)[1].split(",").count("-1") for part in args["input_shape"].split(";"))
+    gears = [g.split(",") for g in args["dynamic_dims"].split(";")]
+    if not 2 <= len(gears) <= 100:
+        sys.exit("ATC_ERROR: --dynamic_dims takes 2 to 100 gears, not %d" % len(gears))
+    if any(len(g) != free for g in gears):
+        sys.exit("ATC_ERROR: each gear of --dynamic_dims needs one value per -1 of --input_shape")
+    if free > 4:
+        sys.exit("ATC_ERROR: at most 4 dynamic dims per gear, not %d" % free)
+time.sleep(float(os.environ.get("{seconds_env}") or 0))
+if os.environ.get("{log_env}"):
+    with open(os.environ["{log_env}"], "a") as log:
+        log.write(args["output"] + "\\n")
 with open(args["output"] + ".om", "w") as f:
     json.dump({{"format": "fake-om", "onnx": args["model"], "input_shape": args["input_shape"],
                "dynamic_dims": args.get("dynamic_dims", ""), "soc_version": args["soc_version"]}}, f)
@@ -58,7 +96,8 @@ def write_fake_atc(bin_dir: Path) -> Path:
     """The stand-in atc written into `bin_dir` (to be put on PATH); returns `bin_dir`."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     script = bin_dir / "atc"
-    script.write_text(FAKE_ATC.format(python=sys.executable), encoding="utf-8")
+    text = FAKE_ATC.format(python=sys.executable, seconds_env=FAKE_ATC_SECONDS_ENV, log_env=FAKE_ATC_LOG_ENV)
+    script.write_text(text, encoding="utf-8")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return bin_dir
 
@@ -76,10 +115,10 @@ def standin_env(tmp: Path) -> dict[str, str]:
 
 
 @contextmanager
-def fake_cann(tmp: Path, memory_bytes: int = 1 << 30) -> Iterator[FakeAcl]:
+def fake_cann(tmp: Path, memory_bytes: int = 1 << 30, shared_host: bool = False) -> Iterator[FakeAcl]:
     """FakeAcl importable as `acl`, the fake atc on PATH, and the acl cache under `tmp`."""
     bin_dir = write_fake_atc(tmp / "bin")
-    fake = FakeAcl(memory_bytes)
+    fake = FakeAcl(memory_bytes, shared_host=shared_host)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "acl", fake)
         mp.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -90,12 +129,14 @@ def fake_cann(tmp: Path, memory_bytes: int = 1 << 30) -> Iterator[FakeAcl]:
 @dataclass
 class _Model:
     session: Any
-    inputs: list[str]
+    inputs: list[str]  # the graph's, in order (ATC's dynamic-dims input comes after them)
     outputs: list[str]
-    in_shapes: dict[str, list[int | str]]  # -1 or a symbol where a gear decides
+    output_names: list[str]  # as aclmdlGetOutputNameByIndex reports them
+    in_shapes: dict[str, list[int]]  # --input_shape, in its order: -1 where a gear decides
+    sym_shapes: dict[str, list[int | str]]  # the ONNX graph's, symbols where it has them
     out_shapes: dict[str, list[int | str]]
     dtypes: dict[str, Any]
-    gears: list[list[int]]
+    gears: list[list[int]]  # --dynamic_dims: the values of the -1s
     weight_bytes: int
 
 
@@ -113,15 +154,20 @@ class FakeAcl:
     behind integer addresses, limited to `memory_bytes`; a loaded offline model is the fake
     ATC's .om, which names the ONNX file it was compiled from, and executing it runs that ONNX
     file with onnxruntime on the CPU. `fail(call, code)` makes the next such call return `code`.
-    A daemon process loads it through $PRIMA_TEST_ACL_STANDIN (see `standin_env`)."""
+    `shared_host`: the device's memory is the host's (as the 310B's), and get_mem_info says so.
+    The rules it enforces are in the module's docstring. A daemon process loads it through
+    $PRIMA_TEST_ACL_STANDIN (see `standin_env`)."""
 
     STANDS_IN_FOR = "acl"  # what prima.backends.acl.runtime.load_standin requires
 
-    def __init__(self, memory_bytes: int = 1 << 30, devices: int = 1) -> None:
+    def __init__(self, memory_bytes: int = 1 << 30, devices: int = 1, shared_host: bool = False) -> None:
         self.memory_bytes = memory_bytes
         self.devices = devices
+        self.shared_host = shared_host
         self.initialized = False
         self.device: int | None = None
+        self.contexts: set[Any] = set()
+        self._thread = threading.local()  # the calling thread's current context
         self.mem: dict[int, bytearray] = {}
         self.models: dict[int, _Model] = {}
         self.executions = 0
@@ -141,6 +187,10 @@ class FakeAcl:
     @property
     def used_bytes(self) -> int:
         return sum(len(b) for b in self.mem.values()) + sum(m.weight_bytes for m in self.models.values())
+
+    def _no_context(self) -> bool:
+        """Whether the calling thread has no current context (the runtime's calls then fail)."""
+        return getattr(self._thread, "context", None) not in self.contexts
 
     def _id(self) -> int:
         self._next += 1
@@ -163,6 +213,9 @@ class FakeAcl:
         self.initialized = True
         return SUCCESS
 
+    def get_soc_name(self) -> str:
+        return "Ascend310B1 (FakeAcl, a stand-in: no NPU here)"
+
     def finalize(self) -> int:
         if not self.initialized:
             return UNINITIALIZE
@@ -184,26 +237,41 @@ class FakeAcl:
         if not 0 <= device_id < self.devices:
             return RT_INVALID_DEVICEID
         self.device = device_id
+        default = ("default context", device_id)  # aclrtSetDevice binds the device's default context
+        self.contexts.add(default)
+        self._thread.context = default
         return SUCCESS
 
     def rt_reset_device(self, device_id: int) -> int:
         self.device = None
+        self.contexts.clear()
         return SUCCESS
 
     def rt_create_context(self, device_id: int) -> tuple[Any, int]:
         if self.device != device_id:
             return None, RT_INVALID_DEVICEID
-        return ("context", device_id), SUCCESS
+        context = ("context", self._id())
+        self.contexts.add(context)
+        self._thread.context = context  # bound to the creating thread
+        return context, SUCCESS
 
     def rt_set_context(self, context: Any) -> int:
-        return SUCCESS if self.device is not None else UNINITIALIZE
+        if context not in self.contexts:
+            return INVALID_PARAM
+        self._thread.context = context
+        return SUCCESS
 
     def rt_destroy_context(self, context: Any) -> int:
+        if context not in self.contexts:
+            return INVALID_PARAM
+        self.contexts.discard(context)
         return SUCCESS
 
     def rt_malloc(self, size: int, policy: int) -> tuple[int, int]:
         if code := self._injected("rt.malloc"):
             return 0, code
+        if self._no_context():
+            return 0, RT_CONTEXT_NULL
         if size <= 0 or size >= _SPAN:
             return 0, INVALID_PARAM
         if self.used_bytes + size > self.memory_bytes:
@@ -213,9 +281,13 @@ class FakeAcl:
         return ptr, SUCCESS
 
     def rt_free(self, ptr: int) -> int:
+        if self._no_context():
+            return RT_CONTEXT_NULL
         return SUCCESS if self.mem.pop(ptr, None) is not None else INVALID_PARAM
 
     def rt_memset(self, ptr: int, max_size: int, value: int, count: int) -> int:
+        if self._no_context():
+            return RT_CONTEXT_NULL
         view = self._resolve(ptr, count)
         if view is None or count > max_size:
             return INVALID_PARAM
@@ -225,6 +297,8 @@ class FakeAcl:
     def rt_memcpy(self, dst: int, max_size: int, src: int, count: int, kind: int) -> int:
         if code := self._injected("rt.memcpy"):
             return code
+        if self._no_context():
+            return RT_CONTEXT_NULL
         if count > max_size:
             return INVALID_PARAM
         if kind == 1:  # host to device
@@ -249,12 +323,23 @@ class FakeAcl:
     def rt_get_mem_info(self, attr: int) -> tuple[int, int, int]:
         if code := self._injected("rt.get_mem_info"):
             return 0, 0, code
-        if attr != 0:  # the fake reports its memory as DDR
+        if self._no_context():
+            return 0, 0, RT_CONTEXT_NULL
+        if attr not in (0, 1):  # ACL_DDR_MEM; ACL_HBM_MEM, answered from DDR on the 310B class
             return 0, 0, SUCCESS
+        if self.shared_host:  # the device's DDR is the host's memory
+            host = psutil.virtual_memory()
+            return host.available, host.total, SUCCESS
         return self.memory_bytes - self.used_bytes, self.memory_bytes, SUCCESS
 
     # -- acl.util ------------------------------------------------------------------------------
     def util_numpy_to_ptr(self, array: np.ndarray) -> int:
+        """CANN's pyACL is built against numpy 1.x, and this call imports numpy's C API."""
+        if int(np.__version__.split(".")[0]) >= 2:
+            raise ImportError(
+                "stand-in for pyACL: acl.util.numpy_to_ptr calls numpy's import_array, and CANN's "
+                f"pyACL is built against numpy 1.x, not {np.__version__}"
+            )
         return int(array.ctypes.data)
 
     # -- acl.mdl -------------------------------------------------------------------------------
@@ -263,6 +348,8 @@ class FakeAcl:
             return 0, UNINITIALIZE
         if code := self._injected("mdl.load_from_file"):
             return 0, code
+        if self._no_context():
+            return 0, RT_CONTEXT_NULL
         try:
             om = json.loads(Path(path).read_text(encoding="utf-8"))
         except OSError:
@@ -271,6 +358,7 @@ class FakeAcl:
             return 0, PARSE_MODEL
         if om.get("format") != "fake-om":
             return 0, PARSE_MODEL
+        import onnx
         import onnxruntime as ort
 
         onnx_path = Path(om["onnx"])
@@ -286,11 +374,20 @@ class FakeAcl:
         inputs = [i.name for i in session.get_inputs()]
         if set(shapes) != set(inputs):
             return 0, PARSE_MODEL  # real ATC would have refused the input_shape
+        # aclmdlGetOutputNameByIndex, ONNX model built by ATC: "<op name>:<edge index>:<output name>".
+        producers = {
+            out: f"{node.name}:{edge}:{out}"
+            for node in onnx.load(str(onnx_path), load_external_data=False).graph.node
+            for edge, out in enumerate(node.output)
+        }
+        outputs = [o.name for o in session.get_outputs()]
         model = _Model(
             session,
             inputs,
-            [o.name for o in session.get_outputs()],
-            {i.name: list(shapes[i.name]) for i in session.get_inputs()},
+            outputs,
+            [producers[o] for o in outputs],
+            shapes,
+            {i.name: list(i.shape) for i in session.get_inputs()},
             {o.name: list(o.shape) for o in session.get_outputs()},
             {i.name: _ORT_TYPES[i.type] for i in (*session.get_inputs(), *session.get_outputs())},
             gears,
@@ -301,6 +398,8 @@ class FakeAcl:
         return model_id, SUCCESS
 
     def mdl_unload(self, model_id: int) -> int:
+        if self._no_context():
+            return RT_CONTEXT_NULL
         return SUCCESS if self.models.pop(model_id, None) is not None else INVALID_MODEL_ID
 
     def mdl_create_desc(self) -> dict[str, Any]:
@@ -327,7 +426,19 @@ class FakeAcl:
         return [*desc["model"].inputs, DYNAMIC_DIMS_INPUT][i]
 
     def mdl_get_output_name_by_index(self, desc: dict[str, Any], i: int) -> str:
-        return desc["model"].outputs[i]
+        return desc["model"].output_names[i]
+
+    def mdl_get_input_dynamic_gear_count(self, desc: dict[str, Any], index: int) -> tuple[int, int]:
+        return len(desc["model"].gears), SUCCESS
+
+    def mdl_get_input_dynamic_dims(
+        self, desc: dict[str, Any], index: int, gear_count: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        model: _Model = desc["model"]
+        if gear_count != len(model.gears):
+            return [], INVALID_PARAM
+        dims = [self._full_dims(model, g) for g in model.gears]
+        return [{"name": "", "dimCount": len(d), "dims": d} for d in dims], SUCCESS
 
     def mdl_get_input_index_by_name(self, desc: dict[str, Any], name: str) -> tuple[int, int]:
         names = [*desc["model"].inputs, DYNAMIC_DIMS_INPUT]
@@ -362,18 +473,27 @@ class FakeAcl:
     def mdl_set_input_dynamic_dims(
         self, model_id: int, ds: _Dataset, index: int, dims: dict[str, Any]
     ) -> int:
+        """`dims` is a gear's full shape: every input's dims concatenated, the gear's values in
+        place of the -1s, at most MAX_DIM_CNT (pyACL copies them into a fixed array)."""
         model = self.models.get(model_id)
         if model is None:
             return INVALID_MODEL_ID
-        values = list(dims["dims"])
-        if dims["dimCount"] != len(values) or values not in model.gears:
+        values = [int(d) for d in dims["dims"]]
+        if dims["dimCount"] != len(values) or len(values) > MAX_DIM_CNT:
             return INVALID_PARAM
-        ds.dims = values
-        return SUCCESS
+        if index != len(model.inputs):  # ATC's dynamic-dims input, after the graph's
+            return INVALID_PARAM
+        for gear in model.gears:
+            if self._full_dims(model, gear) == values:
+                ds.dims = gear
+                return SUCCESS
+        return INVALID_PARAM
 
     def mdl_execute(self, model_id: int, in_ds: _Dataset, out_ds: _Dataset) -> int:
         if code := self._injected("mdl.execute"):
             return code
+        if self._no_context():
+            return RT_CONTEXT_NULL
         model = self.models.get(model_id)
         if model is None:
             return INVALID_MODEL_ID
@@ -401,19 +521,26 @@ class FakeAcl:
         return SUCCESS
 
     # -- shapes --------------------------------------------------------------------------------
+    def _full_dims(self, model: _Model, gear: list[int]) -> list[int]:
+        """The gear's full shape as aclmdlGetInputDynamicDims reports it: every input's dims in
+        the model's order, concatenated."""
+        shapes = self._shapes(model, gear)
+        return [d for name in model.inputs for d in shapes[name]]
+
     def _shapes(self, model: _Model, gear: list[int]) -> dict[str, list[int]]:
-        """Every input's and output's shape at `gear`: the gear's values fill the inputs' -1s in
-        order (ATC's --dynamic_dims), and the ONNX graph's symbolic dims follow from them."""
+        """Every input's and output's shape at `gear`: the gear's values fill the -1s of
+        --input_shape in its order (ATC's --dynamic_dims), and the ONNX graph's symbolic dims
+        follow from them."""
         values = iter(gear)
         symbols: dict[str, int] = {}
         shapes: dict[str, list[int]] = {}
-        for i in model.session.get_inputs():
+        for name, dims in model.in_shapes.items():
             shape = []
-            for sym, dim in zip(i.shape, model.in_shapes[i.name], strict=True):
+            for sym, dim in zip(model.sym_shapes[name], dims, strict=True):
                 shape.append(next(values) if dim == -1 else dim)
                 if isinstance(sym, str):
                     symbols[sym] = shape[-1]
-            shapes[i.name] = shape
+            shapes[name] = shape
         for name, dims in model.out_shapes.items():
             shapes[name] = [symbols[d] if isinstance(d, str) else int(d) for d in dims]
         return shapes

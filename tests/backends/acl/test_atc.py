@@ -5,12 +5,16 @@ gear, and the precision mode that keeps the graph's fp32 norms."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from prima.cli.main import main
+from prima.errors import InputError
+from prima.model.config import ModelConfig
 from prima.model.files import open_model
 from tests.conftest import tiny_model_path
 
@@ -18,6 +22,8 @@ pytest.importorskip("onnx")
 
 from prima.backends.acl import atc  # noqa: E402
 from prima.backends.acl.onnx_window import window_graph  # noqa: E402
+from prima.backends.acl.runtime import MAX_DIM_CNT  # noqa: E402
+from tests.backends.acl.fake_acl import write_fake_atc  # noqa: E402
 
 DOCUMENTED = {"--framework", "--model", "--output", "--soc_version", "--input_format", "--input_shape"}
 DOCUMENTED |= {"--dynamic_dims", "--precision_mode", "--precision_mode_v2", "--log"}
@@ -52,7 +58,8 @@ def test_dry_run_prints_the_atc_command_of_each_window(
         graph = window_graph(cfg, layers, 256)
         shapes = dict(part.split(":") for part in flags["--input_shape"].split(";"))
         assert list(shapes) == list(graph.inputs)
-        assert shapes[f"past_k_{layers.start}"] == f"256,{cfg.n_kv_heads},{cfg.head_dim}"
+        # one packed cache input per K and V, whatever the window's length
+        assert shapes["past_k"] == f"{len(layers)},256,{cfg.n_kv_heads},{cfg.head_dim}"
         n_free = sum(s.split(",").count("-1") for s in shapes.values())
         gears = [[int(v) for v in g.split(",")] for g in flags["--dynamic_dims"].split(";")]
         assert gears == [[1, 1, 1, 257], [8, 8, 8, 264]]
@@ -60,9 +67,59 @@ def test_dry_run_prints_the_atc_command_of_each_window(
     assert not any(tmp_path.rglob("*.onnx"))  # a dry run writes nothing
 
 
-def test_sliding_windows_get_their_own_mask_dims() -> None:
-    cfg = open_model(tiny_model_path("tiny-qwen2")).config
-    assert atc.gear_values(4, 100, sliding=True) == [4, 4, 4, 104, 4, 104]
-    shape, dims = atc.shapes(cfg, range(1), 100, (1, 2))
-    assert shape.startswith(f"hidden:-1,{cfg.d_model};positions:-1;mask:-1,-1;past_k_0:")
+def _sliding(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with Gemma 3's pattern: every other layer attends to a window of 4 positions."""
+    return dataclasses.replace(cfg, sliding_window=4, swa_pattern=2)
+
+
+def test_sliding_windows_stack_their_masks_within_four_dynamic_dims() -> None:
+    """ATC takes at most 4 dynamic dims per gear: a window with sliding layers takes its two
+    masks as one input (2, n, ctx + n), so it has n, n, n and ctx + n as every other window."""
+    cfg = _sliding(open_model(tiny_model_path("tiny-qwen2")).config)
+    assert window_graph(cfg, range(2), 100).sliding
+    shape, dims = atc.shapes(cfg, range(2), 100, (1, 2))
+    assert shape.startswith(f"hidden:-1,{cfg.d_model};positions:-1;mask:2,-1,-1;past_k:2,100,")
     assert dims == "1,1,1,101;2,2,2,102"
+
+
+def test_a_whole_model_window_fits_the_runtimes_128_dims() -> None:
+    """pyACL takes a gear as the full shape of every input, at most 128 dims: with the cache
+    packed per window that is 14 dims for any number of layers (one input per layer's K and V
+    stopped a window at 20 layers)."""
+    cfg = dataclasses.replace(open_model(tiny_model_path("tiny-qwen2")).config, n_layers=30)
+    graph = window_graph(cfg, range(30), 512)
+    dims = atc.full_dims(graph, graph.inputs, 8)
+    assert len(dims) == 14 <= MAX_DIM_CNT
+    assert dims[:6] == [8, cfg.d_model, 8, 1, 8, 520]  # hidden, positions, mask
+    assert dims[6:10] == [30, 512, cfg.n_kv_heads, cfg.head_dim]  # past_k (past_v the same)
+
+
+@pytest.mark.parametrize("gears", [(1,), tuple(range(1, 102))])
+def test_gear_counts_atc_refuses_are_refused_before_it_runs(gears: tuple[int, ...]) -> None:
+    cfg = open_model(tiny_model_path("tiny-qwen2")).config
+    with pytest.raises(InputError, match="2 to 100 distinct gears"):
+        atc.shapes(cfg, range(1), 64, gears)
+
+
+@pytest.mark.parametrize(
+    ("input_shape", "dynamic_dims", "message"),
+    [
+        ("x:-1,-1,-1,-1,-1", "1,1,1,1,1;2,2,2,2,2", "at most 4 dynamic dims per gear"),
+        ("x:-1,4", "1", "2 to 100 gears"),
+        ("x:-1,4", "1,2;3,4", "one value per -1"),
+    ],
+)
+def test_the_stand_in_atc_keeps_atcs_rules(
+    tmp_path: Path, input_shape: str, dynamic_dims: str, message: str
+) -> None:
+    """The stand-in ATC refuses what ATC documents it refuses (docs/backends.md), so a command
+    line that breaks a rule fails the tests that compile windows."""
+    atc_path = write_fake_atc(tmp_path / "bin") / "atc"
+    argv = [str(atc_path), "--framework=5", f"--model={tmp_path / 'm.onnx'}", f"--output={tmp_path / 'm'}"]
+    argv += ["--soc_version=Ascend310B1", "--input_format=ND", f"--input_shape={input_shape}"]
+    proc = subprocess.run(
+        [*argv, f"--dynamic_dims={dynamic_dims}"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (tmp_path / "m.om").exists()

@@ -33,13 +33,11 @@ class OrtWindow:
         self.spec = onnx_window.window_graph(self.cfg, layers, CTX)
         model = onnx_window.export_window(weights, layers, CTX, kv_dtype)
         self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        shape = (CTX, self.cfg.n_kv_heads, self.cfg.head_dim)
-        self.past = {n: np.zeros(shape, kv_dtype) for n in self.spec.inputs if n.startswith("past_")}
+        self.past = {n: np.zeros(self.spec.shape(n, 0), kv_dtype) for n in ("past_k", "past_v")}
 
     def run(self, hidden: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        feed = {"hidden": hidden, "positions": positions, "mask": onnx_window.attention_mask(positions, CTX)}
-        if self.spec.sliding:
-            feed["mask_swa"] = onnx_window.attention_mask(positions, CTX, self.cfg.sliding_window)
+        mask = onnx_window.window_masks(self.cfg, self.spec, positions)
+        feed = {"hidden": hidden, "positions": positions, "mask": mask}
         outs = dict(
             zip(
                 self.spec.outputs,
@@ -47,9 +45,8 @@ class OrtWindow:
                 strict=True,
             )
         )
-        for i in self.spec.layers:
-            for c in "kv":
-                self.past[f"past_{c}_{i}"][positions[0] : positions[-1] + 1] = outs[f"new_{c}_{i}"]
+        for c in "kv":  # (L, n, KVH, hd) into (L, ctx, KVH, hd)
+            self.past[f"past_{c}"][:, positions[0] : positions[-1] + 1] = outs[f"new_{c}"]
         return outs["hidden_out"]
 
 
