@@ -19,6 +19,8 @@ from prima.net import credentials, discovery
 from prima.net.discovery import NodeAdvert
 from prima.net.peer_certificate import served_certificate
 
+from .loopback_only import usable_addresses
+
 log = logging.getLogger("prima.coordinator")
 
 CHECK_TIMEOUT_S = 3.0
@@ -46,10 +48,12 @@ def discover_members(
     """Browse for up to `timeout_s` (less once `expect` members answered) and keep the addresses
     of daemons that prove membership; adverts for another model or protocol are left out."""
     identity = credentials.client_identity()
-    if identity is None:  # plaintext: the connection itself is the only check
+    if identity is None:  # plaintext: nothing can be checked, so only this machine's daemons
         adverts = discovery.browse(timeout_s, interfaces=interfaces, expect=expect)
-        addresses = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
-        return Found(tuple(adverts), tuple(addresses), frozenset(a.node_id for a in adverts))
+        hints = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
+        addresses = usable_addresses(hints, skip=True)
+        ids = frozenset(a.node_id for a in adverts if a.address in addresses)
+        return Found(tuple(adverts), tuple(addresses), ids)
     members: dict[str, str | None] = {}  # address -> node id, None for one that proved nothing
 
     def check_new(adverts: list[NodeAdvert]) -> None:
