@@ -66,14 +66,24 @@ def split_loopback(
     return near, [a for a in addresses if a not in near]
 
 
+_THIS_PROCESS = object()  # usable_addresses' default: the identity this process calls with
+
+
 def usable_addresses(
-    addresses: Sequence[str], *, skip: bool, resolve: Resolver = system_resolver
+    addresses: Sequence[str],
+    *,
+    skip: bool,
+    identity: credentials.Identity | None | object = _THIS_PROCESS,
+    resolve: Resolver = system_resolver,
 ) -> list[str]:
-    """The addresses this process may send requests to: all of them with a cluster identity
-    (mutual TLS checks each daemon), else only loopback ones. Without an identity, a non-loopback
-    address is an UntrustedNodeError saying how to form a cluster, or with `skip` (addresses that
-    are only hints, as mDNS adverts are) left out with a warning."""
-    if credentials.client_identity() is not None:
+    """The addresses a caller with `identity` (default: this process's,
+    credentials.client_identity()) may send requests to: all of them with one (mutual TLS checks
+    each daemon), else only loopback ones. Without an identity, a non-loopback address is an
+    UntrustedNodeError saying how to form a cluster, or with `skip` (addresses that are only
+    hints, as mDNS adverts are) left out with a warning."""
+    if identity is _THIS_PROCESS:
+        identity = credentials.client_identity()
+    if identity is not None:
         return list(addresses)
     near, far = split_loopback(addresses, resolve)
     if far and not skip:

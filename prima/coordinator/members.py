@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prima.errors import UntrustedNodeError
+from prima.errors import NodeError, UntrustedNodeError
 from prima.net import credentials, discovery
 from prima.net.discovery import NodeAdvert
 from prima.net.peer_certificate import served_certificate
@@ -78,9 +78,12 @@ def _members(addresses: Sequence[str], identity: credentials.Identity) -> dict[s
 
     def check(address: str) -> str | None:
         try:
-            cert = served_certificate(address, identity.roots_pem, CHECK_TIMEOUT_S)
+            cert = served_certificate(address, identity.roots_pem, CHECK_TIMEOUT_S, client=identity)
         except UntrustedNodeError as exc:
-            log.warning("mDNS: leaving out %s: %s", address, exc)
+            log.warning("mDNS: leaving out %s (not a member): %s", address, exc)
+            return None
+        except NodeError as exc:  # an advert outliving its daemon, or a dead-end address
+            log.info("mDNS: leaving out %s (unreachable): %s", address, exc)
             return None
         return credentials.cert_name(cert)
 

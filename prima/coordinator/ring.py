@@ -242,7 +242,7 @@ def _drop_revoked(
         try:
             revocation.check_node(revoked, c.address, info.node_id, timeout_s)
             kept.append((c, info))
-        except UntrustedNodeError as exc:
+        except NodeError as exc:  # revoked (UntrustedNodeError), or gone since it answered
             if not skip:
                 raise
             log.warning("leaving out %s: %s", c.address, exc)

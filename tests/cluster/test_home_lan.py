@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import secrets
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from prima.coordinator.local_ring import READY_PREFIX
 from prima.net import discovery
 from prima.net.client import NodeClient
 from tests.netns_lan import Device, Lan, home_lan, skip_reason
+from tests.primad_proc import start_primad
 
 pytestmark = pytest.mark.slow
 
@@ -40,58 +36,6 @@ def lan() -> Iterator[Lan]:
         pytest.skip(reason)
     with home_lan() as made:
         yield made
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[str]
-    ready: dict[str, object]
-    stderr: Path
-
-    def stop(self) -> str:
-        """Stop it (SIGTERM, then SIGKILL) and return what it wrote to stderr."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
-        return self.stderr.read_text(errors="replace")
-
-
-def start_primad(
-    device: Device, model: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None
-) -> Daemon:
-    """primad in `device`'s namespace on its address and port 7000, advertising on that address;
-    returns once it printed its ready line (fails the test with its stderr otherwise)."""
-    stderr = log_dir / f"primad-{device.netns}-{secrets.token_hex(2)}.err"
-    cmd = [sys.executable, "-m", "prima.cli.primad", "--host", device.ip, "--port", str(PORT)]
-    cmd += ["--model", str(model), "--threads", "1", *args]
-    full_env = {**os.environ, discovery.INTERFACES_ENV: device.ip, **(env or {})}
-    with stderr.open("w") as err:
-        proc = subprocess.Popen(device.argv(cmd), env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def drain() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=drain, daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        if line.startswith(READY_PREFIX):
-            return Daemon(proc, json.loads(line[len(READY_PREFIX) :]), stderr)
-    daemon = Daemon(proc, {}, stderr)
-    pytest.fail(f"primad in {device.netns} did not start: {daemon.stop()[-3000:]}")
 
 
 def prima(
@@ -118,7 +62,9 @@ def test_a_coordinator_without_identity_never_uses_a_plaintext_daemon_elsewhere(
     no_identity.mkdir()
     env = {"PRIMA_CLUSTER_DIR": str(no_identity), discovery.SERVICE_TYPE_ENV: service}
     rogue_device = lan.add("rogue")
-    rogue = start_primad(rogue_device, smollm2_path, tmp_path, "--insecure", env=env)
+    rogue = start_primad(
+        rogue_device.ip, PORT, smollm2_path, tmp_path, "--insecure", env=env, wrap=rogue_device.argv
+    )
     address = f"{rogue_device.ip}:{PORT}"
     try:
         base = ["-m", str(smollm2_path), "--ctx", "64"]

@@ -3,13 +3,10 @@ whatever the addresses look like, and says how to form a cluster for the others.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from prima.coordinator.loopback_only import FORM_A_CLUSTER, is_loopback, split_loopback, usable_addresses
 from prima.errors import UntrustedNodeError
-from prima.net import credentials
 from prima.net.credentials import ClusterCA
 
 RESOLVED = {"pi.lan": ["192.168.1.20"], "me.lan": ["127.0.1.1"], "both.lan": ["127.0.0.1", "10.0.0.5"]}
@@ -50,15 +47,9 @@ def test_split_keeps_the_order_given() -> None:
     )
 
 
-@pytest.fixture
-def no_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(credentials.CLUSTER_DIR_ENV, str(tmp_path))
-    assert credentials.client_identity() is None
-
-
-def test_named_daemons_elsewhere_are_refused_saying_how_to_form_a_cluster(no_identity: None) -> None:
+def test_named_daemons_elsewhere_are_refused_saying_how_to_form_a_cluster() -> None:
     with pytest.raises(UntrustedNodeError) as caught:
-        usable_addresses(["127.0.0.1:7000", "192.168.1.20:7000"], skip=False, resolve=_resolve)
+        usable_addresses(["127.0.0.1:7000", "192.168.1.20:7000"], skip=False, identity=None, resolve=_resolve)
     message = str(caught.value)
     assert "192.168.1.20:7000" in message
     assert "127.0.0.1:7000" not in message
@@ -67,19 +58,15 @@ def test_named_daemons_elsewhere_are_refused_saying_how_to_form_a_cluster(no_ide
         assert step in message
 
 
-def test_advertised_daemons_elsewhere_are_left_out(
-    no_identity: None, caplog: pytest.LogCaptureFixture
-) -> None:
-    kept = usable_addresses(["10.9.8.7:7000", "127.0.0.1:7000"], skip=True, resolve=_resolve)
+def test_advertised_daemons_elsewhere_are_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    kept = usable_addresses(["10.9.8.7:7000", "127.0.0.1:7000"], skip=True, identity=None, resolve=_resolve)
     assert kept == ["127.0.0.1:7000"]
     assert "10.9.8.7:7000" in caplog.text
     assert "prima cluster init" in caplog.text
 
 
-def test_a_member_uses_any_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_member_uses_any_address() -> None:
     """With an identity, mutual TLS checks every daemon: nothing is left out here."""
-    ca = ClusterCA.create("home")
-    credentials.write_private(tmp_path / credentials.IDENTITY_FILE, ca.issue("laptop").to_pem())
-    monkeypatch.setenv(credentials.CLUSTER_DIR_ENV, str(tmp_path))
+    laptop = ClusterCA.create("home").issue("laptop")
     addresses = ["192.168.1.20:7000", "127.0.0.1:7001"]
-    assert usable_addresses(addresses, skip=False, resolve=_resolve) == addresses
+    assert usable_addresses(addresses, skip=False, identity=laptop, resolve=_resolve) == addresses
