@@ -10,7 +10,7 @@ listens, a stranger's daemon) neither end the search nor get into its result.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,7 +58,8 @@ def discover_members(
 
     def check_new(adverts: list[NodeAdvert]) -> None:
         hints = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
-        members.update(_members([a for a in hints if a not in members], identity))
+        others = {a.address: a.addresses for a in adverts}  # every address a daemon lists
+        members.update(_members([a for a in hints if a not in members], identity, others))
 
     def enough(adverts: list[NodeAdvert]) -> bool:
         if not expect:
@@ -72,23 +73,34 @@ def discover_members(
     return Found(tuple(adverts), tuple(sorted(kept)), frozenset(kept.values()))
 
 
-def _members(addresses: Sequence[str], identity: credentials.Identity) -> dict[str, str | None]:
+def _members(
+    addresses: Sequence[str],
+    identity: credentials.Identity,
+    alternatives: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, str | None]:
     """{address: node id} of `addresses`: the name in the node certificate (of this device's
-    cluster) its daemon serves, or None (logged) if it serves none."""
+    cluster) its daemon serves, or None (logged) if it serves none. An address that does not
+    answer is replaced by the first of its `alternatives` (the other addresses the same advert
+    lists) that proves membership."""
+    alternatives = alternatives or {}
 
-    def check(address: str) -> str | None:
-        try:
-            cert = served_certificate(address, identity.roots_pem, CHECK_TIMEOUT_S, client=identity)
-        except UntrustedNodeError as exc:
-            log.warning("mDNS: leaving out %s (not a member): %s", address, exc)
-            return None
-        except NodeError as exc:  # an advert outliving its daemon, or a dead-end address
-            log.info("mDNS: leaving out %s (unreachable): %s", address, exc)
-            return None
-        return credentials.cert_name(cert)
+    def check(address: str) -> tuple[str, str | None]:
+        for candidate in dict.fromkeys([address, *alternatives.get(address, ())]):
+            try:
+                cert = served_certificate(candidate, identity.roots_pem, CHECK_TIMEOUT_S, client=identity)
+            except UntrustedNodeError as exc:
+                log.warning("mDNS: leaving out %s (not a member): %s", candidate, exc)
+                return address, None
+            except NodeError as exc:  # an advert outliving its daemon, or a dead-end address
+                log.info("mDNS: no answer at %s: %s", candidate, exc)
+                continue
+            return candidate, credentials.cert_name(cert)
+        return address, None
 
     if not addresses:
         return {}
     with ThreadPoolExecutor(min(len(addresses), MAX_CHECKS_AT_ONCE)) as pool:
-        names = list(pool.map(check, addresses))
-    return dict(zip(addresses, names, strict=True))
+        found = list(pool.map(check, addresses))
+    checked: dict[str, str | None] = dict.fromkeys(addresses)  # checked, even if another answered
+    checked.update(found)
+    return checked

@@ -3,7 +3,9 @@ each with its own host name, their daemons advertising over mDNS on the LAN's br
 
 - Secure by default: a coordinator without a cluster identity never sends a request to a
   plaintext daemon off loopback (named with --nodes or advertised), and says how to form a
-  cluster."""
+  cluster.
+- Devices that share a host name (every Android phone is `localhost`) and port are all found
+  and all used."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from prima.net import discovery
+from prima.net import credentials, discovery
 from prima.net.client import NodeClient
+from prima.net.credentials import ClusterCA
 from tests.netns_lan import Device, Lan, home_lan, skip_reason
 from tests.primad_proc import start_primad
 
@@ -91,3 +94,43 @@ def test_a_coordinator_without_identity_never_uses_a_plaintext_daemon_elsewhere(
             client.close()
     finally:
         rogue.stop()
+
+
+def test_devices_that_share_a_host_name_and_port_are_all_found_and_used(
+    lan: Lan, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Three phones, each named `localhost`, each primad on the default port: each daemon's
+    address record is its own, so a coordinator on a fourth device finds three addresses, and a
+    ring over all three runs."""
+    ca = ClusterCA.create("home")
+    service = f"_pl{secrets.token_hex(3)}._tcp.local."
+    phones = [lan.add("localhost") for _ in range(3)]
+    laptop = lan.add("laptop")
+    daemons = []
+    try:
+        for i, phone in enumerate(phones):
+            own = tmp_path / f"phone{i}"
+            own.mkdir()
+            credentials.write_private(own / credentials.IDENTITY_FILE, ca.issue(f"phone{i}").to_pem())
+            env = {credentials.CLUSTER_DIR_ENV: str(own), discovery.SERVICE_TYPE_ENV: service}
+            daemons.append(start_primad(phone.ip, PORT, smollm2_path, tmp_path, env=env, wrap=phone.argv))
+        here = tmp_path / "laptop"
+        here.mkdir()
+        credentials.write_private(
+            here / credentials.IDENTITY_FILE, ca.issue("laptop", role="coordinator").to_pem()
+        )
+        env = {credentials.CLUSTER_DIR_ENV: str(here), discovery.SERVICE_TYPE_ENV: service}
+        expected = {f"{p.ip}:{PORT}" for p in phones}
+        browse = ["--mdns-interface", laptop.ip, "--discover-timeout", "20", "--expect", "3"]
+        found = prima(["nodes", "--json", *browse], env=env, device=laptop)
+        assert found.returncode == 0, found.stderr
+        assert {n["address"] for n in json.loads(found.stdout)["nodes"]} == expected
+        run = ["run", "-m", str(smollm2_path), "--ctx", "64", "-p", "Hello", "-n", "2", "--json"]
+        ran = prima([*run, "--windows", "10,10,10", *browse], env=env, device=laptop)
+        assert ran.returncode == 0, ran.stderr
+        plan = json.loads(ran.stdout)["plan"]
+        assert {n["address"] for n in plan["nodes"]} == expected
+        assert sorted(n["node_id"] for n in plan["nodes"]) == ["phone0", "phone1", "phone2"]
+    finally:
+        for d in daemons:
+            d.stop()
