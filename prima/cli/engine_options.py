@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from prima.engine.generate import GenerateRequest, GenerationResult, Generator, TextDecoder
     from prima.engine.sampling import SamplerConfig
     from prima.model.files import ModelFiles
+    from prima.net.discovery import NodeAdvert
 
 WIRE_DTYPES = (
     "f32",
@@ -220,15 +221,33 @@ def discover_addresses(args: argparse.Namespace, fingerprint: str | None) -> lis
         from prima.net import discovery
 
         clashes = [p.message for p in discovery.check_adverts(found.adverts) if p.kind == "duplicate_id"]
-        advice = "; ".join(clashes) or (
-            "start the others or pass --nodes host:port,... (multicast is often blocked by Wi-Fi "
-            "client isolation and in containers)"
+        advice = (
+            "; ".join(clashes)
+            or _far_advice(found.adverts)
+            or (
+                "start the others or pass --nodes host:port,... (multicast is often blocked by Wi-Fi "
+                "client isolation and in containers)"
+            )
         )
         raise PlanError(
             f"{len(found.node_ids)} member(s) answered within {args.discover_timeout:g} s (adverts: "
             f"{shown or 'none'}), expected {args.expect}; {advice}"
         )
+    if found.adverts and not found.addresses and (advice := _far_advice(found.adverts)):
+        print(f"prima: no daemon found over mDNS can be used: {advice}", file=sys.stderr)
     return list(found.addresses)
+
+
+def _far_advice(adverts: Sequence[NodeAdvert]) -> str:
+    """How to form a cluster, when this device has no identity and daemons elsewhere advertised
+    (which such a device never uses); else ''."""
+    from prima.coordinator.loopback_only import FORM_A_CLUSTER, split_loopback
+    from prima.net import credentials
+
+    if credentials.client_identity() is not None:
+        return ""
+    _, far = split_loopback([a.address for a in adverts], resolve=lambda _: [])
+    return FORM_A_CLUSTER if far else ""
 
 
 @dataclass

@@ -42,6 +42,7 @@ from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile
 
 from .head_draft import fall_back
+from .loopback_only import usable_addresses
 from .planner import HaldaOptions, plan_ring
 from .ring import Ring, check_same_model
 
@@ -320,7 +321,7 @@ def reachable_nodes(addresses: Sequence[str], timeout_s: float) -> tuple[list[No
     """Clients (named by node id) for the daemons among `addresses` that answer Info within
     `timeout_s` (and, with TLS, prove cluster membership), in the order given, with their Info."""
     clients, infos = [], []
-    for address in addresses:
+    for address in usable_addresses(addresses, skip=True):  # no identity: loopback only
         client = NodeClient(address)
         try:
             info = client.info(timeout_s=timeout_s)

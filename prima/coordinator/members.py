@@ -10,14 +10,16 @@ listens, a stranger's daemon) neither end the search nor get into its result.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prima.errors import UntrustedNodeError
+from prima.errors import NodeError, UntrustedNodeError
 from prima.net import credentials, discovery
 from prima.net.discovery import NodeAdvert
 from prima.net.peer_certificate import served_certificate
+
+from .loopback_only import usable_addresses
 
 log = logging.getLogger("prima.coordinator")
 
@@ -46,15 +48,18 @@ def discover_members(
     """Browse for up to `timeout_s` (less once `expect` members answered) and keep the addresses
     of daemons that prove membership; adverts for another model or protocol are left out."""
     identity = credentials.client_identity()
-    if identity is None:  # plaintext: the connection itself is the only check
+    if identity is None:  # plaintext: nothing can be checked, so only this machine's daemons
         adverts = discovery.browse(timeout_s, interfaces=interfaces, expect=expect)
-        addresses = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
-        return Found(tuple(adverts), tuple(addresses), frozenset(a.node_id for a in adverts))
+        hints = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
+        addresses = usable_addresses(hints, skip=True)
+        ids = frozenset(a.node_id for a in adverts if a.address in addresses)
+        return Found(tuple(adverts), tuple(addresses), ids)
     members: dict[str, str | None] = {}  # address -> node id, None for one that proved nothing
 
     def check_new(adverts: list[NodeAdvert]) -> None:
         hints = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
-        members.update(_members([a for a in hints if a not in members], identity))
+        others = {a.address: a.addresses for a in adverts}  # every address a daemon lists
+        members.update(_members([a for a in hints if a not in members], identity, others))
 
     def enough(adverts: list[NodeAdvert]) -> bool:
         if not expect:
@@ -68,20 +73,34 @@ def discover_members(
     return Found(tuple(adverts), tuple(sorted(kept)), frozenset(kept.values()))
 
 
-def _members(addresses: Sequence[str], identity: credentials.Identity) -> dict[str, str | None]:
+def _members(
+    addresses: Sequence[str],
+    identity: credentials.Identity,
+    alternatives: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, str | None]:
     """{address: node id} of `addresses`: the name in the node certificate (of this device's
-    cluster) its daemon serves, or None (logged) if it serves none."""
+    cluster) its daemon serves, or None (logged) if it serves none. An address that does not
+    answer is replaced by the first of its `alternatives` (the other addresses the same advert
+    lists) that proves membership."""
+    alternatives = alternatives or {}
 
-    def check(address: str) -> str | None:
-        try:
-            cert = served_certificate(address, identity.roots_pem, CHECK_TIMEOUT_S)
-        except UntrustedNodeError as exc:
-            log.warning("mDNS: leaving out %s: %s", address, exc)
-            return None
-        return credentials.cert_name(cert)
+    def check(address: str) -> tuple[str, str | None]:
+        for candidate in dict.fromkeys([address, *alternatives.get(address, ())]):
+            try:
+                cert = served_certificate(candidate, identity.roots_pem, CHECK_TIMEOUT_S, client=identity)
+            except UntrustedNodeError as exc:
+                log.warning("mDNS: leaving out %s (not a member): %s", candidate, exc)
+                return address, None
+            except NodeError as exc:  # an advert outliving its daemon, or a dead-end address
+                log.info("mDNS: no answer at %s: %s", candidate, exc)
+                continue
+            return candidate, credentials.cert_name(cert)
+        return address, None
 
     if not addresses:
         return {}
     with ThreadPoolExecutor(min(len(addresses), MAX_CHECKS_AT_ONCE)) as pool:
-        names = list(pool.map(check, addresses))
-    return dict(zip(addresses, names, strict=True))
+        found = list(pool.map(check, addresses))
+    checked: dict[str, str | None] = dict.fromkeys(addresses)  # checked, even if another answered
+    checked.update(found)
+    return checked

@@ -17,6 +17,7 @@ from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 
 from .file_source import FileSource
+from .loopback_only import FORM_A_CLUSTER, usable_addresses
 from .planner import ClusterView, HaldaOptions, hand_plan_view, plan_ring
 from .readiness import RingFetch, wait_ready
 
@@ -193,7 +194,12 @@ def connect_nodes(
     Each client then accepts only the certificate of the id its node claimed. With
     `skip_untrusted` (addresses that are only hints, as mDNS adverts are), nodes that fail the
     TLS handshake or do not answer are dropped (with a warning) instead of failing the whole
-    ring; PlanError if none is left."""
+    ring; PlanError if none is left. Without a cluster identity only loopback daemons are used
+    (prima.coordinator.loopback_only)."""
+    usable = usable_addresses(addresses, skip=skip_untrusted)
+    if not usable:
+        raise PlanError(f"none of the {len(addresses)} daemon(s) found is on this machine; {FORM_A_CLUSTER}")
+    addresses = usable
     clients = [NodeClient(a, timeout_s=timeout_s) for a in addresses]
     try:
         infos = []
@@ -236,7 +242,7 @@ def _drop_revoked(
         try:
             revocation.check_node(revoked, c.address, info.node_id, timeout_s)
             kept.append((c, info))
-        except UntrustedNodeError as exc:
+        except NodeError as exc:  # revoked (UntrustedNodeError), or gone since it answered
             if not skip:
                 raise
             log.warning("leaving out %s: %s", c.address, exc)

@@ -76,7 +76,9 @@ def node_error(
             "identity. On the device that ran `prima cluster init`, run `prima cluster issue NAME --role "
             "coordinator`, then here `prima cluster join NAME.pem` (docs/security.md)"
         )
-    if code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(details or ""):
+    # A handshake cut short by a daemon that died reads like a refusal: only a daemon that still
+    # listens can have refused this device.
+    if code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(details or "") and listening(address):
         return UntrustedNodeError(
             f"{node} failed the TLS handshake ({doing}): it is not a member of this "
             "device's cluster, or this device is not a member of its cluster (or one side has no "
@@ -97,6 +99,17 @@ def node_error(
 
 
 TLS_PROBE_TIMEOUT_S = 2.0
+
+
+def listening(address: str, timeout_s: float = TLS_PROBE_TIMEOUT_S) -> bool:
+    """Whether anything accepts a TCP connection at `address` ("host:port"). Sends no byte, so a
+    daemon logs nothing for it (a TLS handshake without a certificate would read as a stranger)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def speaks_tls(address: str, timeout_s: float = TLS_PROBE_TIMEOUT_S) -> bool:

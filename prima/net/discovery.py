@@ -11,6 +11,7 @@ AdvertError, and browse skips it with a warning logged once per peer (then at de
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -78,15 +79,27 @@ class NodeAdvert:
     # A hint for nodes without the file: what it sends is checked against hashes and the
     # fingerprint anyway, over mutual TLS.
     holds_full_file: bool = False
+    # Every address the daemon's records list, best first (`host` is the first): a device with
+    # several interfaces may be reachable on only some of them from here.
+    hosts: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
         """host:port for a gRPC channel (IPv6 hosts in brackets)."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return _host_port(self.host, self.port)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """host:port of every address advertised, best first (just `address` if none listed)."""
+        return tuple(_host_port(h, self.port) for h in self.hosts) or (self.address,)
 
     @property
     def short_fingerprint(self) -> str:
         return self.model_fingerprint[:SHORT_FINGERPRINT]
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def encode_txt(advert: NodeAdvert) -> dict[str, str]:
@@ -151,6 +164,12 @@ def decode_txt(
 def pick_host(addresses: Iterable[str]) -> str | None:
     """The address to dial among those a service lists: a LAN IPv4 first, then loopback, then
     IPv6 (link-local last: it needs a scope that gRPC targets handle poorly)."""
+    ranked = rank_hosts(addresses)
+    return ranked[0] if ranked else None
+
+
+def rank_hosts(addresses: Iterable[str]) -> list[str]:
+    """The usable addresses among those a service lists, in the order to try them (pick_host's)."""
 
     def rank(text: str) -> int:
         try:
@@ -161,8 +180,7 @@ def pick_host(addresses: Iterable[str]) -> str | None:
             return 2 if ip.is_link_local else 1 if ip.is_loopback else 0
         return 5 if ip.is_link_local else 4 if ip.is_loopback else 3
 
-    ranked = sorted((rank(a), a) for a in addresses)
-    return ranked[0][1] if ranked and ranked[0][0] < 9 else None
+    return [a for r, a in sorted((rank(a), a) for a in set(addresses)) if r < 9]
 
 
 ProblemKind = Literal["duplicate_id", "protocol", "model"]
@@ -367,12 +385,21 @@ def _warn_once(key: str, msg: str, *args: object) -> None:
     log.warning(msg, *args)
 
 
-def _instance_name(node_id: str) -> str:
+def _instance_name(node_id: str, tag: str) -> str:
     """A DNS-SD instance label (<= 63 bytes): the node id plus a random tag. zeroconf's probe does
     not reliably catch two daemons claiming one name, and a clash would hide one of them; with
     unique names both are seen and a shared node id is reported instead."""
-    base = _INSTANCE_UNSAFE.sub("-", node_id).strip(".-")[: MAX_NODE_ID_BYTES - 7] or "primad"
-    return f"{base}-{secrets.token_hex(3)}"
+    base = _INSTANCE_UNSAFE.sub("-", node_id).strip(".-")[: MAX_NODE_ID_BYTES - len(tag) - 1] or "primad"
+    return f"{base}-{tag}"
+
+
+def _server_name(hostname: str, port: int, tag: str) -> str:
+    """The host name of a daemon's address records (`<label>.local.`): this device's host name
+    and port for people, plus the instance's random tag. Host names are not unique at home
+    (every Android phone is `localhost`, every Raspberry Pi `raspberrypi`): without the tag,
+    daemons on such devices would share one address record and all resolve to one address."""
+    base = _HOST_UNSAFE.sub("-", f"prima-{hostname}-{port}".lower())[: MAX_NODE_ID_BYTES - len(tag) - 1]
+    return f"{base}-{tag}"
 
 
 class Advertiser:
@@ -420,11 +447,12 @@ class Advertiser:
                 f"cannot advertise node {a.node_id[:40]!r}: {exc}; pick another --name"
             ) from None
         addresses = advertised_addresses(a.host, self.interfaces)
-        server = _HOST_UNSAFE.sub("-", f"prima-{socket.gethostname()}-{a.port}".lower())[:MAX_NODE_ID_BYTES]
+        tag = secrets.token_hex(3)
+        server = _server_name(socket.gethostname(), a.port, tag)
         try:
             info = ServiceInfo(
                 self.service_type,
-                f"{_instance_name(a.node_id)}.{self.service_type}",
+                f"{_instance_name(a.node_id, tag)}.{self.service_type}",
                 port=a.port,
                 properties=txt,
                 server=f"{server}.local.",
@@ -581,14 +609,15 @@ def _resolve(zc: Zeroconf, service_type: str, name: str, deadline: float) -> Nod
     if not info.request(zc, wait_ms):
         _warn_once(f"noanswer:{name}", "mDNS: %r did not send its address and TXT record; skipping it", name)
         return None
-    host = pick_host(info.parsed_scoped_addresses())
-    if host is None or info.port is None:
+    hosts = rank_hosts(info.parsed_scoped_addresses())
+    if not hosts or info.port is None:
         _warn_once(f"noaddr:{name}", "mDNS: %r advertises no usable address; skipping it", name)
         return None
     try:
-        return decode_txt(info.properties, host, info.port, instance=name)
+        advert = decode_txt(info.properties, hosts[0], info.port, instance=name)
+        return dataclasses.replace(advert, hosts=tuple(hosts))
     except AdvertError as exc:
-        _warn_once(f"txt:{name}", "mDNS: skipping %r at %s:%d: %s", name, host, info.port, exc)
+        _warn_once(f"txt:{name}", "mDNS: skipping %r at %s:%d: %s", name, hosts[0], info.port, exc)
         return None
 
 

@@ -153,8 +153,11 @@ def this_devices_list() -> RevocationList | None:
 
 
 def check_node(revoked: RevocationList, address: str, node_id: str, timeout_s: float) -> None:
-    """UntrustedNodeError if the daemon at `address` serves a revoked certificate."""
-    cert = served_certificate(address, revoked.roots_pem, timeout_s, node_id)
+    """UntrustedNodeError if the daemon at `address` serves a revoked certificate (NodeError if
+    it no longer answers)."""
+    cert = served_certificate(
+        address, revoked.roots_pem, timeout_s, node_id, client=credentials.client_identity()
+    )
     if revoked.revoked(cert):
         raise UntrustedNodeError(
             f"node {node_id} at {address} holds the revoked certificate {describe(cert)}; it was removed "

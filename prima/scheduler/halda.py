@@ -138,7 +138,7 @@ def solve(
     costs = ring_costs(devices, model)
     best = best_assignment(costs, model.n_layers, max_rounds=max_rounds)
     if best is None:
-        raise PlanError(_no_fit_message(devices, model, costs))
+        raise PlanError(_no_fit_message(devices, model, costs, max_rounds))
     dropped = [
         DroppedDevice(devices[m].node_id, _drop_reason(costs, model.n_layers, best, m))
         for m in range(len(devices))
@@ -285,8 +285,15 @@ def _drop_reason(costs: Sequence[DeviceCost], n_layers: int, best: Assignment, m
 
 
 def _no_fit_message(
-    devices: Sequence[DeviceProfile], model: ModelProfile, costs: Sequence[DeviceCost]
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    costs: Sequence[DeviceCost],
+    max_rounds: int | None = None,
 ) -> str:
+    """Why no plan fits, naming the constraint that binds where it can (prima.scheduler.halda_fit)."""
+    from prima.scheduler.halda_fit import closest_fit
+    from prima.scheduler.halda_fit import describe as describe_shortfall
+
     if not math.isfinite(costs[0].cpu_ms_per_layer):
         return (
             f"the head {devices[0].node_id} has no CPU throughput for this model's formats; "
@@ -305,6 +312,10 @@ def _no_fit_message(
             f"fetch layers they lack and have room for only {rooms} more; raise a --disk-budget, free "
             "room on one, or start a primad holding the whole model file"
         )
+    ks = [k for k in divisors(model.n_layers) if max_rounds is None or k <= max_rounds]
+    short = closest_fit(costs, model.n_layers, ks)
+    if short is not None:
+        return describe_shortfall(short, devices, model, costs)
     need = model.n_layers * costs[0].layer_ram_bytes + costs[0].fixed_bytes
     have = sum(
         d.ram_available_bytes + (d.accelerator.memory_available_bytes if d.accelerator else 0)
@@ -312,6 +323,7 @@ def _no_fit_message(
     )
     return (
         f"no assignment of {model.n_layers} layers fits: the model needs {need / GiB:.1f} GiB with a "
-        f"{model.ctx_tokens}-token KV cache and the {len(devices)} device(s) have {have / GiB:.1f} GiB free "
-        "and no disk fast enough to stream from; add a device, free memory, or lower --ctx"
+        f"{model.ctx_tokens}-token KV cache and the {len(devices)} device(s) have {have / GiB:.1f} GiB free"
+        f"{'' if any(c.can_stream for c in costs) else ' and no disk to stream from'}; add a device, free "
+        "memory, or lower --ctx"
     )

@@ -70,3 +70,23 @@ def test_adverts_for_another_model_are_left_out(cluster: ClusterCA) -> None:
         server.stop(grace=None)
     assert found.addresses == ()
     assert [a.node_id for a in found.adverts] == ["node1"]
+
+
+def test_every_address_an_advert_lists_is_tried(cluster: ClusterCA) -> None:
+    """A daemon listed at two addresses, the first a dead end from here (another interface):
+    the second proves membership and is the one kept."""
+    from prima.coordinator.members import _members
+
+    server, port = start_server(object(), "127.0.0.2", 0, identity=cluster.issue("node0"))  # type: ignore[arg-type]
+    dead, live = f"{LOOPBACK}:{port}", f"127.0.0.2:{port}"
+    laptop = cluster.issue("laptop")
+    try:
+        checked = _members([dead], laptop, {dead: (dead, live)})
+    finally:
+        server.stop(grace=None)
+    assert checked == {dead: None, live: "node0"}
+
+
+def test_addresses_are_ranked_lan_ipv4_first() -> None:
+    listed = ["fe80::1", "127.0.0.1", "192.168.1.20", "2001:db8::1", "not an address", "192.168.1.20"]
+    assert discovery.rank_hosts(listed) == ["192.168.1.20", "127.0.0.1", "2001:db8::1", "fe80::1"]
