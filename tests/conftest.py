@@ -8,11 +8,13 @@ import atexit
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -156,6 +158,26 @@ def popen_with_stderr_lines(cmd: list[str]) -> tuple[subprocess.Popen[str], queu
 
     threading.Thread(target=drain, daemon=True).start()
     return proc, lines
+
+
+def lines_until(
+    lines: queue.Queue[str | None], proc: subprocess.Popen[str], pattern: str, timeout_s: float
+) -> list[str]:
+    """The stderr lines of `proc` (from `popen_with_stderr_lines`) up to and including the first
+    that matches `pattern`; fails with the lines seen if the process exits or time runs out."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            raise AssertionError(f"{proc.args[:4]} exited ({proc.poll()}):\n{''.join(seen)[-3000:]}")
+        seen.append(line)
+        if re.search(pattern, line):
+            return seen
+    raise AssertionError(f"no line matching {pattern!r} within {timeout_s:g} s:\n{''.join(seen)[-3000:]}")
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,14 +11,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ..conftest import popen_with_stderr_lines
+from ..conftest import lines_until, popen_with_stderr_lines
 
 pytestmark = pytest.mark.slow
 
@@ -34,29 +33,10 @@ def _start(
     cmd = [sys.executable, "-m", "prima.cli.main", "serve", "--local", "-m", str(model), "--port", "0"]
     cmd += ["-t", "1", "-c", "4096", "--shutdown-timeout", f"{shutdown_timeout:g}"]
     proc, lines = popen_with_stderr_lines(cmd)
-    seen = _until(lines, proc, r"at (http://\S+)/v1", START_TIMEOUT_S)
+    seen = lines_until(lines, proc, r"at (http://\S+)/v1", START_TIMEOUT_S)
     found = re.search(r"at (http://\S+)/v1", seen[-1])
     assert found is not None
     return proc, lines, found.group(1)
-
-
-def _until(
-    lines: queue.Queue[str | None], proc: subprocess.Popen[str], pattern: str, timeout_s: float
-) -> list[str]:
-    """The stderr lines up to and including the first that matches `pattern`."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            raise AssertionError(f"prima serve exited ({proc.poll()}):\n{''.join(seen)[-3000:]}")
-        seen.append(line)
-        if re.search(pattern, line):
-            return seen
-    raise AssertionError(f"no line matching {pattern!r} within {timeout_s:g} s:\n{''.join(seen)[-3000:]}")
 
 
 @pytest.fixture
@@ -107,7 +87,7 @@ def _sigterm_after_some_chunks(
 ) -> list[str]:
     got = [next(events) for _ in range(3)]
     proc.send_signal(signal.SIGTERM)
-    _until(lines, proc, r"prima serve: SIGTERM: stopping: 1 request", IO_TIMEOUT_S)
+    lines_until(lines, proc, r"prima serve: SIGTERM: stopping: 1 request", IO_TIMEOUT_S)
     return got
 
 
@@ -140,7 +120,7 @@ def test_sigterm_mid_stream_refuses_new_work_and_ends_the_stream(
         last["error"]["code"] == "server_shutting_down"
     )
     assert proc.wait(EXIT_TIMEOUT_S) == 0
-    tail = "".join(_until(lines, proc, r"prima serve: stopped:", IO_TIMEOUT_S))
+    tail = "".join(lines_until(lines, proc, r"prima serve: stopped:", IO_TIMEOUT_S))
     assert re.search(r"stopped: [01] request\(s\) finished, [01] cut", tail)
 
 
@@ -163,5 +143,5 @@ def test_short_shutdown_timeout_ends_the_stream_with_an_error_event(
     assert "retry" in error["message"]
     assert len(got) < MANY_TOKENS
     assert proc.wait(EXIT_TIMEOUT_S) == 0
-    tail = "".join(_until(lines, proc, r"prima serve: stopped:", IO_TIMEOUT_S))
+    tail = "".join(lines_until(lines, proc, r"prima serve: stopped:", IO_TIMEOUT_S))
     assert "stopped: 0 request(s) finished, 1 cut" in tail

@@ -19,14 +19,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ..conftest import popen_with_stderr_lines
+from ..conftest import lines_until, popen_with_stderr_lines
 
 pytestmark = pytest.mark.slow
 
@@ -70,20 +69,11 @@ def served(smollm2_path: Path) -> Iterator[tuple[str, list[str]]]:
 
 
 def _wait_for_url(lines: queue.Queue[str | None], proc: subprocess.Popen[str]) -> tuple[str, list[str]]:
-    seen: list[str] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            raise AssertionError(f"prima serve exited ({proc.poll()}):\n{''.join(seen)[-3000:]}")
-        seen.append(line)
-        found = re.search(r"web page at (http://\S+/)", line)
-        if found:
-            return found.group(1), seen
-    raise AssertionError(f"prima serve did not listen within {START_TIMEOUT_S:g} s:\n{''.join(seen)[-3000:]}")
+    pattern = r"web page at (http://\S+/)"
+    seen = lines_until(lines, proc, pattern, START_TIMEOUT_S)
+    found = re.search(pattern, seen[-1])
+    assert found is not None
+    return found.group(1), seen
 
 
 def _api(url: str, method: str, path: str, body: Any = None) -> Any:
