@@ -6,9 +6,11 @@ head), it closes the stream, asks every known daemon whether it still answers, p
 those that do (Halda, or an even split when the ring was planned by hand), loads that plan at a
 newer epoch (which ends the old sessions on every survivor), and sends the new head the original
 prompt followed by the tokens already generated, with the token budget reduced by as many and the
-sampler started at that step. The new ring rebuilds every KV cache by a pipelined prefill of that
-prompt and samples on: with greedy or seeded sampling the tokens are those of the unbroken run,
-and the caller's stream has no duplicate and no gap. The head's role moves like any other: the
+sampler started at that step. The new ring rebuilds every KV cache from that prompt, the original
+part prefilled as before and the generated tokens in micro-batches of decode's arithmetic
+(prima.engine.generate.prefill), so the caches hold the unbroken run's bits, and samples on: with
+greedy or seeded sampling the tokens are those of the unbroken run, and the caller's stream has no
+duplicate and no gap. The head's role moves like any other: the
 first node of the new plan embeds and samples.
 
 The nodes planned over are those of RingSpec.addresses plus, for a ring found over mDNS, the ones

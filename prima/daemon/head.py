@@ -94,6 +94,13 @@ class RingEngine:
         acts = self._round_trip(token_ids, batch, all_rows=True)
         return np.concatenate([self.model.output_logits(a.hidden) for a in acts])
 
+    def forward_decoded(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """The last token's logits, the tokens sent round the ring as decoding sends them, a few
+        per micro-batch, the micro-batches pipelined (replaying a resumed generation's tokens)."""
+        batch = self.model.backend.batch_identical_tokens
+        last = self._round_trip(token_ids, batch, all_rows=False)[-1]
+        return self.model.output_logits(last.hidden[-1:])[0]
+
     def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         back = self._round_trip(ids, self.ubatch, all_rows=True)

@@ -42,6 +42,15 @@ class VerifyingEngine(Engine, Protocol):
     def rewind(self, n_past: int) -> None: ...
 
 
+@runtime_checkable
+class ReplayingEngine(Protocol):
+    """An engine that can feed tokens as decoding fed them: `forward_decoded` returns the last
+    token's logits, bit for bit what `forward` token by token gives, and leaves the cache with
+    the same bits, in batches as large as keeps that true (a resumed generation's tokens)."""
+
+    def forward_decoded(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
+
+
 class TextDecoder(Protocol):
     def feed(self, token_id: int) -> str: ...
 
@@ -104,7 +113,8 @@ class GenerateRequest:
     continue, how far, how to sample, where to stop. `want_prompt_logits` asks for the prompt's
     last-token logits once, with the end of the generation (`prima run --logits-out`).
     `first_step` > 0 resumes a generation whose first `first_step` tokens end the prompt (after
-    a failover): a seeded sampler continues at that draw, so the output equals the unbroken run's.
+    a failover): they are fed as decoding fed them (`prefill`) and a seeded sampler continues at
+    that draw, so the output equals the unbroken run's.
     `draft` turns on speculative decoding (the output is the same; only its speed changes).
     `want_hidden_states` runs the prompt only (max_tokens must be 0) and returns every prompt
     token's final normed hidden state with the GenerationDone: the rows embeddings pool."""
@@ -179,7 +189,7 @@ def sample_tokens(
     history = list(prompt)
     engine.reset()
     t0 = clock()
-    logits = engine.forward(prompt)
+    logits = prefill(engine, prompt, request.first_step)
     prompt_logits = logits if request.want_prompt_logits else None
     t1 = clock()
     stop_reason = "length"
@@ -216,6 +226,24 @@ def sample_tokens(
     yield GenerationDone(
         stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits, drafted, accepted
     )
+
+
+def prefill(engine: Engine, prompt: list[int], decoded: int = 0) -> np.ndarray:
+    """Feed `prompt` to a reset `engine`; the last token's logits. Its last `decoded` tokens are
+    a resumed generation's, sampled before it stopped (a failover): the rest of the prompt goes
+    in as the first run's prefill did, and those tokens as decoding fed them, so the KV cache
+    and every later logit have the unbroken run's bits (batched prefill computes in another
+    order than decode: in q8 mode its logits differ by up to ~1)."""
+    split = len(prompt) - min(max(decoded, 0), len(prompt) - 1)
+    logits = engine.forward(prompt[:split])
+    rest = prompt[split:]
+    if not rest:
+        return logits
+    if isinstance(engine, ReplayingEngine):
+        return engine.forward_decoded(rest)
+    for token in rest:
+        logits = engine.forward([token])
+    return logits
 
 
 def prompt_hidden_states(

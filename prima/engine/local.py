@@ -73,6 +73,12 @@ class LocalEngine:
         batch = self.model.backend.batch_identical_tokens
         return np.concatenate([self.model.output_logits(h) for h in self._run(token_ids, batch)])
 
+    def forward_decoded(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """The last token's logits, the tokens computed as decoding computes them, a few per
+        batch (replaying a resumed generation's tokens)."""
+        batch = self.model.backend.batch_identical_tokens
+        return self.model.output_logits(self._run(token_ids, batch)[-1][-1:])[0]
+
     def rewind(self, n_past: int) -> None:
         """Forget every position from `n_past` on (rejected draft tokens)."""
         if not 0 <= n_past <= self.n_past:

@@ -1,5 +1,6 @@
 """RingEngine without processes: prefill micro-batches all enter the ring before the first result
-is awaited (pipelined), positions follow each other, and logits come from the last row."""
+is awaited (pipelined), positions follow each other, and logits come from the last row; tokens
+replayed as decoded go in micro-batches no larger than the backend keeps bit-identical rows."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ class _Config:
     vocab_size: int = 5
 
 
+@dataclass
+class _Backend:
+    batch_identical_tokens: int = 2
+
+
 class _Model:
     config = _Config()
+    backend = _Backend()
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return np.repeat(ids[:, None].astype(np.float32), 3, axis=1)
@@ -67,3 +74,15 @@ def test_prefill_micro_batches_are_pipelined() -> None:
     assert link.events[-2] == ("send", 0)
     engine.close()
     assert link.events[-1] == ("close", 0)
+
+
+def test_replayed_tokens_go_in_decode_sized_micro_batches() -> None:
+    link = _Link()
+    engine = RingEngine(_Model(), link, n_ctx=64, ubatch=8)  # type: ignore[arg-type]
+    engine.forward([4, 3, 2])
+    logits = engine.forward_decoded([1, 0, 2, 3, 1])
+    sends = [(k, p) for k, p in link.events if k != "open"][2:]
+    # Batches of 2 (the backend's batch_identical_tokens), every one sent before any is awaited.
+    assert sends == [("send", 3), ("send", 5), ("send", 7), ("recv", 3), ("recv", 5), ("recv", 7)]
+    assert logits[0] == 1.0  # the last token's row
+    assert engine.n_past == 8
