@@ -122,6 +122,7 @@ def test_page_chats_and_shows_the_ring(chromium: str, served: tuple[str, list[st
                 expect(card.locator("dd.windows")).to_have_text(f"round 1: [{start},{end})")
                 expect(card).to_contain_text("resident of")
                 expect(card).to_contain_text("budget 25.0 MiB")
+                expect(card).to_contain_text("RAM: Halda plans with")
                 expect(card).to_contain_text("predicted")
             expect(page.locator("#summary")).to_contain_text("predicted")
 

@@ -222,7 +222,9 @@ function memory(r) {
 
 function device(d) {
   if (!d) return "not profiled (a plan given by hand)";
-  const parts = [d.os, `RAM ${bytes(d.ram_available_bytes)} free of ${bytes(d.ram_total_bytes)}`];
+  // What Halda planned with: the RAM left free, or, under --mem-budget, the budget scaled to hold
+  // each layer's KV cache too (and the head's embedding and output head).
+  const parts = [d.os, `RAM: Halda plans with ${bytes(d.ram_available_bytes)} of ${bytes(d.ram_total_bytes)}`];
   if (d.disk_read_bytes_per_s) parts.push(`disk ${perS(d.disk_read_bytes_per_s, "B")}`);
   if (d.mem_bandwidth_bytes_per_s) parts.push(`memory ${perS(d.mem_bandwidth_bytes_per_s, "B")}`);
   const flops = Object.entries(d.cpu_gflops);
