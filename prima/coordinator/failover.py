@@ -45,6 +45,7 @@ from prima.scheduler.profile import DeviceProfile
 
 from .head_draft import fall_back
 from .loopback_only import usable_addresses
+from .plan_summary import describe_plan
 from .planner import HaldaOptions, plan_ring
 from .ring import Ring, check_same_model
 
@@ -260,6 +261,8 @@ class FailoverRing:
             c.close()
         self.ring.clients, self.ring.devices, self.ring.plan = members, tuple(devices), plan
         self.head_status = head_status
+        model = self.spec.halda.model if self.spec.halda is not None else None
+        log.warning("re-planned, epoch %d: %s", plan.epoch, describe_plan(plan, devices, model))
 
     def _plan(
         self, clients: list[NodeClient], infos: list[NodeStatus], epoch: int

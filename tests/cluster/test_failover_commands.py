@@ -84,6 +84,11 @@ def test_chat_then_run_carry_on_across_killed_nodes(
         on_ring = _chat(monkeypatch, terminal, smollm2_path, "--nodes", nodes, "--windows", "10,10,10")
     assert terminal.kill is None  # the node was killed mid-reply
     assert any("recovered after" in r.getMessage() for r in caplog.records)
+    # The new plan is told as the first one was: two nodes, windows by hand split evenly.
+    replanned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-planned, epoch")]
+    assert replanned, [r.getMessage() for r in caplog.records]
+    assert "windows by hand" in replanned[0]
+    assert replanned[0].count(" [") == 2
     assert on_ring == alone
     assert len(alone.strip().split("\n")) == 2  # two replies, the second after the failover
 
