@@ -7,6 +7,7 @@ draws what the uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,15 @@ class SamplerConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        labels = {
+            "temperature": "temperature",
+            "top_p": "top-p",
+            "min_p": "min-p",
+            "repeat_penalty": "repeat penalty",
+        }
+        for name, label in labels.items():
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{label} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -75,7 +85,11 @@ class Sampler:
         if cfg.min_p > 0.0:
             mask = probs >= cfg.min_p * probs[0]
             ids = ids[mask]
-        probs = _softmax(logits[ids] / np.float32(cfg.temperature))
+        # Shifted so the best logit is 0 before dividing: however small the temperature (5e-324
+        # is a float), the others go to -inf or stay finite, never inf - inf.
+        kept = logits[ids].astype(np.float64)
+        with np.errstate(over="ignore"):  # an overflow is -inf: that token's probability is 0
+            probs = _softmax((kept - kept.max()) / cfg.temperature)
         # A generator per (seed, step): draw n needs no replay of draws 0..n-1.
         rng = np.random.default_rng(np.random.SeedSequence([self._entropy, step]))
         return int(rng.choice(ids, p=probs))

@@ -43,11 +43,34 @@ def test_repeat_penalty_lowers_seen_tokens() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"min_p": 1.0}, {"top_k": -2}, {"repeat_penalty": 0.0}]
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"min_p": 1.0},
+        {"top_k": -2},
+        {"repeat_penalty": 0.0},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+        {"min_p": float("nan")},
+        {"repeat_penalty": float("nan")},
+        {"repeat_penalty": float("inf")},
+    ],
 )
-def test_bad_sampler_settings_are_rejected(kwargs: dict[str, float]) -> None:
-    with pytest.raises(InputError):
+def test_bad_sampler_settings_are_rejected_naming_the_setting(kwargs: dict[str, float]) -> None:
+    (name,) = kwargs
+    with pytest.raises(InputError, match=name.replace("_", "[- ]")):
         SamplerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-30])
+def test_a_vanishing_temperature_samples_the_best_token(temperature: float) -> None:
+    """However small a positive temperature, the draw is the top token, never NaN probabilities
+    (5e-324 is 0 in float32: dividing by it once gave "Probabilities contain NaN")."""
+    logits = np.array([0.5, 3.0, -2.0, 2.999], dtype=np.float32)
+    sampler = Sampler(SamplerConfig(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    assert [sampler.sample(logits) for _ in range(5)] == [1] * 5
 
 
 def test_sampler_resumed_at_step_n_draws_what_the_unbroken_run_draws() -> None:

@@ -153,6 +153,20 @@ def test_generate_refuses_token_ids_outside_the_vocabulary(
     assert "vocabulary" in info.value.details()
 
 
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_generate_refuses_a_temperature_that_is_not_a_number(
+    daemon: tuple[pb_grpc.NodeStub, NodeRuntime], temperature: float
+) -> None:
+    stub, _ = daemon
+    sampler = codec.sampler_to_proto(SamplerConfig())
+    sampler.temperature = temperature
+    req = pb.GenerateRequest(prompt_ids=[1, 2], max_tokens=2, sampler=sampler)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(req, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature must be a finite number" in info.value.details()
+
+
 def test_a_plan_with_accelerator_layers_is_refused_by_a_cpu_node(
     daemon: tuple[pb_grpc.NodeStub, NodeRuntime],
 ) -> None:
