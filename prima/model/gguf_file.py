@@ -225,6 +225,7 @@ class _Cursor:
                 return arr.astype(bool) if item_type == GGUFValueType.BOOL else arr
             if item_type == GGUFValueType.STRING:
                 return self.strings(n)
+            self.need(n)  # at least a byte per item before a list of n is built
             return [self.value(item_type) for _ in range(n)]
         return self.scalar(_SCALAR_FORMATS[kind])
 
@@ -232,6 +233,7 @@ class _Cursor:
         """n length-prefixed strings, indexed but not decoded. The loop is as bare as it can be
         (a 262k-token vocabulary runs it 262k times per open): reading past the end raises
         struct.error, and lengths are checked together afterwards."""
+        self.need(8 * n)  # each string has its 8-byte length at least: check before allocating
         unpack = struct.Struct("<Q").unpack_from
         buf, pos = self.buf, self.pos
         # int64 slots, not a list: a list holds a Python int per string (~3.6 MiB for SmolLM2's

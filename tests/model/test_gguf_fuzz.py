@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES
 from prima.errors import PrimaError
 from prima.model.gguf_file import GGUFFile
 from prima.model.weights import ModelWeights
+from tests.conftest import run_python
 
 SEED = 12
 CASES = {"smollm2": 240, "gemma3": 60}  # gemma's 262k-token vocabulary makes each open slower
@@ -210,5 +211,34 @@ def test_a_huge_vocabulary_string_length_is_refused(
     try:
         with pytest.raises(PrimaError):
             GGUFFile(path)
+    finally:
+        _restore(path, layout, header, c)
+
+
+@pytest.mark.parametrize("count", [2**31, 2**29, 2**24])
+def test_a_huge_string_array_count_is_refused_before_anything_is_allocated(
+    sparse_models: dict[str, tuple[Path, Layout, bytes]], count: int
+) -> None:
+    """Each claimed string needs 8 bytes of length at least: a count the rest of the header
+    cannot hold is refused at once (2**31 merges once made the loader allocate 16 GiB)."""
+    path, layout, header = sparse_models["smollm2"]
+    key = b"tokenizer.ggml.merges"
+    pos = header.index(key) + len(key) + 4 + 4  # value type, item type: the count
+    c = Corruption("field", pos, count.to_bytes(8, "little"))
+    _apply(path, c)
+    try:
+        code = (
+            "import resource, sys\n"
+            "from prima.errors import ModelFileError\n"
+            "from prima.model.gguf_file import GGUFFile\n"
+            "try:\n"
+            "    GGUFFile(sys.argv[1])\n"
+            "except ModelFileError as exc:\n"
+            "    print(exc)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        )
+        message, peak_kib = run_python(code, str(path), timeout=60).stdout.strip().splitlines()
+        assert "truncated" in message
+        assert int(peak_kib) < 512 * 1024  # the process's peak, far below a per-string allocation
     finally:
         _restore(path, layout, header, c)
