@@ -33,7 +33,7 @@ from prima.net.credentials import Identity, cert_name
 from prima.net.limits import DaemonLimits
 from prima.net.link_socket import read_exactly_from, shut
 from prima.net.revocation import RevocationList
-from prima.net.status import StreamTimeoutError, status_for
+from prima.net.status import StreamTimeoutError, status_details, status_for
 
 log = logging.getLogger("prima.net")
 
@@ -122,8 +122,9 @@ class LinkServer:
                 sock = self._tls.wrap_socket(conn, server_side=True)
             self._relay(sock)
         except PrimaError as exc:
-            log.info("activation link: answering %s: %s", status_for(exc).name, exc)
-            _send_quietly(sock, link_wire.error_frame(status_for(exc).name, str(exc)))
+            details = status_details(exc)
+            log.info("activation link: answering %s: %s", status_for(exc).name, details)
+            _send_quietly(sock, link_wire.error_frame(status_for(exc).name, details))
         except (ssl.SSLError, OSError) as exc:
             # No certificate of the cluster, plaintext against TLS, a peer that hung up: nothing
             # reached the node, and there is no one to tell.

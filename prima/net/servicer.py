@@ -23,7 +23,7 @@ from prima.net.limits import CallerSlots, DaemonLimits, consume_bounded
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.run_ahead import WAITING, RunAhead
-from prima.net.status import status_for
+from prima.net.status import status_details, status_for
 from prima.plan import Plan
 
 log = logging.getLogger("prima.net")
@@ -94,8 +94,9 @@ class FileServicer(pb_grpc.NodeServicer):
                 self.handler.authorize(rpc, peer_name(context))
             return fn()
         except PrimaError as exc:
-            log.info("answering %s: %s", status_for(exc).name, exc)
-            context.abort(status_for(exc), str(exc))
+            details = status_details(exc)
+            log.info("answering %s: %s", status_for(exc).name, details)
+            context.abort(status_for(exc), details)
             raise AssertionError("context.abort always raises") from exc
 
     def Manifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ModelManifest:

@@ -62,3 +62,17 @@ def status_for(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, NodeError):
         return grpc.StatusCode.ABORTED  # a peer failed; this node itself is fine
     return grpc.StatusCode.INTERNAL
+
+
+# What a node says back about a failed call is bounded: a message may quote the caller's own
+# strings (a node id, a draft name), and gRPC refuses status details past ~8 KiB of metadata, which
+# would lose the reason along with the quote.
+MAX_DETAILS_CHARS = 1024
+
+
+def status_details(exc: Exception) -> str:
+    """`exc`'s message, cut to MAX_DETAILS_CHARS with a note of how much was left out."""
+    text = str(exc)
+    if len(text) <= MAX_DETAILS_CHARS:
+        return text
+    return f"{text[:MAX_DETAILS_CHARS]}... ({len(text) - MAX_DETAILS_CHARS} more characters cut)"

@@ -19,6 +19,7 @@ from prima.net.codec import Activation
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
+from prima.net.status import MAX_DETAILS_CHARS
 from prima.plan import plan_from_window_sizes
 
 MAX_BATCH = 8
@@ -165,6 +166,24 @@ def test_generate_refuses_a_temperature_that_is_not_a_number(
         list(stub.Generate(req, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature must be a finite number" in info.value.details()
+
+
+def test_an_error_quoting_a_huge_caller_string_is_cut_not_lost(
+    daemon: tuple[pb_grpc.NodeStub, NodeRuntime],
+) -> None:
+    """A 100 kB draft method name is quoted back cut to a bounded length: the caller gets
+    INVALID_ARGUMENT and the reason, not RESOURCE_EXHAUSTED for oversized status metadata."""
+    stub, _ = daemon
+    req = pb.GenerateRequest(
+        prompt_ids=[1, 2], max_tokens=2, sampler=codec.sampler_to_proto(SamplerConfig()), draft="d" * 100_000
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(req, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details()
+    assert "unknown draft method" in details
+    assert "more characters cut" in details
+    assert len(details) < 2 * MAX_DETAILS_CHARS
 
 
 def test_a_plan_with_accelerator_layers_is_refused_by_a_cpu_node(
