@@ -246,16 +246,21 @@ class ApiHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch(self._handle_post)
 
+    def do_HEAD(self) -> None:
+        """GET's status and headers without its body (RFC 9110, 9.3.2)."""
+        self._dispatch(self._handle_get)
+
     def do_PUT(self) -> None:
         self._dispatch(self._method_not_allowed)
 
-    do_DELETE = do_PATCH = do_PUT
+    do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = do_PUT
 
     def _dispatch(self, handler: Callable[[str], None]) -> None:
         """The error boundary: every failure becomes an OpenAI-style JSON error and the
         connection stays usable unless its framing is in doubt."""
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         self._response_started = False
+        self._head_only = self.command == "HEAD"
         try:
             self._check_key(path)
             handler(path)
@@ -314,7 +319,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         """With an API key set, every route but OPEN_PATHS and the page's files needs it, compared
         in constant time. A refused request's body is never read, so the connection closes."""
         key = self.server.api_key
-        if key is None or path in OPEN_PATHS or (self.command == "GET" and is_page_file(path)):
+        if key is None or path in OPEN_PATHS or (self.command in ("GET", "HEAD") and is_page_file(path)):
             return
         scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key):
@@ -406,11 +411,12 @@ class ApiHandler(BaseHTTPRequestHandler):
         self._send_json(HTTPStatus.OK, body)
 
     def _method_not_allowed(self, path: str) -> NoReturn:
-        allowed = "POST" if path in POST_ROUTES or path == EMBEDDINGS_ROUTE else "GET"
+        allowed = "POST" if path in POST_ROUTES or path == EMBEDDINGS_ROUTE else "GET, HEAD"
         raise HttpError(
             HTTPStatus.METHOD_NOT_ALLOWED,
-            f"{self.command} is not allowed on {path}; use {allowed}",
+            f"{self.command} is not allowed on {path}; use {allowed.replace(', ', ' or ')}",
             "method_not_allowed",
+            headers={"Allow": allowed},
         )
 
     def _not_found(self, path: str) -> NoReturn:
@@ -584,6 +590,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
+        if getattr(self, "_head_only", False):
+            return
         try:
             self.wfile.write(data)
         except OSError as exc:

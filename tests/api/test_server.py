@@ -431,6 +431,49 @@ def test_bad_requests_get_4xx_naming_the_problem(
     assert _request(server, "GET", "/health")[0] == 200  # still serving
 
 
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics", "/"])
+def test_head_answers_what_get_does_without_the_body(server: ApiServer, path: str) -> None:
+    conn = _connect(server)
+    try:
+        conn.request("GET", path)
+        got = conn.getresponse()
+        body = got.read()
+        conn.request("HEAD", path)  # the same keep-alive connection: nothing stray follows
+        head = conn.getresponse()
+        assert head.read() == b""
+        assert head.status == got.status == 200
+        assert head.getheader("Content-Type") == got.getheader("Content-Type")
+        if path != "/metrics":  # its counters move between the two requests
+            assert head.getheader("Content-Length") == str(len(body))
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("OPTIONS", "/v1/completions", "POST"),
+        ("TRACE", "/", "GET, HEAD"),
+        ("DELETE", "/v1/models", "GET, HEAD"),
+        ("PUT", "/v1/chat/completions", "POST"),
+    ],
+)
+def test_other_methods_get_405_with_allow(server: ApiServer, method: str, path: str, allow: str) -> None:
+    conn = _connect(server)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        reply = json.loads(resp.read())
+        assert resp.status == 405
+        assert resp.getheader("Allow") == allow
+        assert f"{method} is not allowed on {path}" in reply["error"]["message"]
+    finally:
+        conn.close()
+    assert _request(server, "GET", "/health")[0] == 200
+
+
 def test_oversized_body_is_refused_before_reading(server: ApiServer) -> None:
     conn = _connect(server)
     try:
