@@ -141,11 +141,14 @@ def write_tiny_model(
     seed: int = 0,
     pre: str | None = "qwen2",
     chat_template: str | None = CHATML_TEMPLATE,
+    block_count: int | None = None,
 ) -> Path:
-    """A random-weight model of `arch` with a small byte-level BPE vocabulary (`add_vocab`)."""
+    """A random-weight model of `arch` with a small byte-level BPE vocabulary (`add_vocab`);
+    `block_count` claims another number of layers than the file holds (a corrupt header)."""
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
-    _add_hparams(w, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn)
+    claimed = n_layers if block_count is None else block_count
+    _add_hparams(w, n_layers=claimed, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn)
     if arch == "gemma3":
         w.add_sliding_window(16)  # every layer but each sixth attends to the last 16 positions
     vocab = add_vocab(w, pre=pre, chat_template=chat_template)

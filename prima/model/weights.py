@@ -66,7 +66,26 @@ class ModelWeights:
         self.config: ModelConfig = config_from_metadata(
             gguf.metadata, vocab_size=embd.shape[0], path=gguf.path
         )
+        self._check_layer_tensors()
         self._layers: dict[int, LayerWeights] = {}
+
+    def _check_layer_tensors(self) -> None:
+        """Refuse a file whose layer tensors go past its block count: it would run as a smaller
+        model, silently ignoring the rest (a corrupt or mismatched `<arch>.block_count`)."""
+        n = self.config.n_layers
+        beyond = sorted(
+            {
+                int(idx)
+                for name in self.gguf.tensors
+                if (idx := _layer_index(name)) is not None and int(idx) >= n
+            }
+        )
+        if beyond:
+            raise ModelFileError(
+                f"{self.gguf.path}: the file has tensors for layer(s) {beyond[0]}..{beyond[-1]} but its "
+                f"metadata says {n} layer(s) ({self.config.arch}.block_count); the file is corrupt or "
+                "was converted wrongly: re-download or re-convert it"
+            )
 
     # -- tensors -------------------------------------------------------------------------------
     def _info(self, name: str) -> TensorInfo:
@@ -180,3 +199,11 @@ class ModelWeights:
         _ = self.token_embd, self.output_norm, self.output
         for i in layers if layers is not None else range(self.config.n_layers):
             self.layer(i)
+
+
+def _layer_index(name: str) -> str | None:
+    """ "12" for "blk.12.attn_q.weight", None for a tensor outside the layers."""
+    if not name.startswith("blk."):
+        return None
+    index = name[4:].split(".", 1)[0]
+    return index if index.isdigit() else None

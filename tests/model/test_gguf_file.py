@@ -123,3 +123,14 @@ def test_header_pages_are_released_after_parsing_and_indexing(smollm2_path: Path
     assert touched >= header * 9 // 10
     assert gguf.release_header_pages() == header // mmap.PAGESIZE * mmap.PAGESIZE
     assert _resident_bytes_of_mapping(address) <= min(allowance, touched - header // 2)
+
+
+def test_layers_beyond_the_block_count_are_refused(tmp_path: Path) -> None:
+    """A header that claims fewer layers than the file holds (llama.block_count 3 -> 1) would
+    run as a one-layer model, ignoring the rest: refused, naming the layers and the key."""
+    path = write_tiny_model(tmp_path / "short.gguf", n_layers=3, block_count=1)
+    with pytest.raises(
+        ModelFileError, match=r"layer\(s\) 1\.\.2 but its metadata says 1 layer\(s\) \(llama.block_count\)"
+    ):
+        ModelWeights(GGUFFile(path))
+    ModelWeights(GGUFFile(write_tiny_model(tmp_path / "whole.gguf", n_layers=3)))  # the honest file opens
