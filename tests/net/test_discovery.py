@@ -20,6 +20,8 @@ from prima.net import discovery
 from prima.net.codec import PROTOCOL_VERSION
 from prima.net.discovery import AdvertError, Advertiser, NodeAdvert
 
+from .hostile_adverts import hostile_adverts
+
 LOOPBACK = ["127.0.0.1"]
 FP_A = "a1" * 32
 FP_B = "b2" * 32
@@ -345,3 +347,48 @@ def test_nodes_command_fails_when_too_few_answer(
     monkeypatch.setattr(discovery, "browse", lambda *a, **k: [_advert("node0", 7600)])
     assert main(["nodes", "--expect", "2", "--timeout", "0.1"]) == 1
     assert "found 1 of the 2 node(s) expected in 0.1 s" in capsys.readouterr().err
+
+
+# -- garbage and hostile adverts -----------------------------------------------------------------
+def test_garbage_adverts_never_hide_the_real_ones(
+    service_type: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """16 instances without an address record, 17 malformed TXT records and 40 adverts for dead
+    ports (two claiming the real nodes' ids) beside two real adverts: every browse of five finds
+    both real ones, and each skipped instance is warned about once across all five."""
+    real = [_advert("node0", 17650), _advert("node1", 17651)]
+    with (
+        hostile_adverts(service_type, FP_A, clash_ids=("node0", "node1")),
+        advertising(real, service_type),
+        caplog.at_level(logging.DEBUG, "prima.net"),
+    ):
+        for _ in range(5):
+            found = discovery.browse(5.0, interfaces=LOOPBACK, service_type=service_type, enough=_both_real)
+            assert {a.address for a in found} >= {a.address for a in real}
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "skipping" in r.getMessage()
+    ]
+    assert len(warned) == len(set(warned))
+    assert any("noaddr" in m for m in warned)
+    assert any("bad" in m for m in warned)
+
+
+def _both_real(found: list[NodeAdvert]) -> bool:
+    return {"127.0.0.1:17650", "127.0.0.1:17651"} <= {a.address for a in found}
+
+
+def test_a_flood_of_instances_is_capped(
+    service_type: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(discovery, "MAX_INSTANCES", 8)
+    with (
+        hostile_adverts(service_type, FP_A, addressless=0, malformed=0, dead_ports=20),
+        caplog.at_level(logging.DEBUG, "prima.net"),
+    ):
+        found = discovery.browse(2.0, interfaces=LOOPBACK, service_type=service_type)
+    assert 0 < len(found) <= 8
+    floods = [r.levelno for r in caplog.records if "a flood?" in r.getMessage()]
+    assert floods.count(logging.WARNING) == 1  # then at debug level
+    assert any("over the instance cap" in r.getMessage() for r in caplog.records)
