@@ -16,7 +16,7 @@ from zeroconf import ServiceInfo, Zeroconf
 
 from prima.cli.main import main
 from prima.errors import InputError, PlanError
-from prima.net import discovery
+from prima.net import credentials, discovery
 from prima.net.codec import PROTOCOL_VERSION
 from prima.net.discovery import AdvertError, Advertiser, NodeAdvert
 
@@ -316,6 +316,7 @@ def test_nodes_command_lists_advertised_nodes_as_json(
     service_type: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(discovery, "SERVICE_TYPE", service_type)
+    monkeypatch.setattr(credentials, "client_identity", lambda: None)  # nothing to check with
     adverts = [_advert(f"node{i}", 17640 + i) for i in range(2)]
     with advertising(adverts, service_type):
         code = main(["nodes", "--json", "--timeout", "3", "--expect", "2", "--interface", "127.0.0.1"])
@@ -326,6 +327,7 @@ def test_nodes_command_lists_advertised_nodes_as_json(
     assert [(n["node_id"], n["address"], n["model_fingerprint"]) for n in doc["nodes"]] == [
         (a.node_id, a.address, FP_A) for a in adverts
     ]
+    assert {n["membership"] for n in doc["nodes"]} == {"unverified"}
 
 
 # -- prima nodes, without the network ------------------------------------------------------------
@@ -334,10 +336,18 @@ def test_nodes_command_prints_a_table_and_warnings(
 ) -> None:
     ring = [_advert("node0", 7600), _advert("node1", 7601, fp=FP_B)]
     monkeypatch.setattr(discovery, "browse", lambda *a, **k: ring)
+    monkeypatch.setattr(credentials, "client_identity", lambda: None)
     assert main(["nodes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NODE", "ADDRESS", "PROTO", "MODEL", "HASH", "MODEL"]
-    assert lines[1].split() == ["node0", "127.0.0.1:7600", f"v{PROTOCOL_VERSION}", FP_A[:12], "smollm2-135m"]
+    assert lines[0].split() == ["NODE", "ADDRESS", "MEMBERSHIP", "PROTO", "MODEL", "HASH", "MODEL"]
+    assert lines[1].split() == [
+        "node0",
+        "127.0.0.1:7600",
+        "unverified",
+        f"v{PROTOCOL_VERSION}",
+        FP_A[:12],
+        "smollm2-135m",
+    ]
     assert lines[3].startswith("warning: the nodes serve 2 different model files")
 
 
@@ -345,8 +355,9 @@ def test_nodes_command_fails_when_too_few_answer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(discovery, "browse", lambda *a, **k: [_advert("node0", 7600)])
+    monkeypatch.setattr(credentials, "client_identity", lambda: None)
     assert main(["nodes", "--expect", "2", "--timeout", "0.1"]) == 1
-    assert "found 1 of the 2 node(s) expected in 0.1 s" in capsys.readouterr().err
+    assert "found 1 of the 2 member(s) expected in 0.1 s" in capsys.readouterr().err
 
 
 # -- garbage and hostile adverts -----------------------------------------------------------------
