@@ -265,26 +265,6 @@ def check_adverts(
     return problems
 
 
-def pick_fetch_source(adverts: Sequence[NodeAdvert]) -> NodeAdvert:
-    """The daemon a node without the model file fetches from: one advertising the whole file;
-    InputError naming the choices when there is none or the holders serve different models."""
-    holders = [a for a in adverts if a.holds_full_file and a.protocol_version == PROTOCOL_VERSION]
-    if not holders:
-        seen = ", ".join(f"{a.node_id} ({_describe_model(a)})" for a in adverts) or "none"
-        raise InputError(
-            f"no primad on this network advertises the whole model file (daemons seen: {seen}); start "
-            "one with the file, or pass --fetch-from HOST:PORT"
-        )
-    models = {a.model_fingerprint for a in holders}
-    if len(models) > 1:
-        which = ", ".join(f"{a.node_id} at {a.address} ({_describe_model(a)})" for a in holders)
-        raise InputError(
-            f"daemons holding different model files advertise: {which}; pass --fetch-from HOST:PORT of "
-            "the one to fetch from"
-        )
-    return holders[0]
-
-
 def _describe_model(a: NodeAdvert) -> str:
     return f"{a.model_name} {a.short_fingerprint}" if a.model_name else a.short_fingerprint
 

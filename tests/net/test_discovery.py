@@ -73,17 +73,6 @@ def test_txt_carries_whether_a_daemon_holds_the_whole_file(full: bool) -> None:
     assert not discovery.decode_txt(_txt(), "127.0.0.1", 7600).holds_full_file  # an older daemon
 
 
-def test_a_node_without_the_file_picks_a_daemon_advertising_it() -> None:
-    partial = _advert("partial", 7601)
-    holder = NodeAdvert("holder", "127.0.0.1", 7602, FP_A, "m", holds_full_file=True)
-    assert discovery.pick_fetch_source([partial, holder]) == holder
-    with pytest.raises(InputError, match=r"no primad .* advertises the whole model file .*partial"):
-        discovery.pick_fetch_source([partial])
-    other = NodeAdvert("other", "127.0.0.1", 7603, FP_B, "m2", holds_full_file=True)
-    with pytest.raises(InputError, match="different model files.*--fetch-from HOST:PORT"):
-        discovery.pick_fetch_source([holder, other])
-
-
 def test_txt_encode_clips_a_long_model_name() -> None:
     a = NodeAdvert("n0", "127.0.0.1", 7600, FP_A, "é" * 100 + "\n")
     name = discovery.encode_txt(a)["model"]
