@@ -26,6 +26,7 @@ from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import StepBar, stage
 from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.daemon.drain import drain
+from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S, fetch_header
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.draft_model import load_draft_model
 from prima.engine.thread_tuning import tuned_setting
@@ -35,9 +36,7 @@ from prima.forward.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
 from prima.model.sparse import SparseFile
 from prima.net import credentials
-from prima.net.client import NodeClient
-from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert, browse, pick_fetch_source
-from prima.net.fetch import bootstrap
+from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.limits import DaemonLimits, check_address
 from prima.net.link_server import LinkServer
 from prima.net.revocation import REVOKED_FILE, RevocationList
@@ -70,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(or a partial) file at --model, fetch from it the header now and, when a plan arrives, only "
         "the bytes of this node's windows, into a sparse file at --model (a path, or a model name's "
         "place in the cache)",
+    )
+    p.add_argument(
+        "--fetch-wait",
+        type=float,
+        default=DEFAULT_FETCH_WAIT_S,
+        metavar="SECONDS",
+        help="how long --fetch-from waits for a source that is not up yet (still starting, or not "
+        f"advertised yet), with a progress line (default {DEFAULT_FETCH_WAIT_S:g})",
     )
     p.add_argument(
         "--disk-budget",
@@ -274,8 +281,6 @@ def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
     disk_budget = parse_disk_budget(args.disk_budget)
     identity = load_node_identity(args)
-    if args.fetch_from == FETCH_FROM_MDNS:
-        args.fetch_from = find_fetch_source(args)
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
     # Before the ready line: a coordinator's calls then never wait on a compile.
@@ -384,26 +389,28 @@ def open_link_server(
     return link
 
 
-def find_fetch_source(args: argparse.Namespace) -> str:
-    """--fetch-from mdns: the address of a daemon advertising the whole model file. The advert is
-    a hint: the bytes are checked against their hashes and the fingerprint, over mutual TLS."""
-    stage("looking for a primad holding the whole model over mDNS", prog="primad")
-    source = pick_fetch_source(browse(interfaces=args.mdns_interface))
-    log.info("fetching from %s at %s (%s)", source.node_id, source.address, source.model_name)
-    return source.address
-
-
 def fetch_model(args: argparse.Namespace, identity: credentials.Identity | None) -> SparseFile:
     """--fetch-from: the file at --model (a name's cache path, or a path), made a sparse copy
-    of the model the peer serves holding at least its header (see prima.net.fetch)."""
-    check_address(args.fetch_from)
+    of the model a source serves holding at least its header (see prima.net.fetch); the source
+    (`mdns`: the first daemon advertising the whole file that passes the TLS check) becomes
+    args.fetch_from. A source not up yet is waited for, up to --fetch-wait."""
+    named = None if args.fetch_from == FETCH_FROM_MDNS else args.fetch_from
+    if named is not None:
+        check_address(named)
+    else:
+        stage("looking for a primad holding the whole model over mDNS", prog="primad")
     name = str(args.model)
     path = model_path(name) if name in KNOWN_MODELS else Path(name).expanduser()
-    source = NodeClient(args.fetch_from, identity=identity or "plaintext")
-    try:
-        return bootstrap(path, source)
-    finally:
-        source.close()
+    store, args.fetch_from = fetch_header(
+        path,
+        named=named,
+        identity=identity,
+        interfaces=args.mdns_interface,
+        wait_s=args.fetch_wait,
+        progress=lambda msg: stage(msg, prog="primad"),
+    )
+    log.info("fetched the header from %s", args.fetch_from)
+    return store
 
 
 def _serve_metrics(runtime: NodeRuntime, host: str, port: int | None) -> int | None:

@@ -11,17 +11,19 @@ AdvertError, and browse skips it with a warning logged once per peer (then at de
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import logging
 import os
-import queue
 import re
 import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -263,26 +265,6 @@ def check_adverts(
     return problems
 
 
-def pick_fetch_source(adverts: Sequence[NodeAdvert]) -> NodeAdvert:
-    """The daemon a node without the model file fetches from: one advertising the whole file;
-    InputError naming the choices when there is none or the holders serve different models."""
-    holders = [a for a in adverts if a.holds_full_file and a.protocol_version == PROTOCOL_VERSION]
-    if not holders:
-        seen = ", ".join(f"{a.node_id} ({_describe_model(a)})" for a in adverts) or "none"
-        raise InputError(
-            f"no primad on this network advertises the whole model file (daemons seen: {seen}); start "
-            "one with the file, or pass --fetch-from HOST:PORT"
-        )
-    models = {a.model_fingerprint for a in holders}
-    if len(models) > 1:
-        which = ", ".join(f"{a.node_id} at {a.address} ({_describe_model(a)})" for a in holders)
-        raise InputError(
-            f"daemons holding different model files advertise: {which}; pass --fetch-from HOST:PORT of "
-            "the one to fetch from"
-        )
-    return holders[0]
-
-
 def _describe_model(a: NodeAdvert) -> str:
     return f"{a.model_name} {a.short_fingerprint}" if a.model_name else a.short_fingerprint
 
@@ -374,14 +356,25 @@ _warned: set[str] = set()
 _WARNED_MAX = 1024
 
 
+def _debug_once(key: str, msg: str, *args: object) -> None:
+    """Noise worth one debug line per peer (a flood's each instance)."""
+    if key not in _warned:
+        _warn_key(key)
+        log.debug(msg, *args)
+
+
+def _warn_key(key: str) -> None:
+    if len(_warned) >= _WARNED_MAX:
+        _warned.clear()
+    _warned.add(key)
+
+
 def _warn_once(key: str, msg: str, *args: object) -> None:
     """Peers repeat themselves every browse: warn the first time, then only at debug level."""
     if key in _warned:
         log.debug(msg, *args)
         return
-    if len(_warned) >= _WARNED_MAX:
-        _warned.clear()
-    _warned.add(key)
+    _warn_key(key)
     log.warning(msg, *args)
 
 
@@ -484,6 +477,147 @@ class Advertiser:
             zc.close()
 
 
+# A browse considers at most this many instance names: more is a flood, not a home's devices.
+MAX_INSTANCES = 256
+# Address and TXT requests in flight at once (each waits up to RESOLVE_WAIT_MS on zeroconf's loop).
+MAX_RESOLVING = 32
+RESOLVE_WAIT_MS = 1000
+
+
+class _Instances:
+    """The instances of one service type a browser has seen, resolved as they come: from
+    zeroconf's cache when their records came with the announcement (the usual case), else by a
+    request run on zeroconf's own loop, up to MAX_RESOLVING at once. Nothing waits on one
+    instance, so adverts that never send an address, or send garbage, cannot delay the others;
+    each is skipped and logged once. Past MAX_INSTANCES names, new ones are skipped."""
+
+    def __init__(self, zc: Zeroconf, service_type: str) -> None:
+        self._zc, self._type = zc, service_type
+        self._changed = threading.Condition()
+        self._found: dict[str, NodeAdvert] = {}
+        self._seen: set[str] = set()
+        self._version: dict[str, int] = {}  # per name, bumped by every event: late answers lose
+        self._waiting: deque[tuple[str, int]] = deque()
+        self._resolving = 0
+        self._closed = False
+        self._browser = ServiceBrowser(zc, service_type, handlers=[self._on_change])
+
+    def adverts(self) -> list[NodeAdvert]:
+        """The instances resolved to a valid advert now, one per (node id, address)."""
+        with self._changed:
+            return _dedupe(self._found.values())
+
+    def wait(self, timeout_s: float) -> None:
+        """Until an advert comes or goes, or `timeout_s` passed."""
+        with self._changed:
+            self._changed.wait(timeout_s)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._waiting.clear()
+        self._browser.cancel()
+
+    def _on_change(
+        self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
+    ) -> None:
+        # Runs on the browser's own thread: nothing here blocks.
+        with self._changed:
+            if self._closed or (name not in self._seen and state_change == ServiceStateChange.Removed):
+                return
+            if name not in self._seen:
+                if len(self._seen) >= MAX_INSTANCES:
+                    _warn_once(
+                        f"flood:{self._type}",
+                        "mDNS: over %d instances of %s are advertised (a flood?); skipping the rest",
+                        MAX_INSTANCES,
+                        self._type,
+                    )
+                    _debug_once(f"over:{name}", "mDNS: skipping %r: over the instance cap", name)
+                    return
+                self._seen.add(name)
+            version = self._version[name] = self._version.get(name, 0) + 1
+            if state_change == ServiceStateChange.Removed:
+                if self._found.pop(name, None) is not None:
+                    self._changed.notify_all()
+                return
+        self._start(name, version)
+
+    def _start(self, name: str, version: int) -> None:
+        try:
+            info = ServiceInfo(self._type, name)
+        except BadTypeInNameException as exc:
+            _warn_once(f"name:{name}", "mDNS: skipping service %r: %s", name, exc)
+            return
+        if info.load_from_cache(self._zc):
+            self._settle(name, version, info, answered=True)
+            return
+        with self._changed:
+            if self._closed:
+                return
+            if self._resolving >= MAX_RESOLVING:
+                self._waiting.append((name, version))
+                return
+            self._resolving += 1
+        try:
+            request = asyncio.run_coroutine_threadsafe(
+                info.async_request(self._zc, RESOLVE_WAIT_MS), self._zc.loop
+            )
+        except RuntimeError:  # zeroconf is closing
+            self._finish_one()
+            return
+        request.add_done_callback(lambda done: self._answered(name, version, info, done))
+
+    def _answered(self, name: str, version: int, info: ServiceInfo, done: Future[bool]) -> None:
+        answered = not done.cancelled() and done.exception() is None and bool(done.result())
+        self._settle(name, version, info, answered)
+        self._finish_one()
+
+    def _finish_one(self) -> None:
+        with self._changed:
+            self._resolving -= 1
+            if self._closed or not self._waiting:
+                return
+            name, version = self._waiting.popleft()
+        self._start(name, version)
+
+    def _settle(self, name: str, version: int, info: ServiceInfo, answered: bool) -> None:
+        advert = _advert_of(name, info) if answered else None
+        if not answered:
+            _warn_once(
+                f"noanswer:{name}", "mDNS: %r did not send its address and TXT record; skipping it", name
+            )
+        with self._changed:
+            if self._version.get(name) != version:
+                return  # a later event for this name decides
+            if advert is None:
+                self._found.pop(name, None)
+            else:
+                self._found[name] = advert
+            self._changed.notify_all()
+
+
+def _advert_of(name: str, info: ServiceInfo) -> NodeAdvert | None:
+    """The advert an instance's records make, or None (logged once) if they make none."""
+    hosts = rank_hosts(info.parsed_scoped_addresses())
+    if not hosts or info.port is None:
+        _warn_once(f"noaddr:{name}", "mDNS: %r advertises no usable address; skipping it", name)
+        return None
+    try:
+        advert = decode_txt(info.properties, hosts[0], info.port, instance=name)
+    except AdvertError as exc:
+        _warn_once(f"txt:{name}", "mDNS: skipping %r at %s:%d: %s", name, hosts[0], info.port, exc)
+        return None
+    return dataclasses.replace(advert, hosts=tuple(hosts))
+
+
+def _open_zeroconf(interfaces: Sequence[str] | str | None, what: str) -> Zeroconf:
+    try:
+        return Zeroconf(interfaces=resolve_interfaces(interfaces))
+    except OSError as exc:
+        raise NodeError(f"cannot open mDNS sockets ({exc}); {what}") from exc
+
+
 def browse(
     timeout_s: float = DEFAULT_BROWSE_S,
     *,
@@ -493,50 +627,29 @@ def browse(
     enough: Callable[[list[NodeAdvert]], bool] | None = None,
 ) -> list[NodeAdvert]:
     """The daemons that answer within `timeout_s`, sorted by node id; returns as soon as
-    adverts of `expect` node ids are in, or `enough(adverts)` says so (e.g. once they proved
-    membership). Malformed or unresolvable services are skipped with a warning.
-    `service_type` (default SERVICE_TYPE) lets tests browse a private type."""
+    adverts of `expect` node ids are in, or `enough(adverts)` says so (asked whenever the
+    adverts change and a few times a second: it must not block). Malformed, address-less or
+    surplus instances are skipped with a warning. `service_type` lets tests browse a private type."""
     if enough is None:
         enough = (
             (lambda _: False) if expect is None else (lambda found: len({a.node_id for a in found}) >= expect)
         )
     service_type = resolve_service_type(service_type)
     deadline = time.monotonic() + timeout_s
-    events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
-    found: dict[str, NodeAdvert] = {}
-
-    def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
-        # Runs on zeroconf's event loop thread, where blocking requests are not allowed: hand off.
-        events.put((name, state_change))
-
-    try:
-        zc = Zeroconf(interfaces=resolve_interfaces(interfaces))
-    except OSError as exc:
-        raise NodeError(
-            f"cannot open mDNS sockets ({exc}); pass --nodes host:port,... instead of discovering"
-        ) from exc
-    browser = ServiceBrowser(zc, service_type, handlers=[on_change])
+    zc = _open_zeroconf(interfaces, "pass --nodes host:port,... instead of discovering")
+    instances = _Instances(zc, service_type)
     try:
         # By default count node ids, not adverts: an advert that clashes with a node's id must
         # not end the search before the genuine nodes are in.
-        while not enough(list(found.values())):
+        while not enough(instances.adverts()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                name, change = events.get(timeout=min(remaining, 0.25))
-            except queue.Empty:
-                continue
-            if change == ServiceStateChange.Removed:
-                found.pop(name, None)
-                continue
-            advert = _resolve(zc, service_type, name, deadline)
-            if advert is not None:
-                found[name] = advert
+            instances.wait(min(remaining, 0.25))
+        adverts = instances.adverts()
     finally:
-        browser.cancel()
+        instances.close()
         zc.close()
-    adverts = _dedupe(found.values())
     log.info("mDNS browse found %d node(s): %s", len(adverts), ", ".join(a.node_id for a in adverts))
     return adverts
 
@@ -550,75 +663,21 @@ class AdvertWatch:
         self, *, interfaces: Sequence[str] | str | None = None, service_type: str | None = None
     ) -> None:
         self.service_type = resolve_service_type(service_type)
-        self._events: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
-        self._found: dict[str, NodeAdvert] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        try:
-            self._zc = Zeroconf(interfaces=resolve_interfaces(interfaces))
-        except OSError as exc:
-            raise NodeError(f"cannot open mDNS sockets ({exc}); nodes that come back are not found") from exc
-        self._browser = ServiceBrowser(self._zc, self.service_type, handlers=[self._on_change])
-        # Resolving blocks, which zeroconf's event loop thread must not do: it happens here.
-        self._resolver = threading.Thread(target=self._resolve_changes, name="prima-mdns-watch", daemon=True)
-        self._resolver.start()
-
-    def _on_change(
-        self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
-    ) -> None:
-        self._events.put((name, state_change))
-
-    def _resolve_changes(self) -> None:
-        while not self._closed.is_set():
-            try:
-                name, change = self._events.get(timeout=0.25)
-            except queue.Empty:
-                continue
-            advert = None
-            if change != ServiceStateChange.Removed:
-                advert = _resolve(self._zc, self.service_type, name, time.monotonic() + 1.0)
-            with self._lock:
-                if advert is None:
-                    self._found.pop(name, None)
-                else:
-                    self._found[name] = advert
+        self._zc = _open_zeroconf(interfaces, "nodes that come back are not found")
+        self._instances = _Instances(self._zc, self.service_type)
+        self._closed = False
 
     def adverts(self) -> list[NodeAdvert]:
         """The daemons advertised now, sorted by node id."""
-        with self._lock:
-            return _dedupe(self._found.values())
+        return self._instances.adverts()
 
     def close(self) -> None:
         """Stop browsing and close the sockets; safe to call twice."""
-        if self._closed.is_set():
+        if self._closed:
             return
-        self._closed.set()
-        self._browser.cancel()
-        self._resolver.join(timeout=2.0)
+        self._closed = True
+        self._instances.close()
         self._zc.close()
-
-
-def _resolve(zc: Zeroconf, service_type: str, name: str, deadline: float) -> NodeAdvert | None:
-    """Ask for one instance's SRV, TXT and address records (usually already cached with the PTR)."""
-    try:
-        info = ServiceInfo(service_type, name)
-    except BadTypeInNameException as exc:
-        _warn_once(f"name:{name}", "mDNS: skipping service %r: %s", name, exc)
-        return None
-    wait_ms = max(50, int(min(deadline - time.monotonic(), 1.0) * 1000))
-    if not info.request(zc, wait_ms):
-        _warn_once(f"noanswer:{name}", "mDNS: %r did not send its address and TXT record; skipping it", name)
-        return None
-    hosts = rank_hosts(info.parsed_scoped_addresses())
-    if not hosts or info.port is None:
-        _warn_once(f"noaddr:{name}", "mDNS: %r advertises no usable address; skipping it", name)
-        return None
-    try:
-        advert = decode_txt(info.properties, hosts[0], info.port, instance=name)
-        return dataclasses.replace(advert, hosts=tuple(hosts))
-    except AdvertError as exc:
-        _warn_once(f"txt:{name}", "mDNS: skipping %r at %s:%d: %s", name, hosts[0], info.port, exc)
-        return None
 
 
 def _dedupe(adverts: Iterable[NodeAdvert]) -> list[NodeAdvert]:

@@ -5,7 +5,9 @@ computes exactly the single-device tokens."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from prima.model.byte_ranges import needed_ranges, total_bytes
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient
+from prima.net.discovery import Advertiser, NodeAdvert
+from prima.net.server import start_server
 
 from .conftest import reference_tokens, ring_tokens
 
@@ -95,3 +99,56 @@ def test_a_node_finds_a_daemon_holding_the_file_over_mdns(
     assert status.model_fingerprint == fingerprint
     assert not status.holds_full_file
     assert 0 < SparseFile.open(part).held_bytes() < smollm2_path.stat().st_size // 10
+
+
+def test_a_node_skips_a_rogue_holder_and_waits_for_the_real_one(
+    mdns_env: None, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """`primad --fetch-from mdns` started before any member holds the file, while a plaintext
+    rogue advertises full=1 (tried first: its id sorts first): the node skips the rogue with a
+    line, waits with a progress line, and fetches from the real holder once it is up."""
+    part = tmp_path / "node1" / "model.gguf"
+    logs = tmp_path / "logs"
+    with GGUFFile(smollm2_path) as gguf:
+        fingerprint = gguf.fingerprint()
+    rogue, rogue_port = start_server(object(), "127.0.0.1", 0)  # type: ignore[arg-type]  # plaintext
+    advert = NodeAdvert("a-rogue", "127.0.0.1", rogue_port, fingerprint, "m", holds_full_file=True)
+    with Advertiser(advert, interfaces="127.0.0.1"), ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(
+            LocalRing.start,
+            1,
+            smollm2_path,
+            models=[part],
+            names=["node1"],
+            threads=1,
+            log_dir=logs / "follower",
+            extra_args=("--fetch-from", "mdns", "--fetch-wait", "120"),
+        )
+        try:
+            follower_log = logs / "follower" / "node0.log"
+            assert _wait_for_line(follower_log, f"skipping 127.0.0.1:{rogue_port}", starting)
+            with LocalRing.start(1, smollm2_path, threads=1, log_dir=logs / "holder", mdns=True):
+                with starting.result(timeout=120) as follower:
+                    client = NodeClient(follower.addresses[0])
+                    try:
+                        status = client.info()
+                    finally:
+                        client.close()
+                    log = follower_log.read_text()
+        finally:
+            rogue.stop(grace=None)
+    assert status.model_fingerprint == fingerprint
+    assert log.count(f"skipping 127.0.0.1:{rogue_port}") == 1
+    assert "not a member of this cluster" in log
+    assert 0 < SparseFile.open(part).held_bytes() < smollm2_path.stat().st_size // 10
+
+
+def _wait_for_line(path: Path, text: str, starting: Future[LocalRing], timeout_s: float = 60.0) -> bool:
+    """Whether `text` shows in the log at `path` within `timeout_s` (False at once if the daemon
+    ended first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not starting.done():
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.2)
+    return False

@@ -25,6 +25,7 @@ from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile, NodeStatus
 from prima.net.credentials import ClusterCA
 from prima.net.server import start_server
+from tests.net.hostile_adverts import hostile_adverts
 
 from .conftest import start_ring
 
@@ -140,6 +141,43 @@ def test_clashing_and_garbage_adverts_do_not_break_discovery(
         for advertiser in advertisers:
             advertiser.close()
         server.stop(grace=None)
+    out = json.loads(capsys.readouterr().out)
+    assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
+    assert handler.calls == []
+    assert out["token_ids"] == _reference(smollm2_path)
+
+
+def test_members_are_found_past_hostile_adverts(ring: LocalRing, smollm2_path: Path, capsys) -> None:  # noqa: ANN001
+    """The LAN of issue 36: 16 instances without an address record, 17 malformed TXT records, 40
+    dead-port adverts (two claiming the ring's node ids) and a plaintext rogue advertising the
+    whole file beside two real primad: `prima nodes --expect 2` finds both members in each of 5
+    trials, the full listing marks the rogue as no member, and `prima run --expect 2` runs on
+    the members."""
+    honest = NodeClient(ring.addresses[0])
+    info = honest.info()
+    honest.close()
+    handler = RogueHandler(dataclasses.replace(info, node_id="a-rogue"), None)
+    rogue, port = start_server(handler, "127.0.0.1", 0)  # type: ignore[arg-type]  # plaintext
+    rogue_advert = discovery.NodeAdvert(
+        "a-rogue", "127.0.0.1", port, info.model_fingerprint, info.model_name, holds_full_file=True
+    )
+    ids = {"node0", "node1"}
+    service_type = discovery.resolve_service_type()
+    try:
+        with hostile_adverts(
+            service_type, info.model_fingerprint, clash_ids=tuple(ids), extra=(rogue_advert,)
+        ):
+            for _ in range(5):
+                assert main(["nodes", "--json", "--expect", "2", "--timeout", "10"]) == 0
+                nodes = json.loads(capsys.readouterr().out)["nodes"]
+                assert {n["member_id"] for n in nodes if n["membership"] == "member"} == ids
+            assert main(["nodes", "--json", "--timeout", "3"]) == 0
+            marks = {n["node_id"]: n["membership"] for n in json.loads(capsys.readouterr().out)["nodes"]}
+            argv = ["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", str(MAX_TOKENS), "--ctx", str(N_CTX)]
+            assert main([*argv, "--json", "--exact", "--expect", "2", "--discover-timeout", "10"]) == 0
+    finally:
+        rogue.stop(grace=None)
+    assert marks["a-rogue"] == "not a member"
     out = json.loads(capsys.readouterr().out)
     assert {n["address"] for n in out["plan"]["nodes"]} <= set(ring.addresses)
     assert handler.calls == []

@@ -12,11 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from prima.coordinator.members import discover_members
+from prima.coordinator.members import Check, check_member, discover_members
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA
 from prima.net.discovery import Advertiser, NodeAdvert
 from prima.net.server import start_server
+from tests.net.hostile_adverts import hostile_adverts
 
 FP = "c3" * 32
 LOOPBACK = "127.0.0.1"
@@ -57,6 +58,34 @@ def test_rogue_adverts_neither_end_the_search_nor_count(cluster: ClusterCA) -> N
         rogue.stop(grace=None)
     assert found.addresses == (f"{LOOPBACK}:{genuine_port}",)
     assert found.node_ids == {"node0"}
+    verdicts = {a.port: found.check(a).verdict for a in found.adverts}
+    assert verdicts == {rogue_port: "not a member", 1: "unverified", genuine_port: "member"}
+
+
+def test_members_are_found_whatever_else_is_advertised(cluster: ClusterCA) -> None:
+    """Two members beside 16 address-less instances, 17 malformed TXT records, 40 dead-port
+    adverts (two claiming the members' ids) and a plaintext rogue advertising the whole file:
+    each of five searches finds both members, and the rogue is marked as no member."""
+    servers = [_serve(cluster.issue(f"node{i}")) for i in range(2)]
+    rogue, rogue_port = start_server(object(), LOOPBACK, 0)  # type: ignore[arg-type]  # plaintext
+    genuine = tuple(NodeAdvert(f"node{i}", LOOPBACK, port, FP) for i, (_, port) in enumerate(servers))
+    rogue_advert = NodeAdvert("rogue", LOOPBACK, rogue_port, FP, holds_full_file=True)
+    service_type = discovery.resolve_service_type()
+    try:
+        with hostile_adverts(service_type, FP, clash_ids=("node0", "node1"), extra=(rogue_advert, *genuine)):
+            for _ in range(5):
+                found = discover_members(8.0, interfaces=LOOPBACK, expect=2, model_fingerprint=FP)
+                assert found.node_ids == {"node0", "node1"}
+                assert set(found.addresses) == {a.address for a in genuine}
+            found = discover_members(3.0, interfaces=LOOPBACK, model_fingerprint=FP)  # hears everything
+    finally:
+        for server, _ in servers:
+            server.stop(grace=None)
+        rogue.stop(grace=None)
+    ports = {rogue_port, *(port for _, port in servers)}
+    verdicts = {a.node_id: found.check(a).verdict for a in found.adverts if a.port in ports}
+    assert verdicts == {"rogue": "not a member", "node0": "member", "node1": "member"}
+    assert {found.check(a).verdict for a in found.adverts if a.node_id.startswith("dead")} == {"unverified"}
 
 
 def test_adverts_for_another_model_are_left_out(cluster: ClusterCA) -> None:
@@ -75,16 +104,14 @@ def test_adverts_for_another_model_are_left_out(cluster: ClusterCA) -> None:
 def test_every_address_an_advert_lists_is_tried(cluster: ClusterCA) -> None:
     """A daemon listed at two addresses, the first a dead end from here (another interface):
     the second proves membership and is the one kept."""
-    from prima.coordinator.members import _members
-
     server, port = start_server(object(), "127.0.0.2", 0, identity=cluster.issue("node0"))  # type: ignore[arg-type]
     dead, live = f"{LOOPBACK}:{port}", f"127.0.0.2:{port}"
     laptop = cluster.issue("laptop")
     try:
-        checked = _members([dead], laptop, {dead: (dead, live)})
+        check = check_member(dead, laptop, (dead, live))
     finally:
         server.stop(grace=None)
-    assert checked == {dead: None, live: "node0"}
+    assert check == Check("member", live, "node0")
 
 
 def test_addresses_are_ranked_lan_ipv4_first() -> None:

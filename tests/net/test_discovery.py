@@ -16,9 +16,11 @@ from zeroconf import ServiceInfo, Zeroconf
 
 from prima.cli.main import main
 from prima.errors import InputError, PlanError
-from prima.net import discovery
+from prima.net import credentials, discovery
 from prima.net.codec import PROTOCOL_VERSION
 from prima.net.discovery import AdvertError, Advertiser, NodeAdvert
+
+from .hostile_adverts import hostile_adverts
 
 LOOPBACK = ["127.0.0.1"]
 FP_A = "a1" * 32
@@ -69,17 +71,6 @@ def test_txt_carries_whether_a_daemon_holds_the_whole_file(full: bool) -> None:
     props = {k.encode(): v.encode() for k, v in discovery.encode_txt(a).items()}
     assert discovery.decode_txt(props, a.host, a.port).holds_full_file is full
     assert not discovery.decode_txt(_txt(), "127.0.0.1", 7600).holds_full_file  # an older daemon
-
-
-def test_a_node_without_the_file_picks_a_daemon_advertising_it() -> None:
-    partial = _advert("partial", 7601)
-    holder = NodeAdvert("holder", "127.0.0.1", 7602, FP_A, "m", holds_full_file=True)
-    assert discovery.pick_fetch_source([partial, holder]) == holder
-    with pytest.raises(InputError, match=r"no primad .* advertises the whole model file .*partial"):
-        discovery.pick_fetch_source([partial])
-    other = NodeAdvert("other", "127.0.0.1", 7603, FP_B, "m2", holds_full_file=True)
-    with pytest.raises(InputError, match="different model files.*--fetch-from HOST:PORT"):
-        discovery.pick_fetch_source([holder, other])
 
 
 def test_txt_encode_clips_a_long_model_name() -> None:
@@ -314,6 +305,7 @@ def test_nodes_command_lists_advertised_nodes_as_json(
     service_type: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(discovery, "SERVICE_TYPE", service_type)
+    monkeypatch.setattr(credentials, "client_identity", lambda: None)  # nothing to check with
     adverts = [_advert(f"node{i}", 17640 + i) for i in range(2)]
     with advertising(adverts, service_type):
         code = main(["nodes", "--json", "--timeout", "3", "--expect", "2", "--interface", "127.0.0.1"])
@@ -324,6 +316,7 @@ def test_nodes_command_lists_advertised_nodes_as_json(
     assert [(n["node_id"], n["address"], n["model_fingerprint"]) for n in doc["nodes"]] == [
         (a.node_id, a.address, FP_A) for a in adverts
     ]
+    assert {n["membership"] for n in doc["nodes"]} == {"unverified"}
 
 
 # -- prima nodes, without the network ------------------------------------------------------------
@@ -332,10 +325,18 @@ def test_nodes_command_prints_a_table_and_warnings(
 ) -> None:
     ring = [_advert("node0", 7600), _advert("node1", 7601, fp=FP_B)]
     monkeypatch.setattr(discovery, "browse", lambda *a, **k: ring)
+    monkeypatch.setattr(credentials, "client_identity", lambda: None)
     assert main(["nodes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NODE", "ADDRESS", "PROTO", "MODEL", "HASH", "MODEL"]
-    assert lines[1].split() == ["node0", "127.0.0.1:7600", f"v{PROTOCOL_VERSION}", FP_A[:12], "smollm2-135m"]
+    assert lines[0].split() == ["NODE", "ADDRESS", "MEMBERSHIP", "PROTO", "MODEL", "HASH", "MODEL"]
+    assert lines[1].split() == [
+        "node0",
+        "127.0.0.1:7600",
+        "unverified",
+        f"v{PROTOCOL_VERSION}",
+        FP_A[:12],
+        "smollm2-135m",
+    ]
     assert lines[3].startswith("warning: the nodes serve 2 different model files")
 
 
@@ -343,5 +344,51 @@ def test_nodes_command_fails_when_too_few_answer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(discovery, "browse", lambda *a, **k: [_advert("node0", 7600)])
+    monkeypatch.setattr(credentials, "client_identity", lambda: None)
     assert main(["nodes", "--expect", "2", "--timeout", "0.1"]) == 1
-    assert "found 1 of the 2 node(s) expected in 0.1 s" in capsys.readouterr().err
+    assert "found 1 of the 2 member(s) expected in 0.1 s" in capsys.readouterr().err
+
+
+# -- garbage and hostile adverts -----------------------------------------------------------------
+def test_garbage_adverts_never_hide_the_real_ones(
+    service_type: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """16 instances without an address record, 17 malformed TXT records and 40 adverts for dead
+    ports (two claiming the real nodes' ids) beside two real adverts: every browse of five finds
+    both real ones, and each skipped instance is warned about once across all five."""
+    real = [_advert("node0", 17650), _advert("node1", 17651)]
+    with (
+        hostile_adverts(service_type, FP_A, clash_ids=("node0", "node1")),
+        advertising(real, service_type),
+        caplog.at_level(logging.DEBUG, "prima.net"),
+    ):
+        for _ in range(5):
+            found = discovery.browse(5.0, interfaces=LOOPBACK, service_type=service_type, enough=_both_real)
+            assert {a.address for a in found} >= {a.address for a in real}
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "skipping" in r.getMessage()
+    ]
+    assert len(warned) == len(set(warned))
+    assert any("noaddr" in m for m in warned)
+    assert any("bad" in m for m in warned)
+
+
+def _both_real(found: list[NodeAdvert]) -> bool:
+    return {"127.0.0.1:17650", "127.0.0.1:17651"} <= {a.address for a in found}
+
+
+def test_a_flood_of_instances_is_capped(
+    service_type: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(discovery, "MAX_INSTANCES", 8)
+    with (
+        hostile_adverts(service_type, FP_A, addressless=0, malformed=0, dead_ports=20),
+        caplog.at_level(logging.DEBUG, "prima.net"),
+    ):
+        found = discovery.browse(2.0, interfaces=LOOPBACK, service_type=service_type)
+    assert 0 < len(found) <= 8
+    floods = [r.levelno for r in caplog.records if "a flood?" in r.getMessage()]
+    assert floods.count(logging.WARNING) == 1  # then at debug level
+    assert any("over the instance cap" in r.getMessage() for r in caplog.records)
