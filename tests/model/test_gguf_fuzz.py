@@ -227,15 +227,19 @@ def test_a_huge_string_array_count_is_refused_before_anything_is_allocated(
     c = Corruption("field", pos, count.to_bytes(8, "little"))
     _apply(path, c)
     try:
+        # VmHWM, not ru_maxrss: Linux carries a forking parent's peak (a test run's GiBs) into
+        # its child's ru_maxrss; VmHWM belongs to the child's own address space.
         code = (
-            "import resource, sys\n"
+            "import re, sys\n"
+            "from pathlib import Path\n"
             "from prima.errors import ModelFileError\n"
             "from prima.model.gguf_file import GGUFFile\n"
             "try:\n"
             "    GGUFFile(sys.argv[1])\n"
             "except ModelFileError as exc:\n"
             "    print(exc)\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            "status = Path('/proc/self/status').read_text()\n"
+            "print(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
         )
         message, peak_kib = run_python(code, str(path), timeout=60).stdout.strip().splitlines()
         assert "truncated" in message
