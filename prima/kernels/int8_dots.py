@@ -27,6 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from prima.kernels.arm_features import has_dotprod
 from prima.kernels.formats import Layout
 from prima.kernels.lanes import NATIVE_HALF, stack_f32
 
@@ -60,9 +61,13 @@ def _host_has_vnni() -> bool:
 
 AVX2 = _host_has_avx2()
 VNNI = _host_has_vnni()
-# Float lanes a row's accumulator uses: the AVX2 dots give 8 int32 partial sums per block, the
-# generic ones 16.
-LANES = 8 if AVX2 else 16
+# ARMv8.2's sdot (16 int8 products summed four at a time into 4 int32 lanes, one instruction),
+# where the CPU and numba's target have it (prima.kernels.arm_features); ARMv8.0 cores (Cortex-A53)
+# take the generic code.
+DOTPROD = has_dotprod()
+# Float lanes a row's accumulator uses: the sdot dots give 4 int32 partial sums per block, the
+# AVX2 ones 8, the generic ones 16.
+LANES = 4 if DOTPROD else 8 if AVX2 else 16
 
 
 # ---- LLVM building blocks -------------------------------------------------------------------
@@ -105,6 +110,9 @@ def _accumulate(builder, acc, scale, w, x, n):  # noqa: ANN001, ANN202
     if AVX2 and n == 32:
         _accumulate_unsigned(builder, acc, scale, _psign(builder, w, w), _psign(builder, x, w))
         return
+    if DOTPROD:
+        _scaled_add(builder, acc, scale, _sdot(builder, w, x, n))
+        return
     vty = ir.VectorType(_I32, n)
     prod = builder.mul(builder.sext(w, vty), builder.sext(x, vty))
     if n == 32:
@@ -118,7 +126,11 @@ def _accumulate_unsigned(builder, acc, scale, u, x):  # noqa: ANN001, ANN202
     """acc += scale * (partial sums of u[j] * x[j]) for <32 x i8> u (unsigned, < 256) and x
     (signed, |x| <= 127). AVX2: pmaddubsw adds neighbouring u8 x s8 products into 16 int16, which
     cannot saturate for u <= 128 (2 * 128 * 127 < 32768; callers pass nibbles, 5- and 6-bit values
-    and |int8|), and pmaddwd sums pairs into 8 int32. Generic: zero-extended multiply."""
+    and |int8|), and pmaddwd sums pairs into 8 int32. ARM with sdot: u < 128 (the nibbles and 5-bit
+    values its callers pass) is the same number as a signed byte. Generic: zero-extended multiply."""
+    if DOTPROD:
+        _scaled_add(builder, acc, scale, _sdot(builder, u, x, 32))
+        return
     if not AVX2:
         vty = ir.VectorType(_I32, 32)
         prod = builder.mul(builder.zext(u, vty), builder.sext(x, vty))
@@ -145,6 +157,22 @@ def _accumulate_unsigned(builder, acc, scale, u, x):  # noqa: ANN001, ANN202
     _scaled_add(
         builder, acc, scale, _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones)
     )
+
+
+def _sdot(builder, w, x, n):  # noqa: ANN001, ANN202
+    """<4 x i32>: lane i sums w[j] * x[j] over j = 4i..4i+3 of each 16-byte chunk of the two signed
+    <n x i8> (n = 16 or 32), one `sdot` per chunk (only reached when DOTPROD is true)."""
+    i32x4 = ir.VectorType(_I32, 4)
+    i8x16 = ir.VectorType(_I8, 16)
+    fnty = ir.FunctionType(i32x4, [i32x4, i8x16, i8x16])
+    sdot = cgutils.get_or_insert_function(builder.module, fnty, "llvm.aarch64.neon.sdot.v4i32.v16i8")
+    lanes = ir.Constant(i32x4, [0] * 4)
+    for start in range(0, n, 16):
+        chunk = ir.Constant(ir.VectorType(_I32, 16), list(range(start, start + 16)))
+        wc = w if n == 16 else builder.shuffle_vector(w, w, chunk)
+        xc = x if n == 16 else builder.shuffle_vector(x, x, chunk)
+        lanes = builder.call(sdot, [lanes, wc, xc])
+    return lanes
 
 
 def _x86(builder, name, ret, *args):  # noqa: ANN001, ANN202
@@ -260,12 +288,29 @@ def dot_nib16(typingctx, acc, scale, w, wo, qh, x, xo):  # noqa: ANN001, ANN201,
         lo = builder.and_(raw, _const(16, 15))
         hi = builder.lshr(raw, _const(16, 4))
         v = _concat(builder, lo, hi, 16)
-        bits = builder.bitcast(builder.trunc(args[4], _I32), ir.VectorType(ir.IntType(1), 32))
-        v = builder.or_(v, builder.shl(builder.zext(bits, ir.VectorType(_I8, 32)), _const(32, 4)))
+        v = builder.or_(v, _high_bits(builder, builder.trunc(args[4], _I32)))
         xv = _load(context, builder, a[5], args[5], _i64(builder, args[6], a[6]), 32)
         _accumulate_unsigned(builder, args[0], args[1], v, xv)
 
     return types.void(acc, types.float32, w, wo, qh, x, xo), codegen
+
+
+def _high_bits(builder, qh):  # noqa: ANN001, ANN202
+    """<32 x i8>: 16 in lane j where bit j of the i32 `qh` is set, else 0. AVX2 takes it as a
+    <32 x i1> bitcast, which LLVM lowers well there; elsewhere (AArch64: ~100 scalar instructions
+    for that bitcast) byte j / 8 of qh is copied to lanes j and tested against 1 << (j % 8): a
+    table lookup, an and and a compare."""
+    i8x32 = ir.VectorType(_I8, 32)
+    if AVX2:
+        bits = builder.bitcast(qh, ir.VectorType(ir.IntType(1), 32))
+        return builder.shl(builder.zext(bits, i8x32), _const(32, 4))
+    qbytes = builder.bitcast(qh, ir.VectorType(_I8, 4))
+    spread = builder.shuffle_vector(
+        qbytes, qbytes, ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)])
+    )
+    masks = ir.Constant(i8x32, [1 << (j % 8) for j in range(32)])
+    is_set = builder.icmp_unsigned("!=", builder.and_(spread, masks), _const(32, 0))
+    return builder.select(is_set, _const(32, 16), _const(32, 0))
 
 
 def _nib32(high: bool):  # noqa: ANN202

@@ -43,7 +43,7 @@ def test_instruction_set_follows_numba_target() -> None:
     else:
         host_avx2 = "x86" in llvm.get_default_triple() and bool(llvm.get_host_cpu_features().get("avx2"))
         assert int8_dots.AVX2 == host_avx2
-    assert int8_dots.LANES == (8 if int8_dots.AVX2 else 16)
+    assert int8_dots.LANES == (4 if int8_dots.DOTPROD else 8 if int8_dots.AVX2 else 16)
     assert int8_dots.AVX2 or not int8_dots.VNNI  # vpdpbusd is only used on top of the AVX2 path
 
 
