@@ -20,9 +20,12 @@ SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | QUANT_QTYPES
 
 # f16 bit pattern -> float32, indexed by the 16-bit word. numba has no float16 type, and one
 # 256 KiB table lookup per 32-element block costs far less than bit-twiddling the conversion.
-F16_TABLE: np.ndarray = (
-    np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-)
+# The table holds every NaN pattern on purpose: ARM's hardware conversion flags the signalling
+# ones as invalid, which numpy would print as a RuntimeWarning at import.
+with np.errstate(invalid="ignore"):
+    F16_TABLE: np.ndarray = (
+        np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    )
 
 
 def _names(qtypes: frozenset[GGMLQuantizationType]) -> str:
