@@ -5,7 +5,9 @@ dot.
 This is llama.cpp's decode scheme (its vec_dot_q*_q8 kernels), written fresh for numba: the
 integer dots are LLVM intrinsics built here (load the bytes as <n x i8>, unpack nibbles or high
 bits as vector ops, sign-extend, multiply, add neighbouring pairs, scale into 16 float lanes),
-because numba widens small-integer arithmetic to int64 lanes, which vectorizes badly. Results
+because numba widens small-integer arithmetic to int64 lanes, which vectorizes badly. Where the
+CPU has them the multiply-adds are its own int8 dot instructions: pmaddubsw or vpdpbusd on x86
+(8 lanes), sdot on ARMv8.2+ (4 lanes). Results
 differ from the exact float path by the activation quantization error (relative ~1e-3 per dot);
 prima's exact mode keeps the float kernels.
 
