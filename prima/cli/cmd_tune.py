@@ -1,6 +1,7 @@
-"""`prima tune`: time a decode step here with 1 and all cores, each way idle workers can wait,
-and keep the fastest for this model (the choice `run`, `chat`, `serve` and `primad` make on
-their own the first time; run this again after the machine's load or hardware changed)."""
+"""`prima tune`: time a decode step here with 1 and all cores (and the big cores alone, where
+the CPU has two kinds), each way idle workers can wait, and keep the fastest for this model (the
+choice `run`, `chat`, `serve` and `primad` make on their own the first time; run this again
+after the machine's load or hardware changed)."""
 
 from __future__ import annotations
 
@@ -52,4 +53,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _setting(s: ThreadSetting) -> dict[str, object]:
-    return {"threads": s.threads, "wait": s.wait}
+    return {"threads": s.threads, "wait": s.wait, "cpus": list(s.cpus)}
