@@ -8,7 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from prima.engine.thread_tuning import ThreadSetting, tune, usable_cores
+from prima.engine.thread_tuning import (
+    ThreadSetting,
+    big_cores,
+    cpu_capacities,
+    tune,
+    usable_cores,
+    usable_cpus,
+)
 from prima.engine.warmup import ensure_compiled
 from prima.model.gguf_file import GGUFFile
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -31,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     with GGUFFile(path) as gguf:
         fingerprint = gguf.fingerprint()
     cores = usable_cores()
-    stage(f"timing decode steps of {path.name} with 1 and {cores} threads")
+    big = big_cores(cpu_capacities(), usable_cpus())
+    also = f" and on the {len(big)} big cores alone" if big else ""
+    stage(f"timing decode steps of {path.name} with 1 and {cores} threads{also}")
     chosen, measured, _ = tune(path, fingerprint, cores=cores, refresh=True)
     if args.json:
         print(

@@ -65,14 +65,15 @@ def ensure_compiled(
         return False
     with compile_cache.exclusive():
         done = compile_cache.compiled_formats()
-        if compile_cache.is_complete(formats):  # another process compiled while this one waited
+        if done is not None and done >= formats:  # another process compiled while this one waited
             return False
-        if on_stage:
-            if done is None:
-                what = "compiling kernels for this CPU, once"
-            else:  # the common kernels load from the cache; only the new formats compile
-                what = f"compiling kernels for {', '.join(sorted(formats - done))}, once"
-            on_stage(f"{what} ({compile_cache.COMPILE_TIME}; later runs load them from the cache)")
+        if on_stage and done is None:
+            on_stage(
+                f"compiling kernels for this CPU, once ({compile_cache.COMPILE_TIME}; "
+                "later runs load them from the cache)"
+            )
+        elif on_stage and done is not None:  # those compiled before load from the cache
+            on_stage(f"compiling kernels for {', '.join(sorted(formats - done))}, once")
         t0 = time.monotonic()
         returncode, stderr = _run_child(
             [sys.executable, "-m", "prima.engine.warmup", str(model)], timeout_s, on_progress
