@@ -14,10 +14,10 @@ with spinning workers (Gemma-3 prefill 256 vs 345 tok/s, AMD EPYC, 2 threads).
 Which of 1 thread, N threads spinning briefly, N threads sleeping is fastest is measured, not
 guessed (and on a CPU with cores of two kinds, big.LITTLE as on RK3588 or a phone, the same on
 the big cores alone, the process pinned to them: a step waits for its slowest thread, so little
-cores can slow it down): each candidate runs in its own process (libgomp reads its settings once, when it loads),
-times decode steps of the model about to run, and the winner is kept in the kernel cache, keyed on
-the CPU, the cores this process may use and the model. `prima tune` measures again and prints
-the table. N threads are chosen only if faster than one.
+cores can slow it down): each candidate runs in its own process (libgomp reads its settings
+once, when it loads), times decode steps of the model about to run, and the winner is kept in
+the kernel cache, keyed on the CPU, the cores this process may use and the model. `prima tune`
+measures again and prints the table. N threads are chosen only if faster than one.
 
 Applying a choice changes only what prima.kernels.thread_env set by default; wait settings the user
 exported are kept.
@@ -166,8 +166,10 @@ def record_path(fingerprint: str, cores: int) -> Path:
 
 
 def load_record(path: Path) -> tuple[ThreadSetting, list[Measurement]] | None:
-    def setting(raw: dict[str, object]) -> ThreadSetting:
-        return ThreadSetting(**{**raw, "cpus": tuple(raw.get("cpus", ()))})  # type: ignore[arg-type]
+    def setting(raw: dict) -> ThreadSetting:
+        return ThreadSetting(
+            int(raw["threads"]), str(raw["wait"]), tuple(int(c) for c in raw.get("cpus", ()))
+        )
 
     try:
         raw = json.loads(path.read_text())
