@@ -1,13 +1,21 @@
-"""`prima tune`: time a decode step here with 1 and all cores, each way idle workers can wait,
-and keep the fastest for this model (the choice `run`, `chat`, `serve` and `primad` make on
-their own the first time; run this again after the machine's load or hardware changed)."""
+"""`prima tune`: time a decode step here with 1 and all cores (and the big cores alone, where
+the CPU has two kinds), each way idle workers can wait, and keep the fastest for this model (the
+choice `run`, `chat`, `serve` and `primad` make on their own the first time; run this again
+after the machine's load or hardware changed)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from prima.engine.thread_tuning import ThreadSetting, tune, usable_cores
+from prima.engine.thread_tuning import (
+    ThreadSetting,
+    big_cores,
+    cpu_capacities,
+    tune,
+    usable_cores,
+    usable_cpus,
+)
 from prima.engine.warmup import ensure_compiled
 from prima.model.gguf_file import GGUFFile
 from prima.model.registry import DEFAULT_MODEL, resolve_model
@@ -30,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     with GGUFFile(path) as gguf:
         fingerprint = gguf.fingerprint()
     cores = usable_cores()
-    stage(f"timing decode steps of {path.name} with 1 and {cores} threads")
+    big = big_cores(cpu_capacities(), usable_cpus())
+    also = f" and on the {len(big)} big cores alone" if big else ""
+    stage(f"timing decode steps of {path.name} with 1 and {cores} threads{also}")
     chosen, measured, _ = tune(path, fingerprint, cores=cores, refresh=True)
     if args.json:
         print(
@@ -52,4 +62,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _setting(s: ThreadSetting) -> dict[str, object]:
-    return {"threads": s.threads, "wait": s.wait}
+    return {"threads": s.threads, "wait": s.wait, "cpus": list(s.cpus)}

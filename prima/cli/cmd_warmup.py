@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     with StepBar("compiling") as bar:
         compiled = ensure_compiled(path, on_stage=stage, on_progress=bar)
-    if not compiled:
+    if not compile_cache.have_numba():
+        stage("numba is not installed: nothing to compile (prima runs its slower numpy kernels)")
+    elif not compiled:
         stage(f"kernels already compiled for this CPU, in {compile_cache.cache_dir()}")
     print(path)
     return 0

@@ -91,8 +91,10 @@ class LocalRing:
         # prima.kernels.thread_env sets them (one thread): prefill threads its own tiles, and
         # BLAS workers spinning beside numba's made each layer ~4x slower (issue #18).
         threads = threads or max(1, (os.cpu_count() or 1) // n)
-        # One compile here, not n side by side in daemons racing their start timeout.
-        ensure_compiled(models[0] if models else model)
+        # One compile here, not n side by side in daemons racing their start timeout; each
+        # node's file, as their formats may differ.
+        for path in dict.fromkeys(models or [model]):
+            ensure_compiled(path)
         env = dict(os.environ)
         for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
             env[var] = str(threads)

@@ -76,7 +76,12 @@ def load_draft_model(
     mode: str = "q8",
     download: bool = True,
 ) -> DraftModel:
-    """Load a draft model for `target`, its vocabulary checked against the target's first."""
+    """Load a draft model for `target`, its vocabulary checked against the target's first, and
+    the kernels of its formats compiled before it runs (the target's may differ)."""
+    from prima.engine.warmup import ensure_compiled
+    from prima.model.registry import resolve_model
+
+    ensure_compiled(resolve_model(name_or_path, download=download), on_stage=log.warning)
     loaded = load_model(name_or_path, backend=backend, threads=threads, mode=mode, download=download)
     n_shared = shared_vocabulary(target, loaded)
     log.info("drafting with %s (%d shared token ids) for %s", loaded.name, n_shared, target.name)

@@ -12,10 +12,12 @@ default, ~3 ms) gained no decode speed here and cost prefill: its Python tile th
 with spinning workers (Gemma-3 prefill 256 vs 345 tok/s, AMD EPYC, 2 threads).
 
 Which of 1 thread, N threads spinning briefly, N threads sleeping is fastest is measured, not
-guessed: each candidate runs in its own process (libgomp reads its settings once, when it loads),
-times decode steps of the model about to run, and the winner is kept in the kernel cache, keyed on
-the CPU, the cores this process may use and the model. `prima tune` measures again and prints
-the table. N threads are chosen only if faster than one.
+guessed (and on a CPU with cores of two kinds, big.LITTLE as on RK3588 or a phone, the same on
+the big cores alone, the process pinned to them: a step waits for its slowest thread, so little
+cores can slow it down): each candidate runs in its own process (libgomp reads its settings
+once, when it loads), times decode steps of the model about to run, and the winner is kept in
+the kernel cache, keyed on the CPU, the cores this process may use and the model. `prima tune`
+measures again and prints the table. N threads are chosen only if faster than one.
 
 Applying a choice changes only what prima.kernels.thread_env set by default; wait settings the user
 exported are kept.
@@ -31,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,6 +56,9 @@ MEASURE_TIMEOUT_S = 300.0
 # once but not recorded: a record taken beside a test suite chose 1 thread for SmolLM2 on a
 # machine where 2 threads decode 1.5x faster.
 MAX_OTHERS_BUSY = 0.25
+# Where Linux says how fast each core is (cpu<N>/cpu_capacity, 1024 for the fastest kind), on
+# arm64 with cores of more than one kind; x86 and most VMs have no such file.
+CPU_SYSFS = Path("/sys/devices/system/cpu")
 MEASURE_BYTES = 256 << 20  # weights one timed step reads at most (a window of a big model)
 WARM_STEPS = 4
 TIMED_STEPS = 12
@@ -69,10 +74,12 @@ class TuningError(PrimaError):
 
 @dataclass(frozen=True)
 class ThreadSetting:
-    """How many compute threads, and how idle workers wait (SPIN: briefly, then sleep)."""
+    """How many compute threads, how idle workers wait (SPIN: briefly, then sleep), and the
+    cores the process is pinned to (empty: not pinned)."""
 
     threads: int
     wait: str
+    cpus: tuple[int, ...] = ()
 
     def env(self) -> dict[str, str | None]:
         """The environment that selects this setting (None: unset the variable)."""
@@ -81,11 +88,11 @@ class ThreadSetting:
         return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
 
     def describe(self) -> str:
+        where = f" on big cores {','.join(map(str, self.cpus))}" if self.cpus else ""
         if self.threads == 1:
-            return "1 thread"
-        return (
-            f"{self.threads} threads, workers {'spin briefly then sleep' if self.wait == SPIN else 'sleep'}"
-        )
+            return "1 thread" + where
+        waits = "spin briefly then sleep" if self.wait == SPIN else "sleep"
+        return f"{self.threads} threads{where}, workers {waits}"
 
 
 @dataclass(frozen=True)
@@ -94,19 +101,52 @@ class Measurement:
     ms_per_step: float
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+def usable_cpus() -> frozenset[int]:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        return frozenset(range(max(1, os.cpu_count() or 1)))
 
 
-def candidates(cores: int) -> list[ThreadSetting]:
-    """1 thread, and with more cores all of them with each wait policy."""
+def usable_cores() -> int:
+    return max(1, len(usable_cpus()))
+
+
+def cpu_capacities(root: Path = CPU_SYSFS) -> dict[int, int]:
+    """Each core's capacity as Linux reports it under `root` (cpu<N>/cpu_capacity); {} where
+    it does not."""
+    out: dict[int, int] = {}
+    for path in root.glob("cpu[0-9]*/cpu_capacity"):
+        try:
+            out[int(path.parent.name.removeprefix("cpu"))] = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def big_cores(capacities: Mapping[int, int], usable: Collection[int]) -> tuple[int, ...]:
+    """The usable cores faster than the slowest kind among them, when they are of more than one
+    kind (RK3588: its four A76 beside four A55; a phone's prime and middle cores beside its
+    little ones); () when all are alike or a usable core's capacity is unknown."""
+    caps = [capacities.get(cpu) for cpu in usable]
+    if not caps or None in caps or len(set(caps)) < 2:
+        return ()
+    slowest = min(c for c in caps if c is not None)
+    return tuple(sorted(cpu for cpu in usable if capacities[cpu] > slowest))
+
+
+def candidates(cores: int, big: Sequence[int] = ()) -> list[ThreadSetting]:
+    """1 thread, and with more cores all of them with each wait policy; with `big` cores, also
+    those alone (the process pinned to them), each wait policy where they are several."""
     out = [ThreadSetting(1, PASSIVE)]
     if cores > 1:
         out += [ThreadSetting(cores, SPIN), ThreadSetting(cores, PASSIVE)]
+    pinned = tuple(big)
+    if len(pinned) > 1:
+        out += [ThreadSetting(len(pinned), SPIN, pinned), ThreadSetting(len(pinned), PASSIVE, pinned)]
+    elif pinned:
+        out.append(ThreadSetting(1, PASSIVE, pinned))
     return out
 
 
@@ -126,12 +166,15 @@ def record_path(fingerprint: str, cores: int) -> Path:
 
 
 def load_record(path: Path) -> tuple[ThreadSetting, list[Measurement]] | None:
+    def setting(raw: dict) -> ThreadSetting:
+        return ThreadSetting(
+            int(raw["threads"]), str(raw["wait"]), tuple(int(c) for c in raw.get("cpus", ()))
+        )
+
     try:
         raw = json.loads(path.read_text())
-        chosen = ThreadSetting(**raw["chosen"])
-        measured = [
-            Measurement(ThreadSetting(**m["setting"]), float(m["ms_per_step"])) for m in raw["measured"]
-        ]
+        chosen = setting(raw["chosen"])
+        measured = [Measurement(setting(m["setting"]), float(m["ms_per_step"])) for m in raw["measured"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return chosen, measured
@@ -149,7 +192,8 @@ def save_record(path: Path, chosen: ThreadSetting, measured: Sequence[Measuremen
 def measure(
     model: str | os.PathLike[str], setting: ThreadSetting, timeout_s: float = MEASURE_TIMEOUT_S
 ) -> float:
-    """ms per decode step with `setting`, timed in a child process that starts with its env."""
+    """ms per decode step with `setting`, timed in a child process that starts with its env
+    (and pinned to its cores)."""
     env = dict(os.environ)
     for key, value in setting.env().items():
         if value is None:
@@ -167,6 +211,7 @@ def measure(
         str(model),
         "--threads",
         str(setting.threads),
+        *(("--cpus", ",".join(map(str, setting.cpus))) if setting.cpus else ()),
     ]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -177,15 +222,25 @@ def measure(
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-10:])
         raise TuningError(f"timing a decode step with {setting.describe()} failed:\n{tail}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["ms_per_step"])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if setting.cpus and tuple(result["cpus"]) != setting.cpus:
+        raise TuningError(f"timing a decode step with {setting.describe()} ran on cores {result['cpus']}")
+    return float(result["ms_per_step"])
 
 
 def tune(
-    model: str | os.PathLike[str], fingerprint: str, *, cores: int | None = None, refresh: bool = False
+    model: str | os.PathLike[str],
+    fingerprint: str,
+    *,
+    cores: int | None = None,
+    refresh: bool = False,
+    cpu_root: Path = CPU_SYSFS,
 ) -> tuple[ThreadSetting, list[Measurement], bool]:
     """The setting for this model here: recorded, or measured now (and recorded). Returns the
-    setting, its measurements and whether they were taken by this call."""
+    setting, its measurements and whether they were taken by this call. `cpu_root` is where
+    the cores' capacities are read (tests point it at a made-up tree)."""
     cores = cores or usable_cores()
+    big = big_cores(cpu_capacities(cpu_root), usable_cpus())
     path = record_path(fingerprint, cores)
     if not refresh:
         found = load_record(path)
@@ -197,7 +252,7 @@ def tune(
             if found is not None:
                 return found[0], found[1], False
         with OthersLoad() as load:
-            measured = [Measurement(s, measure(model, s)) for s in candidates(cores)]
+            measured = [Measurement(s, measure(model, s)) for s in candidates(cores, big)]
         chosen = choose(measured)
         if load.busy_share() <= MAX_OTHERS_BUSY:
             save_record(path, chosen, measured)
@@ -246,14 +301,22 @@ def _own_cpu_s() -> float:
 
 
 def apply(setting: ThreadSetting) -> bool:
-    """Put `setting`'s wait policy into this process's environment, where prima set the default
-    and the user did not choose; True if the pool will run with it. libgomp reads the variables
-    once, when numba first starts its pool, so this must run before a model is loaded."""
-    if any(key in os.environ and key not in thread_env.APPLIED for key in WAIT_KEYS):
-        log.info("keeping the OpenMP wait settings from the environment")
-        return False
+    """Pin this process to `setting`'s cores, if it names any, and put its wait policy into the
+    environment, where prima set the default and the user did not choose; True if the pool will
+    run with both. libgomp reads the variables once, when numba first starts its pool, and its
+    workers inherit the affinity of the thread that starts them, so this must run before a model
+    is loaded."""
     if _pool_started():
         log.debug("numba's thread pool is running already; its wait policy stays")
+        return False
+    if setting.cpus and not usable_cpus().issuperset(setting.cpus):  # a record from another cpuset
+        log.warning("cannot pin to cores %s, outside this process's cpuset; not pinned", setting.cpus)
+    elif setting.cpus:
+        # This thread's mask, inherited by every thread started after: numba's workers, prefill's
+        # tile threads, the daemon's compute and gRPC threads.
+        os.sched_setaffinity(0, setting.cpus)
+    if any(key in os.environ and key not in thread_env.APPLIED for key in WAIT_KEYS):
+        log.info("keeping the OpenMP wait settings from the environment")
         return False
     for key, value in setting.env().items():
         if value is None:
@@ -286,7 +349,9 @@ def tuned_setting(
         return None
     cores = usable_cores()
     if on_stage and load_record(record_path(fingerprint, cores)) is None:
-        on_stage(f"timing decode with 1 and {cores} threads, once for this model and CPU (~10 s)")
+        big = big_cores(cpu_capacities(), usable_cpus())
+        also = f" and on the {len(big)} big cores alone" if big else ""
+        on_stage(f"timing decode with 1 and {cores} threads{also}, once for this model and CPU (~10 s)")
     try:
         chosen, measured, fresh = tune(model_path, fingerprint, cores=cores)
     except TuningError as exc:  # only speed depends on the choice: run on the defaults instead
@@ -295,7 +360,7 @@ def tuned_setting(
     if fresh and on_stage:
         on_stage("chose " + chosen.describe() + ": " + format_measurements(measured))
     if threads is not None:
-        same = [m for m in measured if m.setting.threads == threads]
+        same = [m for m in measured if m.setting.threads == threads and not m.setting.cpus]
         chosen = choose(same) if same else ThreadSetting(threads, PASSIVE)
     if apply(chosen):
         _applied = chosen
@@ -349,9 +414,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prima.engine.thread_tuning", description=__doc__)
     p.add_argument("--measure", required=True, metavar="MODEL", help="model name or GGUF path to time")
     p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--cpus", help="comma-separated cores to pin the process to before timing")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    sys.stdout.write(json.dumps({"ms_per_step": _time_decode(args.measure, args.threads)}) + "\n")
+    if args.cpus:
+        os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
+    ms = _time_decode(args.measure, args.threads)
+    cpus = sorted(usable_cpus())
+    sys.stdout.write(json.dumps({"ms_per_step": ms, "cpus": cpus}) + "\n")
     return 0
 
 

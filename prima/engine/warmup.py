@@ -54,19 +54,26 @@ def ensure_compiled(
     timeout_s: float = COMPILE_TIMEOUT_S,
     on_progress: OnProgress | None = None,
 ) -> bool:
-    """Make sure numba's cache holds every kernel prima runs, compiled for this CPU from these
-    sources; True when this call compiled them. `on_stage` hears one line before and after,
-    `on_progress` each step of the compile as the child reaches it."""
-    if compile_cache.is_complete():
+    """Make sure numba's cache holds every kernel `model` runs, compiled for this CPU from these
+    sources: the common ones and those of each of its weight formats; True when this call
+    compiled. `on_stage` hears one line before and after, `on_progress` each step of the
+    compile as the child reaches it. Without numba nothing compiles (the numpy fallback)."""
+    if not compile_cache.have_numba():
+        return False
+    formats = model_formats(model)
+    if compile_cache.is_complete(formats):
         return False
     with compile_cache.exclusive():
-        if compile_cache.is_complete():  # another process compiled while this one waited
+        done = compile_cache.compiled_formats()
+        if done is not None and done >= formats:  # another process compiled while this one waited
             return False
-        if on_stage:
+        if on_stage and done is None:
             on_stage(
                 f"compiling kernels for this CPU, once ({compile_cache.COMPILE_TIME}; "
                 "later runs load them from the cache)"
             )
+        elif on_stage and done is not None:  # those compiled before load from the cache
+            on_stage(f"compiling kernels for {', '.join(sorted(formats - done))}, once")
         t0 = time.monotonic()
         returncode, stderr = _run_child(
             [sys.executable, "-m", "prima.engine.warmup", str(model)], timeout_s, on_progress
@@ -76,12 +83,26 @@ def ensure_compiled(
         if returncode != 0:
             tail = "\n".join(stderr.strip().splitlines()[-15:])
             raise CompileError(f"compiling the kernels failed (exit code {returncode}):\n{tail}")
-        compile_cache.mark_complete()
+        compile_cache.mark_complete(formats)
         if on_stage:
             on_stage(
                 f"kernels compiled in {time.monotonic() - t0:.0f} s, cached in {compile_cache.cache_dir()}"
             )
         return True
+
+
+def model_formats(model: str | os.PathLike[str]) -> frozenset[str]:
+    """The ggml type names of `model`'s tensors that prima has kernels for: the formats its
+    forward pass runs. Empty when the file's header cannot be read; a type prima cannot run is
+    left out. Either way the model's own load reports what is wrong."""
+    from prima.kernels.quants import SUPPORTED_QTYPES
+    from prima.model.gguf_file import GGUFFile
+
+    try:
+        with GGUFFile(model) as gguf:
+            return frozenset(t.qtype.name for t in gguf.tensors.values() if t.qtype in SUPPORTED_QTYPES)
+    except (PrimaError, OSError):
+        return frozenset()
 
 
 def _run_child(cmd: list[str], timeout_s: float, on_progress: OnProgress | None) -> tuple[int | None, str]:

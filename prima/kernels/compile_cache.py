@@ -2,19 +2,22 @@
 build of the current sources.
 
 `configure()` runs when prima.kernels is imported, before any kernel is defined: numba picks a
-function's cache directory when the function is decorated. A cache that is complete for this CPU
-is marked by a stamp file (prima.engine.warmup writes it after compiling everything once), so a
-process can tell a first run, which compiles (COMPILE_TIME), from a later one, which loads.
+function's cache directory when the function is decorated. A cache that holds this CPU's build
+is marked by a stamp file listing the weight formats compiled so far (prima.engine.warmup writes
+it after each compile), so a process can tell a first run, which compiles (COMPILE_TIME), from a
+later one, which loads, and a model of a new format gets its kernels before it runs, not while.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import platform
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,6 +58,15 @@ def configure() -> Path:
     return Path(chosen)
 
 
+def have_numba() -> bool:
+    """Whether numba and llvmlite are installed, found without importing them (see configure);
+    without them prima runs the numpy fallback, which compiles nothing."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in ("numba", "llvmlite"))
+    except (ImportError, ValueError):  # a blocked or half-imported package
+        return False
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or paths.kernels_dir())
 
@@ -68,9 +80,13 @@ def _writable(directory: Path) -> bool:
 
 
 def target_key() -> str:
-    """What numba's cache index keys a build on beside the source: the CPU it compiles for."""
-    import llvmlite.binding as llvm
-
+    """What numba's cache index keys a build on beside the source: the CPU it compiles for.
+    Without llvmlite (a device with no numba, the numpy fallback) nothing is compiled, and the
+    key only names the architecture for what else is kept per CPU (the thread tuning)."""
+    try:
+        import llvmlite.binding as llvm
+    except ImportError:
+        return hashlib.sha256(f"no-llvmlite|{platform.machine()}".encode()).hexdigest()[:12]
     cpu = os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name()
     features = os.environ.get("NUMBA_CPU_FEATURES") or llvm.get_host_cpu_features().flatten()
     return hashlib.sha256(f"{cpu}|{features}".encode()).hexdigest()[:12]
@@ -80,13 +96,31 @@ def stamp_path() -> Path:
     return cache_dir() / f"complete-{paths.kernel_source_key()}-{target_key()}"
 
 
-def is_complete() -> bool:
-    """True once the kernels were compiled here for this CPU and these sources."""
-    return stamp_path().exists()
+def compiled_formats() -> frozenset[str] | None:
+    """The weight formats (ggml type names) whose kernels the cache holds for this CPU and these
+    sources; None before the first compile."""
+    try:
+        text = stamp_path().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    return frozenset(text.split())
 
 
-def mark_complete() -> None:
-    stamp_path().touch()
+def is_complete(formats: Iterable[str] = ()) -> bool:
+    """True once the kernels were compiled here for this CPU and these sources, those of every
+    format in `formats` among them."""
+    done = compiled_formats()
+    return done is not None and done.issuperset(formats)
+
+
+def mark_complete(formats: Iterable[str] = ()) -> None:
+    """Record a compile that covered `formats` (beside the formats recorded before)."""
+    stamp = stamp_path()
+    lines = sorted((compiled_formats() or frozenset()).union(formats))
+    # Replaced whole: a process checking the stamp meanwhile never reads half a list.
+    partial = stamp.with_name(f".{stamp.name}.{os.getpid()}")
+    partial.write_text("".join(f"{fmt}\n" for fmt in lines), encoding="utf-8")
+    os.replace(partial, stamp)
 
 
 @contextmanager

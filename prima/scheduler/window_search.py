@@ -15,21 +15,32 @@ past its disk budget is not taken, and the program carries the layers fetched as
 beside the trip (docs/halda.md, "What devices hold").
 
 The per-option times mirror `cost_model.device_time` exactly (the tests compare every entry);
-numba runs the loops, which in Python would take seconds at 32 devices.
+numba runs the loops, which in Python would take seconds at 32 devices; without numba (a device
+where it does not install) they run as plain Python, slower but the same search.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
-from numba import njit
 
 import prima.kernels  # noqa: F401  (points numba's cache at prima's before anything is compiled)
 from prima.scheduler.cost_model import DeviceCost
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+try:
+    from numba import njit
+except ImportError:  # the numpy fallback: the same functions, interpreted
+
+    def njit(*_args: object, **_kwargs: object) -> Callable[[_F], _F]:
+        return lambda fn: fn
+
 
 INF = math.inf
 # Times this close (relative) are equal: sums of the same terms in another order differ by ulps,

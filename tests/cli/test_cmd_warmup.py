@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from prima.engine import warmup
 from prima.kernels import compile_cache
 from prima.model import registry
 from prima.model.registry import KNOWN_MODELS, KnownModel, WheelMember
+from tests.no_numba import env_without_numba
+from tests.tiny_models import write_tiny_model
 
 PAYLOAD = b"GGUF tiny"
 
@@ -81,3 +85,21 @@ def test_warmup_leaves_a_complete_cache_and_a_pulled_model_alone(
 def test_warmup_of_an_unknown_model_is_an_error(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["warmup", "-m", "llama-9000"]) == 1
     assert "unknown model 'llama-9000'" in capsys.readouterr().err
+
+
+def test_warmup_without_numba_says_there_is_nothing_to_compile(tmp_path: Path) -> None:
+    """On a device without numba (tests/no_numba.py) the warm-up compiles nothing and says why."""
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    env = env_without_numba(tmp_path)
+    env[compile_cache.CACHE_DIR_ENV] = str(tmp_path / "kernels")
+    done = subprocess.run(
+        [sys.executable, "-m", "prima.cli.main", "warmup", "-m", str(model)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "numba is not installed: nothing to compile" in done.stderr
+    assert done.stdout.strip() == str(model)

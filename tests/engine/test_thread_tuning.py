@@ -15,6 +15,7 @@ import pytest
 
 from prima.engine import thread_tuning as tt
 from prima.engine.thread_tuning import PASSIVE, SPIN, Measurement, ThreadSetting
+from tests.conftest import tiny_model_path
 
 
 def m(threads: int, wait: str, ms: float) -> Measurement:
@@ -184,3 +185,99 @@ def test_threads_timed_on_a_busy_machine_are_used_but_not_recorded(
     assert chosen.threads == 2
     assert not record.exists()
     assert "without recording it" in caplog.text
+
+
+# big.LITTLE: capacities as Linux reports them (cpu<N>/cpu_capacity, 1024 the fastest kind).
+RK3588 = {**dict.fromkeys(range(4), 414), **dict.fromkeys(range(4, 8), 1024)}  # 4x A55 + 4x A76
+PHONE = {**dict.fromkeys(range(4), 325), **dict.fromkeys(range(4, 7), 870), 7: 1024}  # 4 + 3 + 1
+
+
+def test_big_cores_are_those_above_the_slowest_kind() -> None:
+    assert tt.big_cores(RK3588, range(8)) == (4, 5, 6, 7)
+    assert tt.big_cores(PHONE, range(8)) == (4, 5, 6, 7)  # the prime core with the middle ones
+    assert tt.big_cores(RK3588, [2, 3, 6]) == (6,)  # within the process's cpuset
+
+
+def test_cores_of_one_kind_have_no_big_cores() -> None:
+    assert tt.big_cores(dict.fromkeys(range(4), 1024), range(4)) == ()
+    assert tt.big_cores(RK3588, [4, 5, 6, 7]) == ()  # already on the big cores only
+    assert tt.big_cores({}, range(4)) == ()  # x86, a VM: no capacities
+    assert tt.big_cores({0: 414, 1: 1024}, [0, 1, 2]) == ()  # a usable core of unknown kind
+
+
+def _sysfs(root: Path, capacities: dict[int, int]) -> Path:
+    """A made-up /sys/devices/system/cpu with these cores' cpu_capacity files."""
+    for cpu, capacity in capacities.items():
+        (root / f"cpu{cpu}").mkdir(parents=True)
+        (root / f"cpu{cpu}" / "cpu_capacity").write_text(f"{capacity}\n")
+    (root / "cpufreq").mkdir()  # siblings that are not cores
+    (root / "online").write_text("0-7\n")
+    return root
+
+
+def test_capacities_are_read_from_sysfs(tmp_path: Path) -> None:
+    assert tt.cpu_capacities(_sysfs(tmp_path / "rk3588", RK3588)) == RK3588
+    damaged = _sysfs(tmp_path / "damaged", {0: 414, 1: 1024})
+    (damaged / "cpu1" / "cpu_capacity").write_text("?\n")
+    (damaged / "cpu2").mkdir()  # a core without the file
+    assert tt.cpu_capacities(damaged) == {0: 414}
+    assert tt.cpu_capacities(tmp_path / "none") == {}
+
+
+def test_big_cores_are_candidates_pinned() -> None:
+    big = (4, 5, 6, 7)
+    assert tt.candidates(8, big) == [
+        *tt.candidates(8),
+        ThreadSetting(4, SPIN, big),
+        ThreadSetting(4, PASSIVE, big),
+    ]
+    assert tt.candidates(2, (1,)) == [*tt.candidates(2), ThreadSetting(1, PASSIVE, (1,))]
+    assert (
+        ThreadSetting(4, SPIN, big).describe()
+        == "4 threads on big cores 4,5,6,7, workers spin briefly then sleep"
+    )
+
+
+def test_a_pinned_choice_is_recorded_with_its_cores(tmp_path: Path) -> None:
+    path = tmp_path / "threads.json"
+    pinned = Measurement(ThreadSetting(4, PASSIVE, (4, 5, 6, 7)), 1.0)
+    tt.save_record(path, pinned.setting, [m(8, SPIN, 2.0), pinned])
+    assert tt.load_record(path) == (pinned.setting, [m(8, SPIN, 2.0), pinned])
+
+
+def test_apply_pins_the_process_and_the_threads_it_starts_later() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import json, os, threading, prima.kernels.thread_env\n"
+        "from prima.engine.thread_tuning import PASSIVE, ThreadSetting, apply\n"
+        f"ok = apply(ThreadSetting(1, PASSIVE, ({cpu},)))\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+        "t.start(); t.join()\n"
+        "print(json.dumps({'ok': ok, 'main': sorted(os.sched_getaffinity(0)), 'thread': seen[0]}))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in tt.WAIT_KEYS and k != "PRIMA_THREAD_ENV"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert json.loads(out.stdout) == {"ok": True, "main": [cpu], "thread": [cpu]}
+
+
+def test_tune_measures_the_big_cores_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine made big.LITTLE by a made-up sysfs: its first usable core big, the others
+    little. Every candidate is timed for real, the pinned one in a child that checks it ran on
+    that core alone; the choice is whichever was fastest (no timing is asserted)."""
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("needs two usable cores to pretend one of them is big")
+    root = _sysfs(tmp_path / "cpu", {cpu: 1024 if cpu == usable[0] else 512 for cpu in usable})
+    monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: tmp_path / "threads.json")
+    monkeypatch.setattr(tt, "MAX_OTHERS_BUSY", 1.0)  # kept however busy the test machine is
+    model = tiny_model_path("tiny-qwen2")
+    chosen, measured, fresh = tt.tune(model, "f" * 64, cores=len(usable), cpu_root=root)
+    assert fresh
+    assert [x.setting for x in measured] == tt.candidates(len(usable), (usable[0],))
+    assert measured[-1].setting == ThreadSetting(1, PASSIVE, (usable[0],))
+    assert all(x.ms_per_step > 0 for x in measured)
+    assert chosen == tt.choose(measured)
+    assert tt.load_record(tmp_path / "threads.json") == (chosen, measured)

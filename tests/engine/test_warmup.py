@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 
 from prima import paths
 from prima.engine import warmup
 from prima.kernels import compile_cache
 from tests.conftest import tiny_model_path
+from tests.tiny_models import write_tiny_model
 
 
 def readme_quick_start() -> list[str]:
@@ -95,6 +97,67 @@ def test_quick_start_works_on_an_empty_kernel_cache(smollm2_path: Path, tmp_path
         f.name for f in numba_cache.rglob("*.nbc") if f.stat().st_mtime_ns > stamps[0].stat().st_mtime_ns
     ]
     assert compiled_after == [], "compiled after the warm-up: " + ", ".join(sorted(compiled_after))
+
+
+def test_the_cache_records_the_formats_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert compile_cache.compiled_formats() is None
+    compile_cache.mark_complete({"F32", "Q8_0"})
+    compile_cache.mark_complete({"Q4_0"})
+    assert compile_cache.compiled_formats() == {"F32", "Q4_0", "Q8_0"}
+    assert compile_cache.is_complete({"Q8_0", "Q4_0"})
+    assert not compile_cache.is_complete({"Q4_K"})
+
+
+def test_a_model_of_a_compiled_format_starts_no_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    model = write_tiny_model(tmp_path / "q8_0.gguf", qtype=GGMLQuantizationType.Q8_0)
+    assert warmup.model_formats(model) == {"F32", "Q8_0"}  # the norms stay float
+    compile_cache.mark_complete({"F32", "Q8_0", "Q4_0"})
+    monkeypatch.setattr(warmup, "_run_child", None)  # a compile would fail
+    assert warmup.ensure_compiled(model) is False
+
+
+def _stamp(numba_cache: Path) -> Path:
+    (stamp,) = numba_cache.glob("complete-*")
+    return stamp
+
+
+def _compiled_since(numba_cache: Path, mtime_ns: int) -> list[str]:
+    return sorted(f.name for f in numba_cache.rglob("*.nbc") if f.stat().st_mtime_ns > mtime_ns)
+
+
+@pytest.mark.slow
+def test_a_model_of_a_new_format_compiles_before_it_runs(tmp_path: Path) -> None:
+    """Warmed up with a Q8_0 model, then `prima run --local` on a Q4_0 one: its kernels compile
+    before the model runs (the run says so), and none compiles while it generates."""
+    q8 = write_tiny_model(tmp_path / "q8_0.gguf", qtype=GGMLQuantizationType.Q8_0)
+    q4 = write_tiny_model(tmp_path / "q4_0.gguf", qtype=GGMLQuantizationType.Q4_0, seed=1)
+    numba_cache = tmp_path / "numba"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
+    prima = [sys.executable, "-m", "prima.cli.main"]
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [*prima, *argv], capture_output=True, text=True, env=env, timeout=1200, check=False
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    run("warmup", "-m", str(q8))
+    assert _stamp(numba_cache).read_text().split() == ["F32", "Q8_0"]
+    warmed_ns = _stamp(numba_cache).stat().st_mtime_ns
+    done = run("run", "--local", "-m", str(q4), "-p", "The capital of France is", "-n", "4", "--json")
+    assert "compiling kernels for Q4_0, once" in done.stderr
+    assert _stamp(numba_cache).read_text().split() == ["F32", "Q4_0", "Q8_0"]
+    assert _stamp(numba_cache).stat().st_mtime_ns > warmed_ns
+    assert _compiled_since(numba_cache, _stamp(numba_cache).stat().st_mtime_ns) == [], (
+        "compiled while generating"
+    )
+    again = run("run", "--local", "-m", str(q4), "-p", "The capital of France is", "-n", "4", "--json")
+    assert "compiling kernels" not in again.stderr
 
 
 def test_every_message_and_doc_states_one_compile_time() -> None:

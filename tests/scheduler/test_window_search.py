@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from prima.errors import PlanError
 from prima.scheduler import halda
 from prima.scheduler.cost_model import device_time, ring_costs, ring_fetched_layers, ring_time_ms
 from prima.scheduler.window_search import Coefficients, option_tables
+from tests.no_numba import env_without_numba
 from tests.scheduler.test_halda import compositions
 
 
@@ -228,3 +232,47 @@ def test_halda_says_when_a_disk_budget_keeps_a_device_out(make_device, make_mode
     assert [n.node_id for n in plan.nodes] == ["head"]
     (dropped,) = plan.dropped
     assert dropped.reason.startswith("its --disk-budget leaves no room to fetch a layer")
+
+
+_SEARCH_CHILD = """
+import json, sys
+from prima.scheduler import halda
+from prima.scheduler.cost_model import ring_costs
+from tests.scheduler.conftest import random_cluster
+
+assert sys.modules.get("numba") is None  # blocked: the search runs interpreted
+found = []
+for seed in json.loads(sys.argv[1]):
+    devices, model = random_cluster(seed)
+    costs = ring_costs(devices, model)
+    for k in halda.divisors(model.n_layers):
+        a = halda.solve_rounds(costs, model.n_layers, k)
+        found.append(None if a is None else [list(a.members), list(a.window_sizes), list(a.accel_layers)])
+print(json.dumps(found))
+"""
+
+
+def test_the_search_without_numba_finds_the_same_plans(tmp_path, random_cluster):
+    """On a device without numba (a phone's coordinator) the search runs as plain Python: the
+    same assignments as the compiled search, which the brute-force tests check."""
+    seeds = list(range(100, 115))
+    done = subprocess.run(
+        [sys.executable, "-c", _SEARCH_CHILD, json.dumps(seeds)],
+        env=env_without_numba(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = []
+    for seed in seeds:
+        devices, model = random_cluster(seed)
+        costs = ring_costs(devices, model)
+        for k in halda.divisors(model.n_layers):
+            a = halda.solve_rounds(costs, model.n_layers, k)
+            expected.append(
+                None if a is None else [list(a.members), list(a.window_sizes), list(a.accel_layers)]
+            )
+    assert any(expected)
+    assert json.loads(done.stdout) == expected
