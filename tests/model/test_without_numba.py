@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import load_oracle
-from tests.model.test_transformer import F32_TOLERANCE
+from tests.forward.test_transformer import F32_TOLERANCE
 
 # Run in a child process: numba is made unimportable there before prima is imported.
 _CHILD = """
