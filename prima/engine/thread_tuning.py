@@ -181,10 +181,16 @@ def measure(
 
 
 def tune(
-    model: str | os.PathLike[str], fingerprint: str, *, cores: int | None = None, refresh: bool = False
+    model: str | os.PathLike[str],
+    fingerprint: str,
+    *,
+    cores: int | None = None,
+    refresh: bool = False,
+    readings: Callable[[], tuple[float, float, float]] | None = None,
 ) -> tuple[ThreadSetting, list[Measurement], bool]:
     """The setting for this model here: recorded, or measured now (and recorded). Returns the
-    setting, its measurements and whether they were taken by this call."""
+    setting, its measurements and whether they were taken by this call. `readings`: see
+    OthersLoad."""
     cores = cores or usable_cores()
     path = record_path(fingerprint, cores)
     if not refresh:
@@ -196,7 +202,7 @@ def tune(
             found = load_record(path)
             if found is not None:
                 return found[0], found[1], False
-        with OthersLoad() as load:
+        with OthersLoad(readings) as load:
             measured = [Measurement(s, measure(model, s)) for s in candidates(cores)]
         chosen = choose(measured)
         if load.busy_share() <= MAX_OTHERS_BUSY:
@@ -214,21 +220,28 @@ def tune(
 class OthersLoad:
     """How busy the machine's cores were with other processes' work over a `with` block: the
     system's busy CPU time less this process's and its children's (the measuring runs), as a
-    share of the cores' wall time. Hypervisor steal counts as busy."""
+    share of the cores' wall time. Hypervisor steal counts as busy. `readings` (tests inject
+    their own) returns the wall clock, the system's busy CPU time and ours, in seconds."""
+
+    def __init__(self, readings: Callable[[], tuple[float, float, float]] | None = None) -> None:
+        self._readings = readings or _cpu_readings
 
     def __enter__(self) -> OthersLoad:
-        self._t0 = time.monotonic()
-        self._system0 = _system_busy_s()
-        self._ours0 = _own_cpu_s()
+        self._t0, self._system0, self._ours0 = self._readings()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._wall = time.monotonic() - self._t0
-        self._others = max(0.0, (_system_busy_s() - self._system0) - (_own_cpu_s() - self._ours0))
+        t1, system1, ours1 = self._readings()
+        self._wall = t1 - self._t0
+        self._others = max(0.0, (system1 - self._system0) - (ours1 - self._ours0))
 
     def busy_share(self) -> float:
         cores = os.cpu_count() or 1
         return self._others / (self._wall * cores) if self._wall > 0 else 0.0
+
+
+def _cpu_readings() -> tuple[float, float, float]:
+    return time.monotonic(), _system_busy_s(), _own_cpu_s()
 
 
 def _system_busy_s() -> float:
