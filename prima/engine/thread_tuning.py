@@ -1,15 +1,15 @@
 """Choose the compute threads and how idle OpenMP workers wait, by timing a real decode step here.
 
 A decode step launches ~100 small parallel regions. How much a launch costs depends on how the
-pool's workers wait between them, and that differs by machine: on an AMD EPYC VM a launch cost
-~120 us when workers slept (OMP_WAIT_POLICY=passive, woken through the kernel) against ~4 us when
-they spun, so two threads decoded SmolLM2 at half the speed of one. Spinning for ever is no answer
-either: an idle daemon would burn a core of somebody's laptop, and workers spinning on a busy
-machine starve each other. The middle way is a bounded spin (GOMP_SPINCOUNT iterations, a few
-tenths of a millisecond, then sleep): launches within a token, microseconds apart, find their
-workers awake, and a daemon waiting for work sleeps almost at once. Longer spins (libgomp's
-default, ~3 ms) gained no decode speed here and cost prefill: its Python tile threads competed
-with spinning workers (Gemma-3 prefill 256 vs 345 tok/s, AMD EPYC, 2 threads).
+pool's workers wait between them, and that differs by machine: where a sleeping worker is woken
+through the kernel (OMP_WAIT_POLICY=passive) a launch can cost tens of times what it costs a
+spinning one, enough for two threads to decode slower than one (docs/performance.md has the
+numbers). Spinning for ever is no answer either: an idle daemon would burn a core of somebody's
+laptop, and workers spinning on a busy machine starve each other. The middle way is a bounded
+spin (GOMP_SPINCOUNT iterations, a few tenths of a millisecond, then sleep): launches within a
+token, microseconds apart, find their workers awake, and a daemon waiting for work sleeps almost
+at once. Longer spins (libgomp's default, ~3 ms) gain no decode speed and cost prefill, whose
+Python tile threads compete with the spinning workers.
 
 Which of 1 thread, N threads spinning briefly, N threads sleeping is fastest is measured, not
 guessed: each candidate runs in its own process (libgomp reads its settings once, when it loads),
@@ -51,8 +51,8 @@ TUNING_ENV = "PRIMA_THREAD_TUNING"
 TIE = 0.03
 MEASURE_TIMEOUT_S = 300.0
 # Measurements taken while other processes kept more than this share of the cores busy are used
-# once but not recorded: a record taken beside a test suite chose 1 thread for SmolLM2 on a
-# machine where 2 threads decode 1.5x faster.
+# once but not recorded: beside a test suite or a compile, fewer threads win, and a record would
+# keep that choice after the machine is quiet again.
 MAX_OTHERS_BUSY = 0.25
 MEASURE_BYTES = 256 << 20  # weights one timed step reads at most (a window of a big model)
 WARM_STEPS = 4
