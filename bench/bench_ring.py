@@ -7,7 +7,7 @@ where each ring measurement is paired with a single-engine one taken just before
 speed drifts from minute to minute) and the median of `--reps` pairs is shown.
 On loopback the aim is < 1 ms per hop per token. Hops per token = nodes x rounds. On a VM
 whose speed drifts, one run says little: compare builds by alternating runs of each
-(docs/performance.md, December 2026 (seventh)).
+(docs/performance.md, "Method").
 
 The hop lines time one activation row alone, over a gRPC Relay stream and over an activation
 link (docs/ring.md), back to back ("hot") and 5 ms apart ("idle"), as in a ring, where each node

@@ -3,8 +3,8 @@
 Building a large structure in Python (a vocabulary index, numba loading kernels) leaves freed
 memory in glibc's heap, still resident; peak RSS counts it as if it were in use. `trim()` after
 such a step returns it. And glibc gives every thread that allocates its own arena, each keeping
-its own freed blocks: prefill's tile threads each hold their last tiles (~5 MiB at a SmolLM2
-prefill). prima's threads allocate little once a model runs (weights are the mmap; a few arrays
+its own freed blocks: prefill's tile threads would each hold their last tiles, megabytes at a
+prefill. prima's threads allocate little once a model runs (weights are the mmap; a few arrays
 per layer), so `one_arena()` has them share the main one.
 """
 

@@ -3,9 +3,9 @@
 
 - **Hashing without OpenSSL.** prima hashes model headers, tokenizer tables and kernel-cache
   keys with SHA-256, a few kilobytes per run, which CPython's built-in implementation does as
-  well as OpenSSL's. Loading hashlib's OpenSSL binding (`_hashlib`) mapped libcrypto and left
-  3.3 MiB of it resident in `prima run --local` (SmolLM2 peak RSS 181 -> 178 MiB without it,
-  AMD EPYC VM), so hashlib is made to use the built-in one. Nothing else changes: TLS (`ssl`,
+  well as OpenSSL's. Loading hashlib's OpenSSL binding (`_hashlib`) maps libcrypto and leaves
+  megabytes of it resident in a process that never speaks TLS (`prima run --local`), so hashlib
+  is made to use the built-in one. Nothing else changes: TLS (`ssl`,
   grpc, cryptography) links its own OpenSSL when a daemon needs it, and a process that has
   already loaded `_hashlib` keeps it.
 - **Thread pools** (prima.kernels.thread_env): their environment, before numpy and numba load.

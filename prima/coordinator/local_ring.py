@@ -89,7 +89,7 @@ class LocalRing:
             raise NodeError(f"{n} daemons but {len(names)} names")
         # Daemons on one machine share its cores: split them. BLAS pools stay as
         # prima.kernels.thread_env sets them (one thread): prefill threads its own tiles, and
-        # BLAS workers spinning beside numba's made each layer ~4x slower (issue #18).
+        # BLAS workers spinning beside numba's take the cores numba's workers wait for.
         threads = threads or max(1, (os.cpu_count() or 1) // n)
         # One compile here, not n side by side in daemons racing their start timeout; each
         # node's file, as their formats may differ.

@@ -1,15 +1,15 @@
 """Choose the compute threads and how idle OpenMP workers wait, by timing a real decode step here.
 
 A decode step launches ~100 small parallel regions. How much a launch costs depends on how the
-pool's workers wait between them, and that differs by machine: on an AMD EPYC VM a launch cost
-~120 us when workers slept (OMP_WAIT_POLICY=passive, woken through the kernel) against ~4 us when
-they spun, so two threads decoded SmolLM2 at half the speed of one. Spinning for ever is no answer
-either: an idle daemon would burn a core of somebody's laptop, and workers spinning on a busy
-machine starve each other. The middle way is a bounded spin (GOMP_SPINCOUNT iterations, a few
-tenths of a millisecond, then sleep): launches within a token, microseconds apart, find their
-workers awake, and a daemon waiting for work sleeps almost at once. Longer spins (libgomp's
-default, ~3 ms) gained no decode speed here and cost prefill: its Python tile threads competed
-with spinning workers (Gemma-3 prefill 256 vs 345 tok/s, AMD EPYC, 2 threads).
+pool's workers wait between them, and that differs by machine: where a sleeping worker is woken
+through the kernel (OMP_WAIT_POLICY=passive) a launch can cost tens of times what it costs a
+spinning one, enough for two threads to decode slower than one (docs/performance.md has the
+numbers). Spinning for ever is no answer either: an idle daemon would burn a core of somebody's
+laptop, and workers spinning on a busy machine starve each other. The middle way is a bounded
+spin (GOMP_SPINCOUNT iterations, a few tenths of a millisecond, then sleep): launches within a
+token, microseconds apart, find their workers awake, and a daemon waiting for work sleeps almost
+at once. Longer spins (libgomp's default, ~3 ms) gain no decode speed and cost prefill, whose
+Python tile threads compete with the spinning workers.
 
 Which of 1 thread, N threads spinning briefly, N threads sleeping is fastest is measured, not
 guessed (and on a CPU with cores of two kinds, big.LITTLE as on RK3588 or a phone, the same on
@@ -53,8 +53,8 @@ TUNING_ENV = "PRIMA_THREAD_TUNING"
 TIE = 0.03
 MEASURE_TIMEOUT_S = 300.0
 # Measurements taken while other processes kept more than this share of the cores busy are used
-# once but not recorded: a record taken beside a test suite chose 1 thread for SmolLM2 on a
-# machine where 2 threads decode 1.5x faster.
+# once but not recorded: beside a test suite or a compile, fewer threads win, and a record would
+# keep that choice after the machine is quiet again.
 MAX_OTHERS_BUSY = 0.25
 # Where Linux says how fast each core is (cpu<N>/cpu_capacity, 1024 for the fastest kind), on
 # arm64 with cores of more than one kind; x86 and most VMs have no such file.
@@ -235,10 +235,12 @@ def tune(
     cores: int | None = None,
     refresh: bool = False,
     cpu_root: Path = CPU_SYSFS,
+    readings: Callable[[], tuple[float, float, float]] | None = None,
 ) -> tuple[ThreadSetting, list[Measurement], bool]:
     """The setting for this model here: recorded, or measured now (and recorded). Returns the
     setting, its measurements and whether they were taken by this call. `cpu_root` is where
-    the cores' capacities are read (tests point it at a made-up tree)."""
+    the cores' capacities are read (tests point it at a made-up tree); `readings`: see
+    OthersLoad."""
     cores = cores or usable_cores()
     big = big_cores(cpu_capacities(cpu_root), usable_cpus())
     path = record_path(fingerprint, cores)
@@ -251,7 +253,7 @@ def tune(
             found = load_record(path)
             if found is not None:
                 return found[0], found[1], False
-        with OthersLoad() as load:
+        with OthersLoad(readings) as load:
             measured = [Measurement(s, measure(model, s)) for s in candidates(cores, big)]
         chosen = choose(measured)
         if load.busy_share() <= MAX_OTHERS_BUSY:
@@ -269,21 +271,28 @@ def tune(
 class OthersLoad:
     """How busy the machine's cores were with other processes' work over a `with` block: the
     system's busy CPU time less this process's and its children's (the measuring runs), as a
-    share of the cores' wall time. Hypervisor steal counts as busy."""
+    share of the cores' wall time. Hypervisor steal counts as busy. `readings` (tests inject
+    their own) returns the wall clock, the system's busy CPU time and ours, in seconds."""
+
+    def __init__(self, readings: Callable[[], tuple[float, float, float]] | None = None) -> None:
+        self._readings = readings or _cpu_readings
 
     def __enter__(self) -> OthersLoad:
-        self._t0 = time.monotonic()
-        self._system0 = _system_busy_s()
-        self._ours0 = _own_cpu_s()
+        self._t0, self._system0, self._ours0 = self._readings()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._wall = time.monotonic() - self._t0
-        self._others = max(0.0, (_system_busy_s() - self._system0) - (_own_cpu_s() - self._ours0))
+        t1, system1, ours1 = self._readings()
+        self._wall = t1 - self._t0
+        self._others = max(0.0, (system1 - self._system0) - (ours1 - self._ours0))
 
     def busy_share(self) -> float:
         cores = os.cpu_count() or 1
         return self._others / (self._wall * cores) if self._wall > 0 else 0.0
+
+
+def _cpu_readings() -> tuple[float, float, float]:
+    return time.monotonic(), _system_busy_s(), _own_cpu_s()
 
 
 def _system_busy_s() -> float:

@@ -34,8 +34,8 @@ log = logging.getLogger("prima.engine")
 COMPILE_TIMEOUT_S = 1800.0
 PREFILL_TOKENS = 24  # > 1 row (the tiled prefill kernels) and enough pairs for parallel attention
 # A prompt too long for the fused decode rows and too short for the glue's parallel kernels: the
-# README's "The capital of France is" is 6 tokens, and without this its first prefill compiled
-# for 4 s on a fresh daemon.
+# README's "The capital of France is" is 6 tokens, and without this its first prefill would
+# compile for seconds on a fresh daemon.
 SHORT_PROMPT_TOKENS = 6
 DECODE_STEPS = 2
 

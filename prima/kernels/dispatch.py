@@ -14,8 +14,8 @@ would write by hand, one branch per format of the table:
             q6_k(row, x, lut, out, r)
 
 The last format takes the `else`: callers pass only ids of the table (they check QUANTIZED_IDS
-or INT8_IDS first), and the drivers compile to the same machine code as with the hand-written
-chains this replaced. Generated source, not a chain of closures: numba inlines a closure by
+or INT8_IDS first), and the drivers compile to the machine code a hand-written chain would give.
+Generated source, not a chain of closures: numba inlines a closure by
 copying its array arguments and counting references on the copies, once per row. The generated
 functions have no source file, so numba cannot cache them on their own; the drivers that call
 them are cached whole (prima.kernels.drivers), and tracebacks show the generated source.

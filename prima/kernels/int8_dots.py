@@ -64,8 +64,8 @@ def _host_has_vnni() -> bool:
 AVX2 = _host_has_avx2()
 VNNI = _host_has_vnni()
 # ARMv8.2's sdot (16 int8 products summed four at a time into 4 int32 lanes, one instruction),
-# where the CPU and numba's target have it (prima.kernels.arm_features); ARMv8.0 cores (Cortex-A53)
-# take the generic code.
+# where the CPU and numba's target have it (prima.kernels.arm_features); ARMv8.0 cores take the
+# generic code.
 DOTPROD = has_dotprod()
 # Float lanes a row's accumulator uses: the sdot dots give 4 int32 partial sums per block, the
 # AVX2 ones 8, the generic ones 16.

@@ -40,7 +40,7 @@ from prima.kernels.lanes import stack_f32
 
 def _host_has_vnni512() -> bool:
     """`vpdpbusd` on 512-bit vectors (AVX-512 VNNI): 16 activation rows per instruction. Even on a
-    CPU that splits a 512-bit operation into two 256-bit halves (AMD Zen 4), half as many
+    CPU that splits a 512-bit operation into two 256-bit halves, half as many
     broadcasts, loads and instructions per product leave the GEMM less bound by instruction issue."""
     if not VNNI:
         return False

@@ -33,10 +33,9 @@ Q = GGMLQuantizationType
 # or dequantized tiles + BLAS.
 FUSED_MAX_N = 4
 # Whether q8 prefill runs the int8 GEMM: where the CPU has AVX2's byte products (pmaddubsw, or
-# vpdpbusd with AVX-512 VNNI or AVX-VNNI). At 128 rows and 2 threads it beat dequantized tiles +
-# BLAS 1.3-1.7x with pmaddubsw on an AVX2-only AMD EPYC, ~2.5x with vpdpbusd (a Gemma ffn_gate);
-# its generic vector code (ARM, a portable build) lost to BLAS (21 vs 14 ms on that matmul), so
-# there prefill keeps BLAS and float activations.
+# vpdpbusd with AVX-512 VNNI or AVX-VNNI), with which it beats dequantized tiles + BLAS. Its
+# generic vector code (ARM, a portable build) loses to BLAS, so there prefill keeps BLAS and
+# float activations.
 INT8_GEMM = HAVE_NUMBA and drivers.AVX2
 # Elements per dequantized tile (float32: 1 MiB), small enough to stay in L2 while BLAS reads it.
 TILE_ELEMENTS = 1 << 18

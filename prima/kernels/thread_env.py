@@ -1,8 +1,8 @@
 """Thread-pool settings that must be in the environment before numpy and numba load their pools.
 
 Decode runs numba's OpenMP pool; prefill runs its own Python threads, each calling BLAS. A second
-multi-threaded pool (OpenBLAS) would spin against OpenMP's workers on a small machine, which made
-a 64-token matmul take 32-340 ms instead of 3-5 ms. Importing this module applies the defaults
+multi-threaded pool (OpenBLAS) would spin against OpenMP's workers on a small machine and slow a
+prefill matmul by an order of magnitude or more. Importing this module applies the defaults
 (that is its only job, so entry points import it before anything else); values the user has set
 are kept."""
 
@@ -16,11 +16,10 @@ DEFAULTS: dict[str, str] = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     # libgomp's workers sleep between launches instead of spinning. On a loaded machine a
-    # spinning worker burns the time slice the other one needs to reach the barrier: SmolLM2
-    # decode at 2 threads took 383 ms/token spinning (GOMP_SPINCOUNT=20000), 57-120 passive, with
-    # the load average at 4.6 on 2 cores. This is only the default: where the machine is not
-    # shared that way, a brief spin makes launches ~30x cheaper, and the entry points that run a
-    # model replace it with what prima.engine.thread_tuning measured here.
+    # spinning worker burns the time slice the other one needs to reach the barrier, and decode
+    # slows several-fold. This is only the default: where the machine is not shared that way, a
+    # brief spin makes launches far cheaper, and the entry points that run a model replace it
+    # with what prima.engine.thread_tuning measured here.
     "OMP_WAIT_POLICY": "PASSIVE",
 }
 

@@ -2,10 +2,10 @@
 peer relays to it, the same messages as a Relay stream, checked the same way.
 
 Why a second transport: on a ring every token crosses every hop, and a gRPC stream wakes three
-Python threads per message on the receiving side and one more on the sending side. On a 2-vCPU
-VM, where each wake-up runs on cold caches, a Relay message took 0.8-0.9 ms one way when the
-ring had been idle for a few milliseconds; a frame on this socket takes one wake-up (its reader
-thread) and the sender writes it from its compute thread (docs/ring.md, "The activation link").
+Python threads per message on the receiving side and one more on the sending side, each running
+on cold caches after the ring's wait; a frame on this socket takes one wake-up (its reader
+thread) and the sender writes it from its compute thread (docs/ring.md, "The activation link";
+the numbers in docs/performance.md).
 gRPC stays the control plane and the fallback: a peer whose link cannot be reached (an old
 primad, a firewall) is relayed to over gRPC.
 

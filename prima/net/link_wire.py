@@ -4,10 +4,10 @@ A link opens with MAGIC; then every message is a frame: a 5-byte header (payload
 little-endian u32, then the kind) and the payload. The caller sends ACTIVATION frames: the fields
 of a prima.v1.Activation (the message a Relay stream carries, checked the same way) in a fixed
 little-endian layout, ACTIVATION_HEADER, then the session id and the hidden rows' bytes as they
-are. Not protobuf: every token crosses every hop, where building and parsing a message cost a
-cold core 0.1-0.2 ms each way on an AMD EPYC Zen 3 VM (docs/performance.md). The listener
-sends at most one frame, an ERROR saying why it is hanging up: a gRPC status name, a newline,
-and a message for people. Pure functions: sockets live in link_server and link_client.
+are. Not protobuf: every token crosses every hop, on a core just woken with cold caches, where
+building and parsing a message is a large part of a hop's own cost (docs/performance.md). The
+listener sends at most one frame, an ERROR saying why it is hanging up: a gRPC status name, a
+newline, and a message for people. Pure functions: sockets live in link_server and link_client.
 """
 
 from __future__ import annotations

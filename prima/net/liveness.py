@@ -44,7 +44,7 @@ class NodeGoneError(NodeError):
 class Liveness:
     """How long a wait stays patient. A hung node is named after about
     `misses * quiet_s + probe_timeout_s * (1 + backoff + ... + backoff**(misses - 1))` seconds
-    (4.5 s with the defaults: the issue's bound is 5 s, and the measured detection adds ~15 ms)."""
+    (4.5 s with the defaults, under a 5 s bound with room for the detection's own work)."""
 
     quiet_s: float = 0.75  # silence before the nodes are probed, and between probes
     probe_timeout_s: float = 1.0  # Info deadline of the first probe

@@ -2,8 +2,8 @@
 
 Daemons on one machine (a local ring, a docker-compose ring, a desktop running two) stream their
 layers from one disk: when both stream at once, each gets a share of its bandwidth, not all of
-it as each measured alone. On the unthrottled streaming ring of docs/performance.md that made
-Halda predict 345 ms/token for a ring that ran at 543. A member reports a key naming its disk
+it as each measured alone, and a plan that counts the whole disk for each predicts such a ring
+far faster than it runs. A member reports a key naming its disk
 (the kernel's boot id and the whole disk's device number); members with equal keys share one.
 
 A process whose cgroup caps its reads from that disk (cgroup v1 blkio.throttle.read_bps_device,

@@ -22,7 +22,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Limits at or above this are "no limit" (v1 reports a page-rounded 2^63 - 1).
 _UNLIMITED = 1 << 60
 # Leave this share of the memory a node may use to the owner's apps and to what the daemon
-# allocates after a plan arrives (relay buffers, logits, numpy temporaries; measured ~50 MiB).
+# allocates after a plan arrives (relay buffers, logits, numpy temporaries: tens of MiB).
 RESERVE_FRACTION = 0.10
 # ... and at least this much, for activations, gRPC buffers and the KV cache's first pages.
 MIN_RESERVE_BYTES = 64 << 20

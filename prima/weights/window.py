@@ -14,9 +14,10 @@ token, the least any cache of that size can.
 Reads are large and explicit: the thread queues readahead for every chunk of a layer, then
 MADV_POPULATE_READ (Linux 5.14+) waits for them and maps the pages, so compute takes no faults;
 elsewhere pread fills the page cache. One MADV_WILLNEED per window is not enough: the kernel caps
-it at one readahead window, so most of a window used to arrive by 4 KiB demand faults during
-compute. Under a budget, read-around is off (MADV_RANDOM): it would pull neighbouring layers in. The compute thread waits for a
-layer's read explicitly, and that wait is measured. Residency is measured with mincore(2).
+it at one readahead window, so most of a window would arrive by 4 KiB demand faults during
+compute. Under a budget, read-around is off (MADV_RANDOM): it would pull neighbouring layers in.
+The compute thread waits for a layer's read explicitly, and that wait is measured. Residency is
+measured with mincore(2).
 """
 
 from __future__ import annotations
@@ -318,8 +319,8 @@ class LayerWindows:
 
     def before_layers(self, layers: range) -> None:
         """`before_layer` for each of `layers`, computed together as one call: when every one is
-        in memory and nothing streams, a check and a timestamp, not one call per layer (a
-        decode step on a cold core of an AMD EPYC Zen 4 VM paid ~2 µs for each)."""
+        in memory and nothing streams, a check and a timestamp, not one call per layer (each
+        call costs a decode step microseconds on a core just woken)."""
         if not self.limited and self._loaded.issuperset(layers):
             self._pos = self._index[layers[-1]]
             self._layer_t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from prima.net.link_socket import read_exactly
 from prima.net.revocation import RevocationList
 from prima.net.server import start_server
 from prima.plan import plan_from_window_sizes
+from tests.fake_time import FakeTime
 from tests.net.link_errors import Errors
 
 IDLE_S = 1.0
@@ -49,6 +50,7 @@ class Daemon:
     ca: credentials.ClusterCA
     ca_dir: Path
     head: credentials.Identity  # the plan's other node: a legitimate sender
+    clock: FakeTime  # the time the revocation list reads, moved by the tests
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,8 @@ def daemon(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     loaded = load_model(smollm2_path, layers=range(0))
     bounds = DaemonLimits(relay_idle_s=IDLE_S, max_sessions=64)
     runtime = NodeRuntime(loaded, "solo", max_batch_tokens=8, identity=head, bounds=bounds)
-    revoked = RevocationList(ca_dir / revocation.REVOKED_FILE, solo.roots_pem)
+    clock = FakeTime()
+    revoked = RevocationList(ca_dir / revocation.REVOKED_FILE, solo.roots_pem, clock=clock.perf_counter)
     server, port = start_server(runtime, "127.0.0.1", 0, identity=solo, limits=bounds, revoked=revoked)
     link = LinkServer(
         runtime, "127.0.0.1", 0, identity=solo, limits=bounds, revoked=revoked, max_message_bytes=MAX_MESSAGE
@@ -73,7 +76,7 @@ def daemon(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         [("head", "127.0.0.1:1"), ("solo", f"127.0.0.1:{port}")], [15, 15], 1, 30, epoch=EPOCH
     )
     runtime.load_plan(plan, "solo", WireDType.F32, owner="coordinator")
-    yield Daemon(runtime, link, port, ca, ca_dir, head)
+    yield Daemon(runtime, link, port, ca, ca_dir, head, clock)
     link.close()
     server.stop(grace=None)
     runtime.shutdown()
@@ -261,7 +264,7 @@ def test_a_revoked_certificate_is_refused(daemon: Daemon) -> None:
     phone = daemon.ca.issue("phone")
     revocation.record_issued(daemon.ca_dir, phone)
     revocation.revoke(daemon.ca, daemon.ca_dir, revocation.issued_serials(daemon.ca_dir, "phone"))
-    time.sleep(revocation.RELOAD_S + 0.1)  # the list is looked at again after RELOAD_S
+    daemon.clock.advance(revocation.RELOAD_S)  # the list is looked at again after RELOAD_S
     errors = Errors()
     _relay(daemon, phone, errors)
     assert "revoked" in errors.wait()

@@ -4,6 +4,7 @@ naming the problem, and keeps serving. The daemon runs in-process on 127.0.0.1, 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,9 +137,21 @@ def test_stale_plan_is_refused(daemon: tuple[pb_grpc.NodeStub, NodeRuntime]) -> 
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_valid_activation_is_accepted(daemon: tuple[pb_grpc.NodeStub, NodeRuntime]) -> None:
-    stub, _ = daemon
-    stub.Relay(iter([_activation()]), timeout=10)  # computed and forwarded (to a head that is not there)
+def _steps(runtime: NodeRuntime) -> int:
+    return sum(h.steps for h in runtime.info().hop_times)
+
+
+def test_valid_activation_is_accepted_and_computed(daemon: tuple[pb_grpc.NodeStub, NodeRuntime]) -> None:
+    stub, runtime = daemon
+    before = _steps(runtime)
+    # One decode step (timed in hop_times), computed in the worker, then forwarded to a head
+    # that is not there.
+    step = codec.encode_activation(Activation("s1", 5, 0, np.arange(1), np.zeros((1, 576), np.float32)))
+    assert stub.Relay(iter([step]), timeout=10) == pb.Empty()
+    deadline = time.monotonic() + 30
+    while _steps(runtime) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _steps(runtime) == before + 1
 
 
 def test_generate_refuses_token_ids_outside_the_vocabulary(

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -14,47 +12,16 @@ from prima.scheduler.cost_model import (
     pinned_layers,
     predict_ms_per_token,
     ring_costs,
-    ring_time_ms,
     streams,
 )
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
-
-
-def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Every way to write `total` as `parts` positive integers, in order."""
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        bounds = (0, *cuts, total)
-        yield tuple(b - a for a, b in itertools.pairwise(bounds))
-
-
-def brute_force(devices: Sequence[DeviceProfile], model: ModelProfile) -> float:
-    """Minimum predicted ms/token over every subset containing the head, every k dividing L,
-    every window vector and every accelerator-layer vector, each scored by `ring_time_ms`."""
-    costs = ring_costs(devices, model)
-    n_layers = model.n_layers
-    best = math.inf
-    others = range(1, len(devices))
-    for r in range(len(devices)):
-        for rest in itertools.combinations(others, r):
-            members = (0, *rest)
-            ring = [costs[m] for m in members]
-            for k in halda.divisors(n_layers):
-                per_round = n_layers // k
-                if per_round < len(members):
-                    continue
-                for windows in compositions(per_round, len(members)):
-                    choices = [
-                        range(w + 1) if c.has_accel else range(1) for c, w in zip(ring, windows, strict=True)
-                    ]
-                    for accel in itertools.product(*choices):
-                        best = min(best, ring_time_ms(ring, k, windows, accel))
-    return best
+from prima.scheduler.profile import AcceleratorProfile
+from tests.scheduler.halda_oracle import brute_force
 
 
 @pytest.mark.parametrize("seed", range(50))
 def test_halda_matches_brute_force_on_random_clusters(seed, random_cluster):
     devices, model = random_cluster(seed)
-    expected = brute_force(devices, model)
+    expected = brute_force(ring_costs(devices, model), model.n_layers)
     if not math.isfinite(expected):
         with pytest.raises(PlanError, match="no assignment"):
             halda.solve(devices, model)

@@ -16,26 +16,10 @@ import pytest
 
 from prima.errors import PlanError
 from prima.scheduler import halda
-from prima.scheduler.cost_model import device_time, ring_costs, ring_fetched_layers, ring_time_ms
+from prima.scheduler.cost_model import device_time, ring_costs, ring_fetched_layers
 from prima.scheduler.window_search import Coefficients, option_tables
 from tests.no_numba import env_without_numba
-from tests.scheduler.test_halda import compositions
-
-
-def brute_force_rounds(costs, n_layers: int, k: int) -> float:
-    """Minimum of `ring_time_ms` over every subset with the head, window and accelerator vector."""
-    per_round = n_layers // k
-    best = math.inf
-    for r in range(min(len(costs), per_round)):
-        for rest in itertools.combinations(range(1, len(costs)), r):
-            ring = [costs[m] for m in (0, *rest)]
-            for windows in compositions(per_round, len(ring)):
-                choices = [
-                    range(w + 1) if c.has_accel else range(1) for c, w in zip(ring, windows, strict=True)
-                ]
-                for accel in itertools.product(*choices):
-                    best = min(best, ring_time_ms(ring, k, windows, accel))
-    return best
+from tests.scheduler.halda_oracle import brute_force, brute_force_with_fetches
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -63,7 +47,7 @@ def test_solve_rounds_matches_brute_force_for_every_k(seed, random_cluster):
     devices, model = random_cluster(seed)
     costs = ring_costs(devices, model)
     for k in halda.divisors(model.n_layers):
-        expected = brute_force_rounds(costs, model.n_layers, k)
+        expected = brute_force(costs, model.n_layers, ks=[k])
         found = halda.solve_rounds(costs, model.n_layers, k)
         if not math.isfinite(expected):
             assert found is None
@@ -116,29 +100,6 @@ def with_holdings(devices, n_layers: int, seed: int, *, budgets: bool):
 
 def one_mib_layers(model):
     return dataclasses.replace(model, layer_bytes=1 << 20)
-
-
-def brute_force_with_fetches(costs, n_layers: int) -> tuple[float, int]:
-    """Least (T, layers fetched) in that order, over every k, subset, window and accelerator
-    vector; T within 1e-9 counts as equal."""
-    best: tuple[float, int] = (math.inf, 0)
-    for k in halda.divisors(n_layers):
-        per_round = n_layers // k
-        for r in range(min(len(costs), per_round)):
-            for rest in itertools.combinations(range(1, len(costs)), r):
-                ring = [costs[m] for m in (0, *rest)]
-                for windows in compositions(per_round, len(ring)):
-                    choices = [
-                        range(w + 1) if c.has_accel else range(1) for c, w in zip(ring, windows, strict=True)
-                    ]
-                    for accel in itertools.product(*choices):
-                        t = ring_time_ms(ring, k, windows, accel)
-                        if not math.isfinite(t):
-                            continue
-                        fetched = sum(ring_fetched_layers(ring, k, windows))
-                        if t < best[0] * (1 - 1e-9) or (t <= best[0] * (1 + 1e-9) and fetched < best[1]):
-                            best = (t, fetched)
-    return best
 
 
 @pytest.mark.parametrize("seed", range(200, 230))
