@@ -28,11 +28,8 @@ from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.daemon.drain import drain
 from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S, fetch_header
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
-from prima.engine.draft_model import load_draft_model
-from prima.engine.thread_tuning import tuned_setting
-from prima.engine.warmup import ensure_compiled
+from prima.engine.compute import open_compute
 from prima.errors import InputError, NodeError, PrimaError
-from prima.forward.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
 from prima.model.sparse import SparseFile
 from prima.net import credentials
@@ -283,27 +280,22 @@ def serve(args: argparse.Namespace) -> int:
     identity = load_node_identity(args)
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
-    # Before the ready line: a coordinator's calls then never wait on a compile.
-    with StepBar("compiling") as bar:
-        ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"), on_progress=bar)
-    threads = args.threads
-    if args.backend == "cpu" and store is None:
-        setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"), threads=threads)
-        threads = setting.threads if setting else threads
-    # Map the file and check the model; a node validates its layers only when a plan names them.
-    loaded = load_model(
+    # Compiled before the ready line, so a coordinator's calls never wait on a compile; the file
+    # is mapped and the model checked, and a node validates its layers only when a plan names
+    # them. A node still fetching its file cannot measure it to tune its threads.
+    compute = open_compute(
         path,
         backend=args.backend,
-        threads=threads,
-        layers=range(0),
+        threads=args.threads,
         mode="exact" if args.exact else "q8",
+        layers=range(0),
         npu_ctx=args.npu_ctx,
+        tune=store is None,
+        draft_model=args.draft_model,
+        on_stage=lambda msg: stage(msg, prog="primad"),
+        steps=StepBar,
     )
-    draft_model = None
-    if args.draft_model is not None:
-        draft_model = load_draft_model(
-            args.draft_model, loaded, threads=threads, mode="exact" if args.exact else "q8"
-        )
+    loaded, threads = compute.loaded, compute.threads
     bounds = daemon_limits(args)
     runtime = NodeRuntime(
         loaded,
@@ -317,7 +309,7 @@ def serve(args: argparse.Namespace) -> int:
         store=store,
         fetch_from=(args.fetch_from,) if args.fetch_from else (),
         disk_budget_bytes=disk_budget,
-        draft_model=draft_model,
+        draft_model=compute.draft_model,
     )
     revoked = None
     if identity is not None:
