@@ -3,9 +3,14 @@ over it: nothing of the daemon's own code is faked."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import numpy as np
 import pytest
 
+from prima.daemon.runtime import NodeRuntime
 from prima.forward.loader import LoadedModel, load_model
+from prima.net.codec import Activation, WireDType
 from prima.plan import Plan, plan_from_window_sizes
 from tests.conftest import tiny_model_path
 
@@ -30,3 +35,19 @@ def pair_plan(me: str = "solo", epoch: int = 1) -> Plan:
     return plan_from_window_sizes(
         [("head", "127.0.0.1:1"), (me, "127.0.0.1:2")], [2, 2], 1, N_LAYERS, epoch=epoch
     )
+
+
+@pytest.fixture
+def solo_runtime(tiny_daemon_model: LoadedModel) -> Iterator[NodeRuntime]:
+    """A plaintext daemon holding every layer of the solo plan: the ring's head, with no peers."""
+    runtime = NodeRuntime(tiny_daemon_model, "solo", budget_bytes=0, threads=1)
+    runtime.load_plan(solo_plan(), "solo", WireDType.F32)
+    yield runtime
+    runtime.shutdown()
+
+
+def embedded(runtime: NodeRuntime, session_id: str, ids: list[int], hop_index: int = 0) -> Activation:
+    """The activation a head injects for `ids` at positions 0..: their embeddings."""
+    hidden = runtime.model.embed(np.asarray(ids, dtype=np.int64))
+    positions = np.arange(len(ids), dtype=np.int64)
+    return Activation(session_id, runtime.plan.epoch, hop_index, positions, hidden)
