@@ -150,11 +150,13 @@ class Session:
         decoder: TextDecoder | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
+        """The whole generation, its text pieces passed to `on_text` as they come."""
         from prima.engine.generate import collect
 
         return collect(self.stream(request, stop_strings=stop_strings, decoder=decoder), on_text)
 
     def close(self) -> None:
+        """Stop what the session started (daemons, browses, channels), the last first."""
         for c in reversed(self.closers):
             c()
 
