@@ -30,8 +30,9 @@ from prima.cli.cmd_run import (
     sampler_from_args,
     warn_if_no_chat_template,
 )
-from prima.cli.engine_options import Session, add_model_args, draft_from_args, open_session
+from prima.cli.engine_options import add_model_args, draft_from_args, open_session
 from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
+from prima.coordinator.session import Session
 from prima.errors import InputError
 from prima.net.credentials import is_loopback
 from prima.scheduler.profile import ModelProfile
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         draft=draft_from_args(args),
     )
     template = chat_template_from_args(args)
-    session = open_session(args)
+    session = open_session(args, parallel=args.parallel)
     defaults = replace(defaults, draft=session.draft)  # with the --draft-model file's fingerprint
     warn_if_no_chat_template(session.loaded, template)
     model_id = args.model_id or _model_id(args.model)

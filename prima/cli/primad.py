@@ -28,11 +28,8 @@ from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.daemon.drain import drain
 from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S, fetch_header
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
-from prima.engine.draft_model import load_draft_model
-from prima.engine.thread_tuning import tuned_setting
-from prima.engine.warmup import ensure_compiled
+from prima.engine.compute import open_compute
 from prima.errors import InputError, NodeError, PrimaError
-from prima.forward.loader import load_model
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
 from prima.model.sparse import SparseFile
 from prima.net import credentials
@@ -52,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="primad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _add_serving_args(p)
+    _add_compute_args(p)
+    _add_bounds_args(p)
+    _add_cluster_args(p)
+    add_shutdown_timeout_arg(p, "the sessions open (the ring's generations in flight)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    return p
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    """Where it listens, its model file (whole, or fetched) and its name."""
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for a LAN)"
     )
@@ -93,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         "head and a generation asks for `--draft model` (speculative decoding; it runs on the CPU)",
     )
     p.add_argument("--name", default=None, help="node id in plans (default: hostname:port)")
+
+
+def _add_compute_args(p: argparse.ArgumentParser) -> None:
+    """How it computes: memory, threads, backend, numerics, batches."""
     p.add_argument(
         "--mem-budget",
         default="auto",
@@ -134,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the head waits for activations from a ring whose nodes all answer its probes; a hung "
         f"or vanished node is named within seconds (default {DEFAULT_RING_TIMEOUT_S:.0f})",
     )
+
+
+def _add_bounds_args(p: argparse.ArgumentParser) -> None:
+    """What it advertises and reports, and how much work it holds at once."""
     p.add_argument(
         "--no-mdns", action="store_true", help="do not advertise over mDNS (coordinators then need --nodes)"
     )
@@ -176,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="MiB the sessions' KV caches may take together (default: a quarter of this device's RAM)",
     )
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """Who may call it, and how peers reach its activation link."""
     p.add_argument(
         "--cluster-dir",
         type=Path,
@@ -207,9 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
         "port, which Info tells peers; fix one to open it in a firewall; 'off' relays over gRPC, "
         "~0.5 ms more per hop); see docs/ring.md",
     )
-    add_shutdown_timeout_arg(p, "the sessions open (the ring's generations in flight)")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    return p
 
 
 def _link_port(text: str) -> int | None:
@@ -281,44 +298,9 @@ def serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget)
     disk_budget = parse_disk_budget(args.disk_budget)
     identity = load_node_identity(args)
-    store = fetch_model(args, identity) if args.fetch_from else None
-    path = store.path if store else resolve_model(args.model)
-    # Before the ready line: a coordinator's calls then never wait on a compile.
-    with StepBar("compiling") as bar:
-        ensure_compiled(path, on_stage=lambda msg: stage(msg, prog="primad"), on_progress=bar)
-    threads = args.threads
-    if args.backend == "cpu" and store is None:
-        setting = tuned_setting(path, on_stage=lambda msg: stage(msg, prog="primad"), threads=threads)
-        threads = setting.threads if setting else threads
-    # Map the file and check the model; a node validates its layers only when a plan names them.
-    loaded = load_model(
-        path,
-        backend=args.backend,
-        threads=threads,
-        layers=range(0),
-        mode="exact" if args.exact else "q8",
-        npu_ctx=args.npu_ctx,
-    )
-    draft_model = None
-    if args.draft_model is not None:
-        draft_model = load_draft_model(
-            args.draft_model, loaded, threads=threads, mode="exact" if args.exact else "q8"
-        )
-    bounds = daemon_limits(args)
-    runtime = NodeRuntime(
-        loaded,
-        args.name or "pending",
-        budget_bytes=budget,
-        max_batch_tokens=args.max_batch,
-        ring_timeout_s=args.ring_timeout,
-        threads=threads,
-        identity=identity or "plaintext",
-        bounds=bounds,
-        store=store,
-        fetch_from=(args.fetch_from,) if args.fetch_from else (),
-        disk_budget_bytes=disk_budget,
-        draft_model=draft_model,
-    )
+    runtime = open_runtime(args, identity, budget, disk_budget)
+    bounds = runtime.bounds
+    loaded = runtime.loaded
     revoked = None
     if identity is not None:
         where = args.cluster_dir or credentials.cluster_dir()
@@ -363,6 +345,44 @@ def serve(args: argparse.Namespace) -> int:
     server.stop(grace=2.0).wait(5.0)
     runtime.shutdown()
     return 0
+
+
+def open_runtime(
+    args: argparse.Namespace, identity: credentials.Identity | None, budget: int | None, disk_budget: int
+) -> NodeRuntime:
+    """The daemon's state over its model, ready to compute: the file fetched first with
+    --fetch-from, then compiled, tuned and mapped (prima.engine.compute)."""
+    store = fetch_model(args, identity) if args.fetch_from else None
+    path = store.path if store else resolve_model(args.model)
+    # Compiled before the ready line, so a coordinator's calls never wait on a compile; the file
+    # is mapped and the model checked, and a node validates its layers only when a plan names
+    # them. A node still fetching its file cannot measure it to tune its threads.
+    compute = open_compute(
+        path,
+        backend=args.backend,
+        threads=args.threads,
+        mode="exact" if args.exact else "q8",
+        layers=range(0),
+        npu_ctx=args.npu_ctx,
+        tune=store is None,
+        draft_model=args.draft_model,
+        on_stage=lambda msg: stage(msg, prog="primad"),
+        steps=StepBar,
+    )
+    return NodeRuntime(
+        compute.loaded,
+        args.name or "pending",
+        budget_bytes=budget,
+        max_batch_tokens=args.max_batch,
+        ring_timeout_s=args.ring_timeout,
+        threads=compute.threads,
+        identity=identity or "plaintext",
+        bounds=daemon_limits(args),
+        store=store,
+        fetch_from=(args.fetch_from,) if args.fetch_from else (),
+        disk_budget_bytes=disk_budget,
+        draft_model=compute.draft_model,
+    )
 
 
 def open_link_server(

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from prima.engine.warmup import ensure_compiled
 from prima.errors import NodeError
@@ -89,7 +90,7 @@ class LocalRing:
             raise NodeError(f"{n} daemons but {len(names)} names")
         # Daemons on one machine share its cores: split them. BLAS pools stay as
         # prima.kernels.thread_env sets them (one thread): prefill threads its own tiles, and
-        # BLAS workers spinning beside numba's take the cores numba's workers wait for.
+        # BLAS workers spinning beside numba's would take the cores it computes on.
         threads = threads or max(1, (os.cpu_count() or 1) // n)
         # One compile here, not n side by side in daemons racing their start timeout; each
         # node's file, as their formats may differ.
@@ -110,31 +111,20 @@ class LocalRing:
         try:
             dirs = [] if plaintext else _issue(names, ca or credentials.local_ca(), Path(secrets.name))
             for i in range(n):
-                cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
-                if dirs:
-                    # Each daemon's directory is deleted once it has read its identity; the
-                    # revocation list stays this device's, so `prima cluster revoke` reaches them.
-                    crl = credentials.cluster_dir() / REVOKED_FILE
-                    cmd += ["--cluster-dir", str(dirs[i]), "--revocation-list", str(crl)]
-                cmd += ["--model", str(models[i] if models else model), "--name", names[i], *extra_args]
-                cmd += [*(node_args[i] if node_args else ()), "--threads", str(threads)]
-                if not mdns:
-                    cmd.append("--no-mdns")
-                if mem_budgets and mem_budgets[i]:
-                    cmd += ["--mem-budget", mem_budgets[i]]
+                cmd = _primad_command(
+                    models[i] if models else model,
+                    names[i],
+                    threads,
+                    [*extra_args, *(node_args[i] if node_args else ())],
+                    cluster_dir=dirs[i] if dirs else None,
+                    mdns=mdns,
+                    mem_budget=mem_budgets[i] if mem_budgets else None,
+                )
                 # stderr goes to a file (a log, or an unnamed temporary one) so that a daemon that
                 # exits early can be quoted; the child keeps its own copy of the descriptor.
                 with open(log_dir / f"node{i}.log", "w+") if log_dir else tempfile.TemporaryFile("w+") as err:
                     procs.append(
-                        subprocess.Popen(
-                            cmd,
-                            stdout=subprocess.PIPE,
-                            stderr=err,
-                            text=True,
-                            env=env,
-                            start_new_session=detach,
-                            preexec_fn=_before_exec(tie, preexec[i] if preexec else None),
-                        )
+                        _spawn(cmd, env, err, detach, _before_exec(tie, preexec[i] if preexec else None))
                     )
                     logs.append(os.dup(err.fileno()))
             nodes = [_wait_ready(p, names[i], timeout_s, logs[i]) for i, p in enumerate(procs)]
@@ -176,6 +166,47 @@ class LocalRing:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _spawn(
+    cmd: list[str], env: dict[str, str], err: IO[str], detach: bool, preexec: Callable[[], None] | None
+) -> subprocess.Popen[str]:
+    """Start one daemon, its ready line read from its stdout, its stderr into `err`."""
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env=env,
+        start_new_session=detach,
+        preexec_fn=preexec,
+    )
+
+
+def _primad_command(
+    model: str | os.PathLike[str],
+    name: str,
+    threads: int,
+    node_args: Sequence[str],
+    *,
+    cluster_dir: Path | None,
+    mdns: bool,
+    mem_budget: str | None,
+) -> list[str]:
+    """The command line of one daemon on 127.0.0.1, on a free port; plaintext without
+    `cluster_dir` (the directory of its identity)."""
+    cmd = [sys.executable, "-m", "prima.cli.primad", "--host", "127.0.0.1", "--port", "0"]
+    if cluster_dir is not None:
+        # Each daemon's directory is deleted once it has read its identity; the revocation
+        # list stays this device's, so `prima cluster revoke` reaches them.
+        crl = credentials.cluster_dir() / REVOKED_FILE
+        cmd += ["--cluster-dir", str(cluster_dir), "--revocation-list", str(crl)]
+    cmd += ["--model", str(model), "--name", name, *node_args, "--threads", str(threads)]
+    if not mdns:
+        cmd.append("--no-mdns")
+    if mem_budget:
+        cmd += ["--mem-budget", mem_budget]
+    return cmd
 
 
 def _issue(names: Sequence[str], ca: ClusterCA, root: Path) -> list[Path]:

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from prima.errors import NodeError, UntrustedNodeError
+from prima.errors import NodeError, PlanError, UntrustedNodeError
 from prima.net import credentials, discovery
 from prima.net.discovery import NodeAdvert
 from prima.net.peer_certificate import served_certificate
 
-from .loopback_only import split_loopback, usable_addresses
+from .loopback_only import FORM_A_CLUSTER, split_loopback, usable_addresses
+
+if TYPE_CHECKING:
+    from .session import Discovery
 
 log = logging.getLogger("prima.coordinator")
 
@@ -185,3 +188,41 @@ def check_member(address: str, identity: credentials.Identity, alternatives: Seq
             continue
         return Check("member", candidate, credentials.cert_name(cert))
     return Check("unverified", address, reason="nothing answered at the address it advertises")
+
+
+def discover_addresses(
+    how: Discovery, fingerprint: str | None, on_stage: Callable[[str], None] = log.warning
+) -> list[str]:
+    """The addresses of the cluster's daemons that answered over mDNS ([] if none did): adverts
+    are hints, kept only when the daemon proves membership at a handshake. PlanError if fewer
+    than `how.expect` node ids answered; `on_stage` hears why adverts found were of no use."""
+    found = discover_members(
+        how.timeout_s, interfaces=how.interfaces, expect=how.expect, model_fingerprint=fingerprint
+    )
+    if how.expect and len(found.node_ids) < how.expect:
+        shown = ", ".join(f"{a.node_id} at {a.address}" for a in found.adverts)
+        clashes = [p.message for p in discovery.check_adverts(found.adverts) if p.kind == "duplicate_id"]
+        advice = (
+            "; ".join(clashes)
+            or _far_advice(found.adverts)
+            or (
+                "start the others or pass --nodes host:port,... (multicast is often blocked by Wi-Fi "
+                "client isolation and in containers)"
+            )
+        )
+        raise PlanError(
+            f"{len(found.node_ids)} member(s) answered within {how.timeout_s:g} s (adverts: "
+            f"{shown or 'none'}), expected {how.expect}; {advice}"
+        )
+    if found.adverts and not found.addresses and (advice := _far_advice(found.adverts)):
+        on_stage(f"no daemon found over mDNS can be used: {advice}")
+    return list(found.addresses)
+
+
+def _far_advice(adverts: Sequence[NodeAdvert]) -> str:
+    """How to form a cluster, when this device has no identity and daemons elsewhere advertised
+    (which such a device never uses); else ''."""
+    if credentials.client_identity() is not None:
+        return ""
+    _, far = split_loopback([a.address for a in adverts], resolve=lambda _: [])
+    return FORM_A_CLUSTER if far else ""

@@ -30,15 +30,16 @@ from prima.net.run_ahead import waiting
 from prima.net.status import NotReadyError
 from prima.plan import Plan
 
-from .state import Layout, NodeSession
+from .state import Layout, NodeSession, OwnHop
 from .threads import use_threads
+from .worker import Worker
 
 log = logging.getLogger("prima.daemon")
 
 # How long the head waits for the ring before it hands the tokens sampled so far to the
 # coordinator's stream: by then the next node has woken and computes. Handed over at once, the
-# write woke the Generate handler and the coordinator just as that node woke: on a 2-vCPU AMD
-# EPYC Zen 4 VM running a local ring of three, the first hop took ~0.45 ms instead of ~0.15.
+# write would wake the Generate handler and the coordinator just as that node wakes, and the
+# three would contend for the cores.
 HAND_OVER_AFTER_S = 0.001
 
 
@@ -156,22 +157,23 @@ class HeadHost(Protocol):
 
     def need_session(self, session_id: str) -> NodeSession: ...
 
-    def route(self, layout: Layout, session: NodeSession, act: Activation) -> None: ...
-
 
 class Head:
-    """The head node's ring sessions (a RingLink) and the generations run on them; `draft_model`
-    (primad --draft-model) drafts for generations that ask for `--draft model`."""
+    """The head node's ring sessions (a RingLink) and the generations run on them; `worker`
+    computes and routes this node's hops; `draft_model` (primad --draft-model) drafts for
+    generations that ask for `--draft model`."""
 
     def __init__(
         self,
         host: HeadHost,
+        worker: Worker,
         ring_timeout_s: float,
         threads: int | None = None,
         liveness: Liveness | None = None,
         draft_model: DraftModel | None = None,
     ) -> None:
         self.host = host
+        self.worker = worker
         self.threads = threads
         self.draft_model = draft_model
         # A hung or vanished node is named within seconds; ring_timeout_s only bounds a ring
@@ -249,19 +251,18 @@ class Head:
         """Send a freshly embedded micro-batch into the ring."""
         session = self.host.need_session(act.session_id)
         session.in_flight += 1  # before it leaves: it may be back before `route` returns
-        self.host.route(self.host.need_layout(), session, act)
+        self.worker.route(self.host.need_layout(), session, act)
 
     def receive(self, session_id: str) -> Activation:
         """The next micro-batch back from the ring; NodeError if a node failed, or went quiet
         and stopped answering probes (prima.net.liveness).
 
-        A decode step that reaches one of this node's own hops comes here too (NodeRuntime.accept)
-        and is computed in this thread, which waits for it anyway, then routed on: one thread
-        woken per step on the head, not the link's reader and then this one."""
+        A decode step that reaches one of this node's own hops comes here too, as an OwnHop
+        (NodeRuntime.accept), and is computed in this thread, which waits for it anyway."""
         session = self.host.need_session(session_id)
         results = session.results
         assert results is not None, "opened by open_ring_session"
-        item: Activation | NodeError | None
+        item: Activation | OwnHop | NodeError | None
         try:
             item = results.get(timeout=HAND_OVER_AFTER_S)
         except queue.Empty:
@@ -284,11 +285,12 @@ class Head:
                 )
             if isinstance(item, NodeError):
                 raise item
-            if item.hop_index == len(layout.hops):
-                session.in_flight -= 1
-                return item
-            self.host.route(layout, session, item)
-            item = None
+            if isinstance(item, OwnHop):
+                self.worker.route(layout, session, item.act)  # computed here, then sent on
+                item = None
+                continue
+            session.in_flight -= 1  # an Activation here has been round the whole ring
+            return item
 
     def close_ring_session(self, session_id: str) -> None:
         self.host.close_session(session_id)

@@ -9,8 +9,8 @@ shows them in /v1/cluster, and Prometheus reads the running totals by hop when i
 (HopTimesCollector).
 
 Adding a sample is a lock and three additions: it runs on every hop of every token, often on a
-core that has just woken with cold caches, where each Prometheus update cost tens of
-microseconds (a hop's bookkeeping took ~150 us cold on an AMD EPYC VM when it updated counters).
+core that has just woken with cold caches, where each Prometheus update is slow; Prometheus
+reads the totals when it scrapes instead.
 """
 
 from __future__ import annotations

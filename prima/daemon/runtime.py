@@ -1,5 +1,6 @@
-"""The state of one primad behind the NodeHandler interface the gRPC servicer calls: its plan,
-its layer windows and its sessions. The compute thread (worker), ring generation (head) and
+"""One primad behind the NodeHandler interface the gRPC servicer calls: its plan and the
+admission of arriving activations. Its sessions (sessions), compute thread (worker), ring
+generation (head), plan checks and windows (install), callers' rights (authorization) and
 self-measurement (profile) are parts it owns.
 
 RPC threads only validate and hand work on, which is why a malformed message can be answered
@@ -13,35 +14,27 @@ import threading
 from collections.abc import Generator
 from pathlib import Path
 
-from prima import metrics
 from prima.engine.draft_model import DraftModel
 from prima.engine.generate import GenerateRequest, TokenEvent
-from prima.errors import InputError, NodeError, PlanError, PrimaError, ProtocolError
+from prima.errors import ProtocolError
 from prima.forward.loader import LoadedModel
-from prima.forward.placement import host_layers, split_window
 from prima.model.sparse import SparseFile
 from prima.net import limits
-from prima.net.client import NodeClient, Transport
+from prima.net.client import Transport
 from prima.net.codec import PROTOCOL_VERSION, Activation, FetchProgress, NodeProfile, NodeStatus, WireDType
 from prima.net.fetch import Manifest, manifest_of
-from prima.net.limits import DaemonLimits, shown
-from prima.net.status import (
-    SHUTTING_DOWN,
-    NotReadyError,
-    PayloadTooLargeError,
-    PermissionDeniedError,
-    ShuttingDownError,
-    StaleEpochError,
-    UnknownSessionError,
-)
-from prima.plan import Plan, Window
-from prima.weights.kv_cache import kv_bytes
-from prima.weights.window import LayerWindows, Residency
+from prima.net.limits import DaemonLimits
+from prima.net.status import NotReadyError, StaleEpochError
+from prima.plan import Plan
+from prima.weights.window import Residency
 
+from .authorization import PlanOwnership
 from .fetching import PlanFetch, WindowFetcher
 from .head import Head
-from .profile import node_profile, window_budget
-from .state import Layout, NodeSession
+from .install import build_layout, check_plan
+from .profile import node_profile
+from .sessions import Sessions, end_sessions
+from .state import Layout, NodeSession, OwnHop
 from .threads import use_threads
 from .worker import INLINE_MAX_TOKENS, Worker
 
@@ -52,7 +45,10 @@ DEFAULT_RING_TIMEOUT_S = 300.0
 
 
 class NodeRuntime:
-    """One daemon's plan and sessions; the servicer's NodeHandler."""
+    """One daemon behind the servicer (its NodeHandler): its plan, taken on at LoadPlan (and
+    fetched first when the file holds only part of the model), and the admission of arriving
+    activations; its sessions (`sessions`), compute thread (`worker`) and ring generation
+    (`head`) are parts it owns."""
 
     def __init__(
         self,
@@ -73,7 +69,6 @@ class NodeRuntime:
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
-        self.node_id = node_id
         self.d_model = loaded.model.config.d_model
         self.vocab_size = loaded.model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
@@ -83,7 +78,6 @@ class NodeRuntime:
         self.identity = identity  # how this node calls its peers (see NodeClient)
         self.link_port = 0  # its activation link, once primad has opened one (prima.net.link_server)
         self.bounds = bounds or DaemonLimits()
-        self._owner: str | None = None  # who loaded the plan (its certificate's name)
         self.fingerprint = loaded.gguf.fingerprint()
         # The model file, whole or holding only some windows' bytes (fetched at LoadPlan).
         self.store = store or SparseFile.open(loaded.path, self.fingerprint)
@@ -93,10 +87,20 @@ class NodeRuntime:
         self._lock = threading.Lock()
         self._profile_lock = threading.Lock()
         self._layout: Layout | None = None
-        self._sessions: dict[str, NodeSession] = {}
-        self._stopping = False  # SIGTERM: no new plan or session (prima.daemon.drain)
+        self._ownership: PlanOwnership | None = None  # who loaded the plan (its certificate's name)
+        self.sessions = Sessions(self.model, node_id, self.bounds)
+        self._node_id = node_id
         self.worker = Worker(self, threads, self.bounds)
-        self.head = Head(self, ring_timeout_s, threads, draft_model=draft_model)
+        self.head = Head(self, self.worker, ring_timeout_s, threads, draft_model=draft_model)
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @node_id.setter
+    def node_id(self, node_id: str) -> None:
+        """primad names its node once it has a port; the sessions' messages say the new name."""
+        self._node_id = self.sessions.node_id = node_id
 
     # -- info ----------------------------------------------------------------------------------
     @property
@@ -124,8 +128,8 @@ class NodeRuntime:
         cfg = self.model.config
         fetch = self._fetch.progress() if self._fetch else None
         status = "ready" if layout else "idle: waiting for a plan"
-        if self._stopping:
-            status = f"shutting down: finishing {len(self._sessions)} session(s), taking no new ones"
+        if self.sessions.stopping:
+            status = f"shutting down: finishing {len(self.sessions)} session(s), taking no new ones"
         draft = self.head.draft_model
         if layout is None and fetch is not None:
             status = describe_fetch(fetch)
@@ -141,7 +145,7 @@ class NodeRuntime:
             plan_epoch=layout.plan.epoch if layout else fetch.plan_epoch if fetch else 0,
             windows=layout.plan.nodes[layout.me].windows if layout else (),
             residency=layout.windows.residency() if layout else None,
-            sessions=len(self._sessions),
+            sessions=len(self.sessions),
             fetch=fetch,
             holds_full_file=self.store.complete,
             hop_times=self.worker.hop_times.snapshot(layout.plan.epoch) if layout else (),
@@ -177,28 +181,11 @@ class NodeRuntime:
                 disk_budget_bytes=self.disk_budget_bytes,
             )
 
-    # -- who may call --------------------------------------------------------------------------
     def authorize(self, rpc: str, caller: str | None) -> None:
-        """PermissionDeniedError unless `caller` (the node id in its verified certificate; None
-        on a plaintext daemon, where nobody is checked) may make `rpc`: a plan is changed only by
-        the coordinator that loaded it (or anyone once it has no sessions), and sessions are
-        touched only by that coordinator and the plan's nodes."""
-        layout = self._layout
-        if caller is None or layout is None or self._owner is None or caller == self._owner:
-            return
-        if rpc == "LoadPlan":
-            if self._sessions:
-                raise PermissionDeniedError(
-                    f"plan epoch {layout.plan.epoch} of node {self.node_id} belongs to coordinator "
-                    f"{shown(self._owner)} and has {len(self._sessions)} open session(s); only it may "
-                    "change the plan until they end"
-                )
-            return
-        if caller not in {n.node_id for n in layout.plan.nodes}:
-            raise PermissionDeniedError(
-                f"{shown(caller)} is neither a node of plan epoch {layout.plan.epoch} nor the coordinator "
-                f"that loaded it; it may not call {rpc} on node {self.node_id}"
-            )
+        """PermissionDeniedError unless `caller` may make `rpc` (prima.daemon.authorization)."""
+        ownership = self._ownership
+        if ownership is not None and self._layout is not None:
+            ownership.authorize(rpc, caller, self.node_id, len(self.sessions))
 
     # -- the plan ------------------------------------------------------------------------------
     def load_plan(
@@ -213,36 +200,8 @@ class NodeRuntime:
         `owner` (the caller's certificate name) alone may change the plan while it has sessions.
         A node holding only part of its model loads the plan once it has fetched (in the
         background, also from `fetch_sources`) the bytes of its windows; Info shows how far."""
-        self._check_not_stopping("plan")
-        cfg = self.model.config
-        current_epoch = self._current_epoch()
-        limits.check_epoch(plan.epoch, current_epoch)
-        limits.check_node_id(node_id)
-        for n in plan.nodes:
-            limits.check_node_id(n.node_id)
-            limits.check_address(n.address)
-        if plan.n_layers != cfg.n_layers:
-            raise PlanError(
-                f"the plan covers {plan.n_layers} layers but this node's model {self.loaded.name} has "
-                f"{cfg.n_layers}; start every primad with the same --model"
-            )
-        ids = [n.node_id for n in plan.nodes]
-        if node_id not in ids:
-            raise PlanError(f"node id {shown(node_id)} is not in the plan (nodes: {ids})")
-        for a in fetch_sources:
-            limits.check_address(a)
-        if current_epoch is not None and plan.epoch < current_epoch:
-            raise StaleEpochError(
-                f"plan epoch {plan.epoch} is older than the loaded epoch {current_epoch}; "
-                "send a plan with a higher epoch"
-            )
-        me = ids.index(node_id)
-        accel = plan.nodes[me].accel_layers
-        if accel and not self.model.backend.accelerator:
-            raise PlanError(
-                f"the plan puts {accel} layers of node {node_id} on an accelerator, but it computes on "
-                f"the {self.model.backend.name} backend only; plan again from the nodes' profiles"
-            )
+        self.sessions.check_not_stopping("plan")
+        me = check_plan(plan, node_id, self.loaded, self._current_epoch(), fetch_sources)
         pending = self._fetch
         if pending is not None and pending.plan == plan and pending.me == me and not pending.progress().error:
             return self.info()  # the same plan again (a retried call): its fetch goes on
@@ -272,17 +231,13 @@ class NodeRuntime:
             extra_sources=sources,
         )
         with self._lock:
+            sessions = self.sessions.take_all()
             old, self._layout = self._layout, None
-            sessions, self._sessions = self._sessions, {}
-            self._owner = owner
+            self._ownership = PlanOwnership(plan, owner)
             self._fetch = fetch
-        self._end_sessions(
-            sessions, f"node {self.node_id} is fetching the windows of plan epoch {plan.epoch}"
-        )
+        end_sessions(sessions, f"node {self.node_id} is fetching the windows of plan epoch {plan.epoch}")
         if old:
-            old.windows.close()
-            for c in old.clients.values():
-                c.close()
+            old.close()
         fetch.start()
 
     def _cancel_fetch(self) -> None:
@@ -299,69 +254,33 @@ class NodeRuntime:
         fetched_bytes: int = 0,
         fetch: PlanFetch | None = None,
     ) -> None:
-        """Load node `me`'s windows of `plan`, whose bytes it holds; forget the views of layers
-        built over holes before a fetch (the profile may have timed them)."""
-        windows = plan.nodes[me].windows
-        accel = plan.nodes[me].accel_layers
-        if fetched_bytes:
-            mine = {i for w in windows for i in range(w.start, w.end)}
-            self.loaded.weights.forget_layers(mine)
-            self.model.release_layers(mine)
-        for w in windows:
-            self.loaded.weights.validate(range(w.start, w.end))
-        # The accelerator's part of each window is one compiled model, readied now (an NPU
-        # compiles it unless cached); the host's part is read by the layer windows below.
-        spans = [range(w.start, w.end) for w in windows]
-        for span in spans:
-            for piece in split_window(span, accel):
-                if piece.on_accel:
-                    self.model.window(piece)
-        auto = self.budget_bytes is None
-        budget = window_budget(self.loaded, self.node_id, me == 0) if auto else self.budget_bytes
-        assert budget is not None
-        host_windows = [Window(r.start, r.stop) for r in (host_layers(s, accel) for s in spans)]
-        layer_windows = LayerWindows(self.loaded.gguf, self.loaded.weights, host_windows, budget)
-        if layer_windows.limited:
-            layer_windows.release_all()  # start from a known resident set
-        layer_windows.start()
-        # The host runs a window's layers in one call, or one by one while it streams (see the
-        # worker): either form may be asked for, so both are kept; the current one is readied.
-        keep = {
-            p
-            for s in spans
-            for per_layer in (False, True)
-            for p in split_window(s, accel, per_layer=per_layer)
-        }
-        for span in spans:
-            for piece in split_window(span, accel, per_layer=layer_windows.limited):
-                self.model.window(piece)
-        hops = tuple(plan.hops())
-        peers = {h.node_index for h in hops} | {0}
-        clients = {
-            i: NodeClient(plan.nodes[i].address, node_id=plan.nodes[i].node_id, identity=self.identity)
-            for i in peers
-            if i != me
-        }
-        layout = Layout(plan, me, hops, layer_windows, clients, wire_dtype, budget if auto else None)
+        """Load node `me`'s windows of `plan`, whose bytes it holds, in place of the plan before
+        (whose sessions end), unless a newer LoadPlan replaced it while it was fetched."""
+        layout, keep = build_layout(
+            self.loaded,
+            plan,
+            me,
+            wire_dtype,
+            node_id=self.node_id,
+            budget_bytes=self.budget_bytes,
+            identity=self.identity,
+            fetched=bool(fetched_bytes),
+        )
         with self._lock:
-            if fetch is not None and (self._fetch is not fetch or fetch.cancelled):
-                stale = True  # a newer LoadPlan replaced this one while it was fetched
-            else:
-                stale = False
+            stale = fetch is not None and (self._fetch is not fetch or fetch.cancelled)
+            if not stale:
+                # Taken before the layout changes: a session opened for the new plan stays.
+                sessions = self.sessions.take_all()
                 old, self._layout = self._layout, layout
-                sessions, self._sessions = self._sessions, {}
-                self._owner = owner
+                self._ownership = PlanOwnership(plan, owner)
         if stale:
-            layout.windows.close()
-            for c in clients.values():
-                c.close()
+            layout.close()
             return
-        self._end_sessions(sessions, f"node {self.node_id} loaded plan epoch {plan.epoch}")
+        end_sessions(sessions, f"node {self.node_id} loaded plan epoch {plan.epoch}")
         self.model.release_windows(keep=keep)
         if old:
-            old.windows.close()
-            for c in old.clients.values():
-                c.close()
+            old.close()
+        windows = plan.nodes[me].windows
         log.info(
             "node %s: plan epoch %d, windows %s",
             plan.nodes[me].node_id,
@@ -369,124 +288,43 @@ class NodeRuntime:
             " ".join(map(str, windows)),
         )
 
-    def _end_sessions(self, sessions: dict[str, NodeSession], why: str) -> None:
-        for s in sessions.values():
-            s.close()
-            if s.results is not None:
-                s.results.put(NodeError(f"session ended: {why}"))
-
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
         limits.check_session_id(session_id)
-        self._check_not_stopping("sessions")
-        layout = self.need_layout()
-        if plan_epoch != layout.plan.epoch:
-            raise StaleEpochError(
-                f"session {shown(session_id)} is for plan epoch {plan_epoch} but node {self.node_id} runs epoch "
-                f"{layout.plan.epoch}; reload the plan on every node"
-            )
-        if not 0 < n_ctx <= self.model.config.context_length:
-            raise InputError(f"context size {n_ctx} is outside [1, {self.model.config.context_length}]")
-        # Refused before the cache exists: allocating it first and freeing it on refusal leaves
-        # the pages resident (the allocator keeps them), so spam would grow the daemon. (Counted
-        # as float32 KV: a cache of halves, on the host or an accelerator, takes at most that.)
-        with self._lock:
-            self._check_room(kv_bytes(self.model.config, n_ctx, len(set(layout.layers())), "float32"))
-        # The backends keep the KV state (the acl backend: on the NPU, for its layers).
-        host = layout.host_layers()
-        accel = [i for i in layout.layers() if i not in set(host)]
-        session = NodeSession(session_id, plan_epoch, n_ctx, self.model.new_split_cache(n_ctx, accel, host))
-        with self._lock:
-            self._check_not_stopping("sessions")  # stop_taking_work may have come meanwhile
-            if session_id in self._sessions:
-                raise ProtocolError(f"session {shown(session_id)} is already open on node {self.node_id}")
-            self._check_room(session.cache.n_bytes)
-            self._sessions[session_id] = session
-            metrics.NODE_SESSIONS.set(len(self._sessions))
-        try:
-            self._fit_kv_caches(layout)
-        except PrimaError:
-            self.close_session(session_id)
-            raise
-
-    def _check_room(self, kv_bytes: int) -> None:
-        """PayloadTooLargeError if one more session (holding `kv_bytes`) passes the bounds."""
-        if len(self._sessions) >= self.bounds.max_sessions:
-            raise PayloadTooLargeError(
-                f"node {self.node_id} already holds {len(self._sessions)} sessions, its limit; close some first"
-            )
-        held = sum(s.cache.n_bytes for s in self._sessions.values())
-        if held + kv_bytes > self.bounds.max_kv_bytes:
-            raise PayloadTooLargeError(
-                f"node {self.node_id}: a session of {kv_bytes >> 20} MiB KV cache would pass its "
-                f"{self.bounds.max_kv_bytes >> 20} MiB for KV caches ({held >> 20} MiB held); lower n_ctx "
-                "or wait for sessions to close"
-            )
-
-    def _fit_kv_caches(self, layout: Layout) -> None:
-        """Under an auto budget, the sessions' KV caches (anonymous memory, allocated for their
-        whole context) come out of what the layers may keep resident."""
-        if layout.auto_budget is None:
-            return
-        kv = sum(s.cache.n_bytes for s in list(self._sessions.values()))
-        budget = layout.auto_budget - kv
-        if budget < layout.windows.largest_layer_bytes:
-            raise InputError(
-                f"node {self.node_id}: the sessions' KV caches ({kv >> 20} MiB) leave no room for its layers "
-                f"in {layout.auto_budget >> 20} MiB; lower --ctx or add a device"
-            )
-        layout.windows.set_budget(budget)
+        self.sessions.check_not_stopping("sessions")
+        self.sessions.open(session_id, plan_epoch, n_ctx, self.need_layout())
 
     def close_session(self, session_id: str) -> None:
-        limits.check_session_id(session_id)
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-            metrics.NODE_SESSIONS.set(len(self._sessions))
-        if session is not None:
-            session.close()
-            layout = self._layout
-            if layout is not None and session.epoch == layout.plan.epoch:
-                self._fit_kv_caches(layout)
+        self.sessions.close(session_id, self._layout)
 
-    # -- stopping ------------------------------------------------------------------------------
     def stop_taking_work(self) -> list[str]:
         """From now on refuse new plans and sessions (UNAVAILABLE, saying why); the sessions
         open now run on. Returns their ids."""
-        with self._lock:
-            self._stopping = True
-            return list(self._sessions)
+        return self.sessions.stop_taking_work()
 
     def session_ids(self) -> list[str]:
-        return list(self._sessions)
+        return self.sessions.ids()
 
     def cut_session(self, session_id: str, why: str) -> None:
         """End an open session before its generation finished: its head's generation fails with
         `why` (a follower tells the head by Abort and closes the session; on the head the
         generation closes it as it ends)."""
-        session = self.find_session(session_id)
+        session = self.sessions.find(session_id)
         if session is None:
             return
         self.worker.fail(session_id, why, kind="shutdown")
         if session.results is None:
             self.close_session(session_id)
 
-    def _check_not_stopping(self, what: str) -> None:
-        if self._stopping:
-            raise ShuttingDownError(
-                f"node {self.node_id} {SHUTTING_DOWN}: it takes no new {what}; "
-                "send it to another node, or plan again without this one"
-            )
-
     def find_session(self, session_id: str) -> NodeSession | None:
-        return self._sessions.get(session_id)
+        return self.sessions.find(session_id)
 
     def need_session(self, session_id: str) -> NodeSession:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise UnknownSessionError(
-                f"node {self.node_id} has no session {shown(session_id)}; open it first (or it was closed)"
-            )
-        return session
+        return self.sessions.need(session_id)
+
+    def abort(self, session_id: str, node_id: str, message: str) -> None:
+        """A node could not pass this session's activations on: end its generation here."""
+        self.sessions.abort(session_id, node_id, message)
 
     # -- activations ---------------------------------------------------------------------------
     def accept(self, act: Activation) -> None:
@@ -497,7 +335,7 @@ class NodeRuntime:
             raise StaleEpochError(
                 f"activation for plan epoch {act.plan_epoch} but node {self.node_id} runs epoch {layout.plan.epoch}"
             )
-        session = self.need_session(act.session_id)
+        session = self.sessions.need(act.session_id)
         n_hops = len(layout.hops)
         if act.hop_index > n_hops or (act.hop_index == n_hops and not layout.is_head):
             raise ProtocolError(f"hop index {act.hop_index} is outside this plan's {n_hops} hops")
@@ -515,22 +353,11 @@ class NodeRuntime:
             session.hand_back(act, "a peer")  # it has been round the ring
         elif session.results is not None and len(act.positions) <= INLINE_MAX_TOKENS:
             # The head's own hop of a decode step: its generation thread, which waits for the
-            # step, computes it (Head.receive). Computed here, the step would wake that thread
-            # only after this one's bookkeeping, which holds the GIL it needs.
-            session.hand_back(act, "a peer")
+            # step, computes it. Computed here, the step would wake that thread only after this
+            # one's bookkeeping, which holds the GIL it needs.
+            session.hand_back(OwnHop(act), "a peer")
         else:
             self.worker.submit(act, layout, session)
-
-    def route(self, layout: Layout, session: NodeSession, act: Activation) -> None:
-        self.worker.route(layout, session, act)
-
-    def abort(self, session_id: str, node_id: str, message: str) -> None:
-        """A node could not pass this session's activations on: end its generation here."""
-        limits.check_session_id(session_id)
-        session = self._sessions.get(session_id)
-        if session is not None and session.results is not None and not session.aborted:
-            session.aborted = True  # the first ends the generation; a flood of them queues nothing
-            session.results.put(NodeError(f"node {shown(node_id)}: {message[: limits.MAX_MESSAGE_CHARS]}"))
 
     # -- the head ------------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
@@ -542,7 +369,7 @@ class NodeRuntime:
         self._cancel_fetch()
         self.worker.stop()
         layout = self._layout
-        for session_id in list(self._sessions):
+        for session_id in self.sessions.ids():
             self.close_session(session_id)
         if layout:
             for c in layout.clients.values():

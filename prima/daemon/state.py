@@ -50,27 +50,45 @@ class Layout:
         """How one of this node's windows runs: see prima.forward.placement."""
         return split_window(window, self.accel_layers, per_layer=per_layer)
 
+    def close(self) -> None:
+        """Stop its layer windows and close its channels to peers (a newer plan replaced it)."""
+        self.windows.close()
+        for c in self.clients.values():
+            c.close()
+
+
+@dataclass(frozen=True)
+class OwnHop:
+    """A decode step that reached one of the head's own hops, handed to the head's generation
+    thread (Head.receive), which waits for the step anyway and computes it: one thread woken
+    per step on the head, not the link's reader and then that one."""
+
+    act: Activation
+
 
 @dataclass
 class NodeSession:
     """One session on this node: the KV cache of its own layers and its open relays to other nodes.
-    On the head, `results` collects the micro-batches that have come round the whole ring."""
+    On the head, `results` collects the micro-batches that have come round the whole ring, and
+    those of decode steps at its own hops (OwnHop)."""
 
     session_id: str
     epoch: int
     n_ctx: int
     cache: KVState
     relays: dict[int, Relay] = field(default_factory=dict)
-    results: queue.SimpleQueue[Activation | NodeError] | None = None
+    results: queue.SimpleQueue[Activation | OwnHop | NodeError] | None = None
     # On the head: micro-batches injected into the ring and not yet back. Each is in `results`
-    # at most once at a time (its own hop there, or its end), which bounds what peers may queue.
+    # at most once at a time (as an OwnHop, or at its end), which bounds what peers may queue.
     in_flight: int = 0
     aborted: bool = False  # a peer's Abort is queued once; more say nothing new
 
-    def hand_back(self, act: Activation, sender: str) -> None:
-        """Queue a micro-batch of this session for the head's generation; ProtocolError if that
-        would put more in `results` than the head has in flight: only a broken or hostile peer
-        (`sender`) sends results nobody asked for, and they must not grow the head's memory."""
+    def hand_back(self, item: Activation | OwnHop, sender: str) -> None:
+        """Queue a micro-batch of this session for the head's generation: back from the ring, or
+        at one of the head's own hops. ProtocolError if that would put more in `results` than
+        the head has in flight: only a broken or hostile peer (`sender`) sends results nobody
+        asked for, and they must not grow the head's memory."""
+        act = item.act if isinstance(item, OwnHop) else item
         if self.results is None:
             raise ProtocolError(
                 f"session {self.session_id} was not started on this node; only the head collects results"
@@ -80,7 +98,7 @@ class NodeSession:
                 f"{sender} sent an activation of session {self.session_id} (hop {act.hop_index}) that the "
                 f"head did not ask for: it has {self.in_flight} micro-batch(es) in flight, all accounted for"
             )
-        self.results.put(act)
+        self.results.put(item)
 
     def close(self) -> None:
         for relay in self.relays.values():

@@ -8,8 +8,8 @@ micro-batches reach each layer in the order they were sent and its KV caches are
 to back. RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
 decode step (or a speculative check of a few tokens) that finds the compute thread idle and
 nothing queued is computed in the thread it arrived on, the link's reader or the head's
-generation. Handing it over wakes the compute thread: 0.26 ms per hop on an AVX2 AMD EPYC VM
-whose idle vCPUs halt, about a sixth of what a hop cost there.
+generation: handing it over would wake the compute thread, a sizeable part of a decode hop
+where idle cores halt.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class Worker:
                 _log_window(window, group, before, windows.stats)
             h += 1
         for a, out in zip(group, hidden, strict=True):
-            # Built directly: dataclasses.replace took ~35 µs on a core just woken (AMD EPYC Zen 4 VM).
+            # Built directly: dataclasses.replace is slow on a core just woken.
             self.route(
                 layout,
                 session,

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from prima.cli import cmd_chat
-from prima.cli.engine_options import Session
 from prima.cli.main import main
+from prima.coordinator.session import Session
 from prima.engine.generate import GenerateRequest, GenerationResult
 from prima.kernels import compile_cache
 from prima.model.gguf_file import GGUFFile

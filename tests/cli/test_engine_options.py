@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prima.cli.engine_options import add_model_args, open_session
+from prima.cli.engine_options import add_model_args, open_session, session_options
+from prima.engine.speculative import DraftConfig
 from prima.errors import InputError, PlanError
 
 
@@ -58,3 +59,32 @@ def test_zero_threads_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         _args("-t", "0")
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_the_flags_are_read_once_into_frozen_options() -> None:
+    args = _args(
+        "-m", "some-model", "--nodes", "a:1,b:2", "--windows", "3,4", "--exact", "--draft", "lookup",
+        "--draft-max", "5", "--mdns-interface", "127.0.0.1", "--expect", "2", "--wire-dtype", "f16",
+    )  # fmt: skip
+    options = session_options(args, parallel=3)
+    assert options.model == "some-model"
+    assert options.nodes == ("a:1", "b:2")
+    assert options.windows == (3, 4)
+    assert options.mode == "exact"
+    assert options.draft == DraftConfig("lookup", 5)
+    assert options.parallel == 3
+    assert options.wire_dtype == "f16"
+    assert options.discovery.interfaces == ("127.0.0.1",)
+    assert options.discovery.expect == 2
+    assert not options.local
+
+
+def test_a_draft_model_file_means_drafting_with_a_model() -> None:
+    options = session_options(_args("--draft-model", "small.gguf"))
+    assert options.draft.method == "model"
+    assert options.draft_model == "small.gguf"
+
+
+def test_a_draft_model_file_with_lookup_drafting_is_refused() -> None:
+    with pytest.raises(InputError, match="drop one of them"):
+        session_options(_args("--draft-model", "small.gguf", "--draft", "lookup"))

@@ -12,7 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from prima.coordinator.members import Check, check_member, discover_members
+from prima.coordinator.members import Check, check_member, discover_addresses, discover_members
+from prima.coordinator.session import Discovery
+from prima.errors import PlanError
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA
 from prima.net.discovery import Advertiser, NodeAdvert
@@ -117,3 +119,10 @@ def test_every_address_an_advert_lists_is_tried(cluster: ClusterCA) -> None:
 def test_addresses_are_ranked_lan_ipv4_first() -> None:
     listed = ["fe80::1", "127.0.0.1", "192.168.1.20", "2001:db8::1", "not an address", "192.168.1.20"]
     assert discovery.rank_hosts(listed) == ["192.168.1.20", "127.0.0.1", "2001:db8::1", "fe80::1"]
+
+
+def test_fewer_members_than_expected_is_an_error_naming_them() -> None:
+    """Nobody serves this (made-up) model on loopback: 0 of the 1 expected, and what to do."""
+    how = Discovery(timeout_s=0.2, interfaces=("127.0.0.1",), expect=1)
+    with pytest.raises(PlanError, match=r"0 member\(s\) answered within 0.2 s .adverts: none., expected 1"):
+        discover_addresses(how, "0" * 64)

@@ -1,0 +1,88 @@
+"""The compute thread (prima.daemon.worker) on a one-node plan: a prompt's micro-batch queues
+for the compute thread and a decode step is computed where it arrives, both giving one pass's
+hidden states and ending in the head's results; the queue's bounds refuse a flood; a failure
+wakes the head's generation."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from prima.daemon.runtime import NodeRuntime
+from prima.daemon.worker import INLINE_MAX_TOKENS
+from prima.engine.local import LocalEngine
+from prima.errors import NodeError
+from prima.forward.loader import LoadedModel
+from prima.net.codec import Activation, WireDType
+from prima.net.limits import DaemonLimits
+from prima.net.status import PayloadTooLargeError
+from tests.daemon.conftest import embedded, solo_plan
+
+WAIT_S = 60.0  # for the compute thread to hand a result back, not a timing
+
+
+def _results(runtime: NodeRuntime, session_id: str) -> queue.SimpleQueue[object]:
+    """A head-side session waiting for one micro-batch."""
+    runtime.open_session(session_id, runtime.plan.epoch, 32)
+    session = runtime.need_session(session_id)
+    results: queue.SimpleQueue[object] = queue.SimpleQueue()
+    session.results = results  # type: ignore[assignment]
+    session.in_flight = 1
+    return results
+
+
+def _one_pass_logits(runtime: NodeRuntime, ids: list[int]) -> np.ndarray:
+    return LocalEngine(runtime.model, n_ctx=32).forward(ids)
+
+
+@pytest.mark.parametrize("n_tokens", [1, INLINE_MAX_TOKENS + 4])
+def test_a_micro_batch_goes_through_every_layer_and_back(solo_runtime: NodeRuntime, n_tokens: int) -> None:
+    """A decode step computes inline; a prompt's micro-batch on the compute thread."""
+    results = _results(solo_runtime, "s")
+    ids = list(range(3, 3 + n_tokens))
+    layout = solo_runtime.need_layout()
+    solo_runtime.worker.submit(embedded(solo_runtime, "s", ids), layout, solo_runtime.need_session("s"))
+    back = results.get(timeout=WAIT_S)
+    assert isinstance(back, Activation)
+    assert back.hop_index == len(layout.hops)
+    assert back.hidden.shape[0] == n_tokens
+    logits = solo_runtime.model.output_logits(back.hidden[-1:])[0]
+    np.testing.assert_array_equal(logits, _one_pass_logits(solo_runtime, ids))
+
+
+def test_decode_steps_are_timed_per_hop(solo_runtime: NodeRuntime) -> None:
+    results = _results(solo_runtime, "s")
+    layout = solo_runtime.need_layout()
+    solo_runtime.worker.submit(embedded(solo_runtime, "s", [3]), layout, solo_runtime.need_session("s"))
+    results.get(timeout=WAIT_S)
+    (hop,) = solo_runtime.worker.hop_times.snapshot(layout.plan.epoch)
+    assert (hop.hop_index, hop.steps) == (0, 1)
+
+
+@pytest.fixture
+def bounded(tiny_daemon_model: LoadedModel) -> Iterator[NodeRuntime]:
+    """A daemon whose compute queue holds at most 12 tokens."""
+    runtime = NodeRuntime(
+        tiny_daemon_model, "solo", budget_bytes=0, threads=1, bounds=DaemonLimits(max_queued_tokens=12)
+    )
+    runtime.load_plan(solo_plan(), "solo", WireDType.F32)
+    yield runtime
+    runtime.shutdown()
+
+
+def test_a_flood_past_the_queue_bound_is_refused(bounded: NodeRuntime) -> None:
+    _results(bounded, "s")
+    act = embedded(bounded, "s", list(range(3, 19)))  # 16 tokens: queued, never inline
+    with pytest.raises(PayloadTooLargeError, match="tokens of activations are already queued"):
+        bounded.worker.submit(act, bounded.need_layout(), bounded.need_session("s"))
+
+
+def test_a_failure_wakes_the_heads_generation(solo_runtime: NodeRuntime) -> None:
+    results = _results(solo_runtime, "s")
+    solo_runtime.worker.fail("s", "node peer: gone", kind="relay")
+    error = results.get_nowait()
+    assert isinstance(error, NodeError)
+    assert str(error) == "node peer: gone"
