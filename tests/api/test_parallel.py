@@ -1,6 +1,11 @@
 """`prima serve --parallel`: eight streaming clients at once on this device all complete, every
 one gets its first token before any other client's generation has finished (nobody waits for a
-whole earlier generation), and each text equals the same request run alone (greedy)."""
+whole earlier generation), and each text equals the same request run alone (greedy).
+
+The order is judged where the tokens are made, not where clients read them: a client thread
+starved by a loaded machine would read late and blame the server. And generation starts once
+all eight have their places (a bounded start line), so a client whose HTTP request arrived late
+cannot find another already finished."""
 
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ import pytest
 
 from prima.api.server import ApiServer
 from prima.api.service import CompletionService, EngineQueue, ServeDefaults
-from prima.engine.generate import generate
-from prima.engine.local import LocalEngine, local_generator
+from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, generate
+from prima.engine.local import LocalEngine, LocalGeneratorPool, local_generator
 from prima.engine.prompt import prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import LoadedModel, load_model
@@ -28,16 +33,50 @@ CLIENTS = 8
 MAX_TOKENS = 24
 N_CTX = 256
 HTTP_TIMEOUT_S = 300
+START_LINE_TIMEOUT_S = 60
 PROMPTS = [f"Question {i}: the largest city in country number {i} is" for i in range(CLIENTS)]
 
 
 @dataclass
 class ClientRun:
     text: str = ""
-    first_token_s: float | None = None
-    done_s: float | None = None
     error: str | None = None
     chunks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ServerSide:
+    """When the pool yielded one request's first token and its end (monotonic seconds)."""
+
+    first_token_s: float | None = None
+    done_s: float | None = None
+
+
+class TimedPool:
+    """The real generator pool, timestamping each request's first token and its end as the pool
+    yields them. Requests wait at a start line until `expected` have arrived (at most
+    `timeout_s`: a server that runs them one by one fails the order check instead of hanging)."""
+
+    def __init__(self, pool: LocalGeneratorPool, expected: int, timeout_s: float) -> None:
+        self.pool = pool
+        self.n_ctx = pool.n_ctx
+        self.timeout_s = timeout_s
+        self.runs: list[ServerSide] = []
+        self._arrived = threading.Barrier(expected)
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        run = ServerSide()
+        self.runs.append(run)
+        try:
+            self._arrived.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            pass
+        for event in self.pool.generate(request):
+            if isinstance(event, GenerationDone):
+                run.done_s = time.monotonic()
+            elif run.first_token_s is None:
+                run.first_token_s = time.monotonic()
+            yield event
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +85,20 @@ def loaded(smollm2_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def server(loaded: LoadedModel) -> Iterator[ApiServer]:
-    generator = local_generator(loaded, N_CTX, parallel=CLIENTS)
+def timed_pool(loaded: LoadedModel) -> Iterator[TimedPool]:
+    pool = local_generator(loaded, N_CTX, parallel=CLIENTS)
+    yield TimedPool(pool, CLIENTS, START_LINE_TIMEOUT_S)
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def server(loaded: LoadedModel, timed_pool: TimedPool) -> Iterator[ApiServer]:
     defaults = ServeDefaults(sampler=SamplerConfig(), max_tokens=MAX_TOKENS)
     service = CompletionService(
         loaded,
-        generator,
+        timed_pool,
         "smollm2-135m",
-        generator.n_ctx,
+        timed_pool.n_ctx,
         defaults=defaults,
         queue=EngineQueue(slots=CLIENTS),
     )
@@ -63,7 +108,6 @@ def server(loaded: LoadedModel) -> Iterator[ApiServer]:
     service.close()
     srv.stop()
     thread.join(HTTP_TIMEOUT_S)
-    generator.close()
 
 
 def _client(srv: ApiServer, prompt: str, run: ClientRun, start: threading.Barrier) -> None:
@@ -83,11 +127,8 @@ def _client(srv: ApiServer, prompt: str, run: ClientRun, start: threading.Barrie
             if not payload:
                 continue
             if payload == b"[DONE]":
-                run.done_s = time.monotonic()
                 break
             piece = json.loads(payload)["choices"][0].get("text", "")
-            if piece and run.first_token_s is None:
-                run.first_token_s = time.monotonic()
             run.chunks.append(piece)
         run.text = "".join(run.chunks)
     except Exception as exc:  # reported by the test, not lost in the thread
@@ -96,7 +137,9 @@ def _client(srv: ApiServer, prompt: str, run: ClientRun, start: threading.Barrie
         conn.close()
 
 
-def test_eight_clients_at_once_all_start_before_any_finishes(server: ApiServer, loaded: LoadedModel) -> None:
+def test_eight_clients_at_once_all_start_before_any_finishes(
+    server: ApiServer, timed_pool: TimedPool, loaded: LoadedModel
+) -> None:
     runs = [ClientRun() for _ in PROMPTS]
     start = threading.Barrier(CLIENTS)
     threads = [
@@ -108,10 +151,12 @@ def test_eight_clients_at_once_all_start_before_any_finishes(server: ApiServer, 
     for t in threads:
         t.join(HTTP_TIMEOUT_S)
     assert [r.error for r in runs] == [None] * CLIENTS
-    assert all(r.first_token_s is not None and r.done_s is not None for r in runs)
-    for i, r in enumerate(runs):
-        others_done = min(o.done_s for j, o in enumerate(runs) if j != i)  # type: ignore[type-var]
-        assert r.first_token_s < others_done, f"client {i} waited for another client's whole generation"
+    made = timed_pool.runs
+    assert len(made) == CLIENTS
+    assert all(m.first_token_s is not None and m.done_s is not None for m in made)
+    for i, m in enumerate(made):
+        others_done = min(o.done_s for j, o in enumerate(made) if j != i)  # type: ignore[type-var]
+        assert m.first_token_s < others_done, f"request {i} waited for another request's whole generation"
 
     tok = loaded.tokenizer
     for prompt, r in zip(PROMPTS, runs, strict=True):
