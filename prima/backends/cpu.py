@@ -5,12 +5,16 @@ At decode (up to `fused_max_tokens` tokens) a whole block runs as one compiled c
 (prima.kernels.decode_layer): the same kernels in the same order as the reference block, so the
 same bits (tests/kernels/test_decode_layer.py), without ~20 Python-level launches per layer.
 Without numba, everything runs the reference pass on numpy glue (slow, but it runs).
+
+Decode steps re-choose their thread count as they run (prima.backends.decode_threads): `threads`
+is the most a step uses, and a machine whose other processes keep a core busy gets fewer.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prima.backends import reference
+from prima.backends.decode_threads import DecodeThreads, adaptive_by_default
 from prima.backends.reference import BlockParams
 from prima.errors import InputError
 from prima.kernels import matmul as kernels
@@ -56,6 +61,14 @@ class CpuOps:
             log.warning("numba is not installed: the cpu backend falls back to slow numpy kernels")
         kernels.set_threads(self.threads)
 
+    def use_threads(self, threads: int) -> None:
+        """Run this OS thread's next numba launches on `threads` workers (numba's count is per
+        calling thread)."""
+        if kernels.HAVE_NUMBA:
+            import numba
+
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T for x float32 (n, cols); returns float32 (n, rows)."""
         return kernels.matmul(w, x, self.int8)
@@ -86,7 +99,15 @@ class CpuBackend:
     windows_bit_identical = True
     accelerator = False
 
-    def __init__(self, weights: ModelWeights, threads: int | None = None, mode: str = "q8") -> None:
+    def __init__(
+        self,
+        weights: ModelWeights,
+        threads: int | None = None,
+        mode: str = "q8",
+        adapt_threads: bool | None = None,
+    ) -> None:
+        """`adapt_threads`: re-choose decode threads from measured steps (None: yes, unless
+        PRIMA_DECODE_THREADS=fixed)."""
         self.weights = weights
         self.config = weights.config
         self.ops = CpuOps(threads, mode)
@@ -96,6 +117,9 @@ class CpuBackend:
         # The fused kernels compute each row as a pass of that row alone would; the int8 GEMM and
         # BLAS tiles (longer batches, float weights) do it in another order.
         self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
+        adapt = adaptive_by_default() if adapt_threads is None else adapt_threads
+        self._adapt = adapt and kernels.HAVE_NUMBA and self.ops.threads > 1
+        self._decode_threads: dict[range, DecodeThreads] = {}
 
     def load_window(self, layers: range) -> CpuWindow:
         self.weights.validate(layers)
@@ -128,7 +152,11 @@ class CpuBackend:
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         h = np.ascontiguousarray(hidden, dtype=np.float32)
         fast = h.shape[0] <= self.fused_max_tokens
-        attn_parallel_min = self._attention_parallel_min() if fast else 0
+        chooser = self.decode_threads(window) if fast else None
+        threads = chooser.next_threads() if chooser is not None else self.ops.threads
+        self.ops.use_threads(threads)
+        attn_parallel_min = self._attention_parallel_min(threads) if fast else 0
+        start = time.perf_counter()
         for params, fused in zip(window.blocks, window.fused, strict=True):
             i = params.weights.index
             if fused is not None and fast:
@@ -136,7 +164,18 @@ class CpuBackend:
                 h = fused.run(h, positions, kv.kernel_arrays(i), t, self.ops.int8, attn_parallel_min)
             else:
                 h = reference.block(self.config, params, self.ops, h, positions, kv)
+        if chooser is not None and h.shape[0] == 1:  # a step of one token: the steps compared
+            chooser.record(threads, (time.perf_counter() - start) * 1000.0)
         return h
+
+    def decode_threads(self, window: CpuWindow) -> DecodeThreads | None:
+        """The thread chooser of `window`'s decode steps (None: fixed at `threads`)."""
+        if not self._adapt:
+            return None
+        chooser = self._decode_threads.get(window.layers)
+        if chooser is None:
+            chooser = self._decode_threads.setdefault(window.layers, DecodeThreads(self.ops.threads))
+        return chooser
 
     @property
     def decode_batch_rows(self) -> int:
@@ -156,6 +195,8 @@ class CpuBackend:
         (in row order): the weights are read once for all of them (continuous batching)."""
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         h = np.ascontiguousarray(hidden, dtype=np.float32)
+        chooser = self.decode_threads(window)
+        self.ops.use_threads(chooser.current if chooser is not None else self.ops.threads)
         for params in window.blocks:
             h = reference.block_sessions(self.config, params, self.ops, h, positions, sessions)
         return h
@@ -182,10 +223,10 @@ class CpuBackend:
         types = [tensors[n].qtype for n in names if n in tensors] + [self.weights.output.qtype]
         return all(int(t) in drivers.QUANTIZED_IDS for t in types)
 
-    def _attention_parallel_min(self) -> int:
+    def _attention_parallel_min(self, threads: int) -> int:
         from prima.kernels import fused_ops
 
-        return fused_ops.attention_parallel_min(self.ops.threads)
+        return fused_ops.attention_parallel_min(threads)
 
     def _fused_block(self, params: BlockParams) -> FusedBlock | None:
         """The one-call form of a block, or None (no numba, or a projection in a float format)."""

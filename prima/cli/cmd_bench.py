@@ -3,23 +3,27 @@ and, when llama-cpp-python is installed, of llama.cpp on the same GGUF in the sa
 
 Each engine runs in its own worker process (so each one's peak RSS is its own); the parent
 alternates repetitions between them, so both see the same machine load, and reports medians.
+`--busy-cores K` keeps K cores busy with other processes meanwhile: a laptop in use.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing import Pipe, get_context
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from prima.cli.arg_types import positive_int
+from prima.backends.decode_threads import FIXED_ENV
+from prima.cli.arg_types import non_negative_int, positive_int
 from prima.engine.thread_tuning import tuned_setting
 from prima.errors import InputError
 from prima.kernels import thread_env
@@ -51,12 +55,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"model name or GGUF path, repeatable (default {DEFAULT_MODEL})",
     )
     p.add_argument(
-        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
+        "-t",
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="compute threads at most (default: all cores; decode runs fewer while other processes keep cores busy)",
     )
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
     p.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per repetition (default 32)")
     p.add_argument("--reps", type=int, default=5, help="alternating repetitions per engine (default 5)")
     p.add_argument("--no-llama", action="store_true", help="measure prima only")
+    p.add_argument(
+        "--busy-cores",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="keep K cores busy with other processes while measuring (a device in use; default 0)",
+    )
+    p.add_argument(
+        "--fixed-threads",
+        action="store_true",
+        help="keep prima's decode at --threads instead of re-choosing it as the load changes",
+    )
     p.add_argument(
         "--exact", action="store_true", help="run prima in exact mode (float32 activations; default q8)"
     )
@@ -70,7 +90,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--reps, --prompt-tokens and --gen-tokens must be positive")
     have_llama = not args.no_llama and _llama_cpp_available()
     mode = "exact" if args.exact else "q8"
-    report: dict = {"machine": _machine(), "threads": threads, "prima_mode": mode, "models": []}
+    report: dict = {
+        "machine": _machine(),
+        "threads": threads,
+        "prima_mode": mode,
+        "busy_cores": args.busy_cores,
+        "prima_decode_threads": "fixed" if args.fixed_threads else "adaptive",
+        "models": [],
+    }
     if not have_llama and not args.no_llama:
         report["note"] = "llama-cpp-python is not installed (pip install 'prima[bench]'): prima numbers only"
     for name in args.model or [DEFAULT_MODEL]:
@@ -81,7 +108,17 @@ def run(args: argparse.Namespace) -> int:
         _warm_kernel_cache(get_context("spawn"), path, threads, mode)
         setting = tuned_setting(path, threads=threads)
         wait = setting.wait if setting else "default"
-        results = _bench_model(path, engines, threads, mode, args.prompt_tokens, args.gen_tokens, args.reps)
+        with _busy(args.busy_cores):
+            results = _bench_model(
+                path,
+                engines,
+                threads,
+                mode,
+                args.prompt_tokens,
+                args.gen_tokens,
+                args.reps,
+                args.fixed_threads,
+            )
         entry: dict = {"model": path.name, "prima_wait": wait, "results": [asdict(r) for r in results]}
         if have_llama:
             p, ll = results
@@ -92,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             }
         report["models"].append(entry)
         if not args.json:
-            _print_model(entry, threads, args.prompt_tokens)
+            _print_model(entry, threads, args.prompt_tokens, args.busy_cores, args.fixed_threads)
     report["machine"]["loadavg_end"] = os.getloadavg()
     if args.json:
         print(json.dumps(report, indent=2))
@@ -102,7 +139,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench_model(
-    path: Path, engines: list[str], threads: int, mode: str, n_prompt: int, n_gen: int, reps: int
+    path: Path,
+    engines: list[str],
+    threads: int,
+    mode: str,
+    n_prompt: int,
+    n_gen: int,
+    reps: int,
+    fixed_threads: bool = False,
 ) -> list[EngineResult]:
     workers = []
     for engine in engines:
@@ -111,6 +155,8 @@ def _bench_model(
         # llama.cpp runs with the user's environment, not prima's thread-pool defaults (a passive
         # OpenMP wait would slow its per-node barriers and bias the comparison).
         env = _without(thread_env.APPLIED) if engine != "prima" else dict(os.environ)
+        if engine == "prima" and fixed_threads:
+            env[FIXED_ENV] = "fixed"
         proc = subprocess.Popen(
             [sys.executable, "-m", "prima.cli.bench_worker", *argv], env=env, pass_fds=(child.fileno(),)
         )
@@ -143,6 +189,18 @@ def _bench_model(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def _busy(cores: int) -> Iterator[None]:
+    """`cores` processes spinning at normal priority (an application in use) for the block."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
 
 
 def _warm_kernel_cache(ctx, path: Path, threads: int, mode: str) -> None:  # noqa: ANN001
@@ -207,9 +265,12 @@ def _machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": os.getloadavg()}
 
 
-def _print_model(entry: dict, threads: int, n_prompt: int) -> None:
+def _print_model(entry: dict, threads: int, n_prompt: int, busy_cores: int = 0, fixed: bool = False) -> None:
+    decode = "fixed" if fixed else "adaptive"
+    busy = f", {busy_cores} cores kept busy" if busy_cores else ""
     print(
-        f"{entry['model']}  ({threads} threads, prima's workers {entry['prima_wait']}, prompt {n_prompt} tokens)"
+        f"{entry['model']}  ({threads} threads, prima's workers {entry['prima_wait']}, "
+        f"prima's decode threads {decode}, prompt {n_prompt} tokens{busy})"
     )
     print(f"  {'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>9} {'peak RSS MiB':>12}")
     for r in entry["results"]:

@@ -53,7 +53,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help=f"context size in tokens (default {DEFAULT_CTX})",
     )
     parser.add_argument(
-        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
+        "-t",
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="compute threads at most (default: all cores; decode runs fewer while other processes keep cores busy)",
     )
     parser.add_argument(
         "--backend", default="cpu", choices=AVAILABLE_BACKENDS, help="compute backend (default cpu)"

@@ -112,7 +112,11 @@ def _add_compute_args(p: argparse.ArgumentParser) -> None:
         "cgroup or RAM leaves, measured when a plan arrives), a size such as 800M, or 0 for no limit",
     )
     p.add_argument(
-        "-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)"
+        "-t",
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="compute threads at most (default: all cores; decode runs fewer while other processes keep cores busy)",
     )
     p.add_argument(
         "--backend",

@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from prima.backends.decode_threads import FIXED_ENV
 from prima.errors import PrimaError
 from prima.kernels import compile_cache, thread_env
 
@@ -201,6 +202,7 @@ def measure(
         else:
             env[key] = value
     env["PRIMA_THREAD_ENV"] = "off"  # the child's pools are set up by exactly this environment
+    env[FIXED_ENV] = "fixed"  # time this count, not what decode would move to under load
     for key in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(key, "1")
     cmd = [

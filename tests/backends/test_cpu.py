@@ -3,6 +3,7 @@ gguf-py's dequantization."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,3 +134,74 @@ def test_a_prefill_block_drops_each_projection_once_read(smollm2_path: Path) -> 
     assert ops.alive_at_call == [0, 0, 0, 1]
     expected = block(cfg, params, backend.ops, x, np.arange(n), backend.new_kv(n, range(1)))
     assert np.array_equal(out, expected)
+
+
+def _greedy_logits(backend: CpuBackend, prompt: Sequence[int], steps: int) -> list[np.ndarray]:
+    """Prefill `prompt`, then decode `steps` greedy tokens one at a time; each step's logits."""
+    layers = range(backend.config.n_layers)
+    window = backend.load_window(layers)
+    kv = backend.new_kv(64, layers)
+    ids = np.asarray(prompt, dtype=np.int64)
+    out = []
+    h = backend.run_window(window, backend.embed(ids), np.arange(len(ids)), kv)
+    out.append(backend.logits(h[-1:])[0])
+    for step in range(steps):
+        token = np.array([int(np.argmax(out[-1]))], dtype=np.int64)
+        h = backend.run_window(window, backend.embed(token), np.array([len(ids) + step]), kv)
+        out.append(backend.logits(h)[0])
+    return out
+
+
+@pytest.mark.skipif(os.cpu_count() == 1, reason="one core: there is no other thread count to switch to")
+def test_decode_threads_switching_mid_generation_keeps_every_logit(weights: ModelWeights) -> None:
+    """A decode step computes the same bits with any thread count, so moving between counts as
+    the machine's load changes never changes the text."""
+    fixed = CpuBackend(weights, threads=1, adapt_threads=False)
+    switching = CpuBackend(weights, threads=2, adapt_threads=True)
+    window = switching.load_window(range(weights.config.n_layers))
+    chooser = switching.decode_threads(window)
+    assert chooser is not None
+    counts = iter([2, 1] * 20)
+    used: list[int] = []
+
+    def alternate() -> int:
+        used.append(next(counts))
+        return used[-1]
+
+    chooser.next_threads = alternate  # type: ignore[method-assign]
+    want = _greedy_logits(fixed, [1, 2, 3, 4, 5], 12)
+    got = _greedy_logits(switching, [1, 2, 3, 4, 5], 12)
+    assert set(used) == {1, 2}
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_threads_reach_numba_and_step_times_reach_the_chooser(weights: ModelWeights) -> None:
+    import numba
+
+    backend = CpuBackend(weights, threads=2, adapt_threads=True)
+    window = backend.load_window(range(weights.config.n_layers))
+    chooser = backend.decode_threads(window)
+    assert chooser is not None
+    recorded: list[tuple[int, float]] = []
+    chooser.next_threads = lambda: 1  # type: ignore[method-assign]
+    chooser.record = lambda n, ms: recorded.append((n, ms))  # type: ignore[method-assign]
+    kv = backend.new_kv(16, window.layers)
+    h = backend.run_window(window, backend.embed(np.array([1, 2, 3])), np.arange(3), kv)
+    assert recorded == []  # a prompt of three tokens is not a decode step
+    backend.run_window(window, h[-1:], np.array([3]), kv)
+    assert numba.get_num_threads() == 1
+    assert [n for n, _ in recorded] == [1]
+    assert recorded[0][1] > 0
+
+
+def test_decode_threads_fixed_when_asked_or_one_thread(
+    weights: ModelWeights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    window = CpuBackend(weights, threads=1).load_window(range(1))
+    assert CpuBackend(weights, threads=1).decode_threads(window) is None
+    assert CpuBackend(weights, threads=2, adapt_threads=False).decode_threads(window) is None
+    monkeypatch.setenv("PRIMA_DECODE_THREADS", "fixed")
+    assert CpuBackend(weights, threads=2).decode_threads(window) is None
+    monkeypatch.delenv("PRIMA_DECODE_THREADS")
+    assert CpuBackend(weights, threads=2).decode_threads(window) is not None

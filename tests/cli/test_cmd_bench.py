@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from prima.cli.main import main
@@ -16,11 +17,23 @@ from tests.llama_reference import require_llama_cpp
 
 @pytest.mark.slow
 def test_bench_reports_prima_alone_as_json(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["bench", "-m", str(smollm2_path), "--no-llama", "--reps", "2", "--threads", "2"]
+    args = [
+        "bench",
+        "-m",
+        str(smollm2_path),
+        "--no-llama",
+        "--reps",
+        "2",
+        "--threads",
+        "2",
+        "--fixed-threads",
+    ]
     assert main([*args, "--prompt-tokens", "12", "--gen-tokens", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["prima_mode"] == "q8"
     assert report["threads"] == 2
+    assert report["busy_cores"] == 0
+    assert report["prima_decode_threads"] == "fixed"
     (model,) = report["models"]
     assert model["model"] == smollm2_path.name
     (prima,) = model["results"]
@@ -31,6 +44,18 @@ def test_bench_reports_prima_alone_as_json(smollm2_path: Path, capsys: pytest.Ca
     # The worker maps at least the weights it read; its private memory is counted apart.
     assert prima["peak_rss_mib"] >= prima["rss_file_mib"] > 0
     assert "ratios" not in model
+
+
+def test_busy_cores_spin_for_the_block_and_are_gone_after() -> None:
+    from prima.cli.cmd_bench import _busy
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    with _busy(2):
+        spinners = [c for c in me.children() if c.pid not in before]
+        assert len(spinners) == 2
+        assert all(c.is_running() for c in spinners)
+    assert all(not c.is_running() for c in spinners)
 
 
 def test_bench_rejects_non_positive_counts(capsys: pytest.CaptureFixture[str]) -> None:
