@@ -12,6 +12,7 @@ import math
 import queue
 import socket
 import ssl
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, Protocol
@@ -160,6 +161,15 @@ def open_channel(
     return grpc.secure_channel(address, credentials.channel_credentials(identity), options=options)
 
 
+def link_estimate(rtts_s: Sequence[float], payload_rtt_s: float, payload_bytes: int) -> tuple[float, float]:
+    """(one-way latency ms, bytes/s) from empty round trips and one round trip carrying
+    `payload_bytes` (seconds): see NodeClient.measure_link."""
+    rtt = statistics.median(rtts_s)
+    extra = payload_rtt_s - rtt if payload_bytes else 0.0
+    bandwidth = payload_bytes / extra if extra > 1e-6 else math.inf
+    return rtt * 1e3 / 2, bandwidth
+
+
 class NodeClient:
     """One channel to one daemon; cheap to keep for a session (HTTP/2 multiplexes calls).
     With `node_id`, only a daemon holding that node's certificate is accepted at that address."""
@@ -259,14 +269,14 @@ class NodeClient:
     def measure_link(
         self, pings: int = LINK_PINGS, payload_bytes: int = LINK_PAYLOAD_BYTES
     ) -> tuple[float, float]:
-        """(one-way latency ms, bytes/s) to this node: half the best of `pings` empty round trips,
-        and one `payload_bytes` ping less that round trip. Bandwidth is inf when the payload's
-        extra time is below the clock's resolution (loopback, fast LANs)."""
+        """(one-way latency ms, bytes/s) to this node: half the median of `pings` empty round
+        trips, and one `payload_bytes` ping less that round trip. Bandwidth is inf when the
+        payload's extra time is below the clock's resolution (loopback, fast LANs). The median,
+        not the best: on Wi-Fi every hop of every token pays the typical delay, jitter
+        included, and the best round trip is the luckiest."""
         self.ping()  # the first call on a channel also connects: not a sample
-        rtt = min(self.ping() for _ in range(max(1, pings)))
-        extra = self.ping(payload_bytes) - rtt if payload_bytes else 0.0
-        bandwidth = payload_bytes / extra if extra > 1e-6 else math.inf
-        return rtt * 1e3 / 2, bandwidth
+        rtts = [self.ping() for _ in range(max(1, pings))]
+        return link_estimate(rtts, self.ping(payload_bytes) if payload_bytes else 0.0, payload_bytes)
 
     def relay(self, on_error: Callable[[NodeError], None], wire_dtype: WireDType = WireDType.F32) -> Relay:
         """A session's relay to this node: over its activation link when it has one that

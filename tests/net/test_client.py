@@ -3,6 +3,7 @@ listens but is slow to answer (its first Profile measures the device, or it is b
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from prima.net.client import node_error
+from prima.net.client import link_estimate, node_error
 
 
 @pytest.fixture
@@ -57,3 +58,15 @@ def test_an_absent_daemon_is_called_unreachable() -> None:
     error = str(node_error("node0", address, _failed_call(address, 2.0), "Info"))
     assert "did not answer (Info: UNAVAILABLE)" in error
     assert "check that primad is running there" in error
+
+
+def test_link_latency_is_the_typical_round_trip_not_the_luckiest() -> None:
+    """Wi-Fi jitters: every hop of every token pays the typical delay, so Halda gets the median."""
+    latency_ms, bandwidth = link_estimate([0.010, 0.004, 0.012, 0.011, 0.014], 0.111, 1_000_000)
+    assert latency_ms == pytest.approx(5.5)  # half of 11 ms
+    assert bandwidth == pytest.approx(1_000_000 / 0.100)
+
+
+def test_link_bandwidth_below_the_clock_is_unlimited() -> None:
+    assert link_estimate([0.001], 0.001, 1 << 20)[1] == math.inf
+    assert link_estimate([0.001], 0.0, 0)[1] == math.inf

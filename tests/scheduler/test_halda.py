@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from prima.errors import PlanError
+from prima.plan import Plan
 from prima.scheduler import halda
 from prima.scheduler.cost_model import (
     pinned_layers,
@@ -15,6 +17,7 @@ from prima.scheduler.cost_model import (
     streams,
 )
 from prima.scheduler.profile import AcceleratorProfile
+from tests.scheduler.conftest import MiB, make_device, make_model
 from tests.scheduler.halda_oracle import brute_force
 
 
@@ -147,3 +150,38 @@ def test_halda_reports_an_unfittable_model(make_device, make_model):
 def test_halda_rejects_duplicate_node_ids(make_device, make_model):
     with pytest.raises(PlanError, match="duplicate"):
         halda.solve([make_device("a"), make_device("a")], make_model())
+
+
+@pytest.mark.parametrize("ram_gib", [0.03, 0.04])
+def test_halda_keeps_fewer_hops_when_link_latency_dominates(ram_gib: float) -> None:
+    """Three small devices, none of which holds the whole small model (as in bench_wifi.py with
+    --budgets): over loopback (0.2 ms) Halda splits the layers across devices; over the seeds'
+    Wi-Fi (7 ms a hop) fewer hops a token win, even if a device must reread layers from disk,
+    and Halda takes them. Its Wi-Fi plan beats the loopback layout costed on Wi-Fi."""
+    model = dataclasses.replace(
+        make_model(n_layers=30, layer_mib=2.1, kv_mib=0.05, ctx_tokens=512),
+        input_bytes=8 * MiB,
+        output_bytes=8 * MiB,
+    )
+
+    def cluster(latency_ms: float) -> list:
+        return [
+            make_device(
+                f"d{i}", ram_gib=ram_gib, gflops=30, disk_gbps=5.0, latency_ms=latency_ms, net_mbps=400
+            )
+            for i in range(3)
+        ]
+
+    def hops(plan: Plan) -> int:
+        return plan.rounds * len(plan.nodes) if len(plan.nodes) > 1 else 0
+
+    near = halda.solve(cluster(0.2), model)
+    far = halda.solve(cluster(7.0), model)
+    assert len(near.nodes) > 1
+    assert hops(far) < hops(near)
+    kept = {n.node_id for n in near.nodes}
+    wifi_kept = [d for d in cluster(7.0) if d.node_id in kept]
+    near_layout_on_wifi = predict_ms_per_token(
+        wifi_kept, model, near.rounds, [w.n_layers for n in near.nodes for w in n.windows[:1]]
+    )
+    assert far.predicted_ms_per_token < near_layout_on_wifi
