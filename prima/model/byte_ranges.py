@@ -9,7 +9,7 @@ output head. Everything here is pure: ranges are frozen, sorted and merged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prima.model.gguf_file import GGUFFile, fingerprint_spans
@@ -87,14 +87,14 @@ def intersect(a: Iterable[ByteRange], b: Iterable[ByteRange]) -> Ranges:
     return subtract(na, subtract(na, b))
 
 
-def pieces(ranges: Iterable[ByteRange], max_bytes: int) -> list[ByteRange]:
-    """`ranges` cut into pieces of at most `max_bytes` (the unit sent, hashed and recorded)."""
+def pieces(ranges: Iterable[ByteRange], max_bytes: int) -> Iterator[ByteRange]:
+    """`ranges` cut into pieces of at most `max_bytes` (the unit sent, hashed and recorded), one
+    at a time: a whole file in small pieces would be millions of objects at once."""
     if max_bytes <= 0:
         raise ValueError(f"piece size must be positive, got {max_bytes}")
-    out = []
     for r in normalize(ranges):
-        out.extend(ByteRange(s, min(s + max_bytes, r.end)) for s in range(r.start, r.end, max_bytes))
-    return out
+        for s in range(r.start, r.end, max_bytes):
+            yield ByteRange(s, min(s + max_bytes, r.end))
 
 
 def bootstrap_ranges(file_size: int, data_offset: int) -> Ranges:

@@ -223,6 +223,18 @@ def _call(client: NodeClient, **fields: object) -> grpc.StatusCode:
         (lambda m: {"ranges": [pb.ByteSpan(start=5, end=5)]}, "INVALID_ARGUMENT"),
         (lambda m: {"ranges": [pb.ByteSpan(start=1, end=2)] * (fetch.MAX_RANGES + 1)}, "RESOURCE_EXHAUSTED"),
         (lambda m: {"ranges": [pb.ByteSpan(start=0, end=10)], "piece_bytes": 1 << 31}, "OK"),
+        (lambda m: {"ranges": [pb.ByteSpan(start=0, end=m.file_size)], "piece_bytes": 1}, "INVALID_ARGUMENT"),
+        (
+            lambda m: {
+                "ranges": [pb.ByteSpan(start=0, end=1 << 20)],
+                "piece_bytes": fetch.MIN_PIECE_BYTES - 1,
+            },
+            "INVALID_ARGUMENT",
+        ),
+        (
+            lambda m: {"ranges": [pb.ByteSpan(start=0, end=1 << 20)], "piece_bytes": fetch.MIN_PIECE_BYTES},
+            "OK",
+        ),
     ],
 )
 def test_fetch_requests_are_checked(
