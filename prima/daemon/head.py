@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Generator
 from typing import Protocol
@@ -22,11 +23,11 @@ import numpy as np
 from prima.engine.draft_model import DraftModel
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, forward_ids, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
-from prima.errors import InputError, NodeError, ProtocolError
+from prima.errors import GenerationCancelled, InputError, NodeError, ProtocolError
 from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
-from prima.net.run_ahead import waiting
+from prima.net.run_ahead import stop_requested, waiting
 from prima.net.status import NotReadyError
 from prima.plan import Plan
 
@@ -41,6 +42,7 @@ log = logging.getLogger("prima.daemon")
 # write would wake the Generate handler and the coordinator just as that node wakes, and the
 # three would contend for the cores.
 HAND_OVER_AFTER_S = 0.001
+CANCEL_POLL_S = 0.1  # how often a head waiting for the ring checks that its caller is still there
 
 
 class RingLink(Protocol):
@@ -128,6 +130,7 @@ class RingEngine:
         ids = forward_ids(token_ids, self.n_past, self.n_ctx)
         n_batches = 0
         for s in range(0, ids.size, ubatch):
+            _raise_if_stopped(self.session_id)  # a micro-batch the head computes itself runs here
             chunk = ids[s : s + ubatch]
             positions = np.arange(self.n_past, self.n_past + chunk.size, dtype=np.int64)
             hidden = self.model.embed(chunk)
@@ -269,6 +272,7 @@ class Head:
             item = None
         waiting()  # tokens sampled so far go to the coordinator while this thread waits
         while True:
+            _raise_if_stopped(session_id)
             layout = self.host.need_layout()
             if item is None:
                 try:  # the step this thread just computed may have ended the trip round the ring
@@ -278,7 +282,7 @@ class Head:
             if item is None:
                 peers = list(layout.clients.values())
                 item = wait_for(
-                    lambda timeout_s: results.get(timeout=timeout_s),
+                    lambda timeout_s: _get_unless_stopped(results, timeout_s, session_id),
                     lambda timeout_s, peers=peers: probe_nodes(peers, timeout_s),
                     self.liveness.for_token_time(layout.plan.predicted_ms_per_token),
                     what=f"session {session_id}",
@@ -303,3 +307,25 @@ class Head:
                 client.close_session(session_id)
             except NodeError as exc:
                 log.info("closing session %s: %s", session_id, exc)
+
+
+def _raise_if_stopped(session_id: str) -> None:
+    """GenerationCancelled once the caller of this generation went away (prima.net.run_ahead):
+    a prefill stops within a micro-batch, not at its first token."""
+    if stop_requested():
+        raise GenerationCancelled(f"session {session_id}: the caller went away")
+
+
+def _get_unless_stopped(results: queue.Queue, timeout_s: float, session_id: str) -> object:
+    """`results.get(timeout=timeout_s)` in slices of CANCEL_POLL_S, checking between them whether
+    the generation was called off."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _raise_if_stopped(session_id)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise queue.Empty
+        try:
+            return results.get(timeout=min(left, CANCEL_POLL_S))
+        except queue.Empty:
+            continue

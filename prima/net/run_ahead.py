@@ -42,6 +42,14 @@ def waiting() -> None:
         ahead._hand_over()
 
 
+def stop_requested() -> bool:
+    """Whether the calling thread runs a RunAhead's source whose consumer asked it to stop: a
+    source in a long stretch without items (a head prefilling a long prompt) checks this to end
+    early instead of at its next item. Anywhere else, False."""
+    ahead: RunAhead[object] | None = getattr(_running, "ahead", None)
+    return ahead is not None and ahead._stop.is_set()
+
+
 class RunAhead(Generic[T]):
     """Iterate `source` in a thread that hands every item over to `next` (when the source waits,
     makes its next item or ends: see the module's docstring). The source runs until it

@@ -203,6 +203,7 @@ class NodeServicer(FileServicer):
             self._generates.give_back(caller)
             raise
         ahead = RunAhead(events, "primad-generate", on_end=lambda: self._generates.give_back(caller))
+        context.add_callback(ahead.stop)  # a caller that hangs up stops a prefill at once, not a poll later
         try:
             while context.is_active():
                 event = self._guard(context, lambda: ahead.next(GENERATE_POLL_S))

@@ -5,6 +5,7 @@ in-process on 127.0.0.1."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -28,10 +29,17 @@ IDLE_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def head() -> Iterator[pb_grpc.NodeStub]:
+def head_runtime() -> Iterator[NodeRuntime]:
+    runtime = NodeRuntime(load_model(tiny_model_path("tiny-qwen2")), "solo")
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def head(head_runtime: NodeRuntime) -> Iterator[pb_grpc.NodeStub]:
     """A head holding every layer, allowing one Generate per caller and half a second of silence."""
-    loaded = load_model(tiny_model_path("tiny-qwen2"))
-    runtime = NodeRuntime(loaded, "solo")
+    runtime = head_runtime
+    loaded = runtime.loaded
     bounds = DaemonLimits(max_generates_per_caller=1, relay_idle_s=IDLE_S)
     server, port = start_server(runtime, "127.0.0.1", 0, limits=bounds)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -42,7 +50,6 @@ def head() -> Iterator[pb_grpc.NodeStub]:
     yield stub
     channel.close()
     server.stop(grace=None)
-    runtime.shutdown()
 
 
 def _request(max_tokens: int) -> pb.GenerateRequest:
@@ -150,3 +157,45 @@ def test_caller_slots_count_each_caller_apart() -> None:
         slots.take("a")
     slots.give_back("a")
     slots.take("a")
+
+
+def test_a_cancelled_generate_stops_its_prefill_within_a_micro_batch(
+    head: pb_grpc.NodeStub, head_runtime: NodeRuntime
+) -> None:
+    """A caller that hangs up during a long prompt's prefill: the head stops at the micro-batch
+    it is on, not after the whole prompt (which it did: nothing checked before the first token)."""
+    n_prompt = 900  # the tiny model's context is 1024
+    hops: list[int] = []
+    worker = head_runtime.head.worker
+    route = worker.route
+
+    def counting(*args: object, **kwargs: object) -> None:
+        hops.append(1)
+        route(*args, **kwargs)  # type: ignore[arg-type]
+
+    request = pb.GenerateRequest(
+        prompt_ids=[(7 * i) % 1000 + 1 for i in range(n_prompt)],
+        max_tokens=1,
+        n_ctx=1024,
+        ubatch=1,  # one micro-batch per token, the head computing each itself
+        sampler=codec.sampler_to_proto(SamplerConfig()),
+    )
+    worker.route = counting  # type: ignore[method-assign]
+    try:
+        call = head.Generate(request, timeout=120)
+        deadline = time.monotonic() + 60
+        while len(hops) < 20 and not call.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(hops) >= 20, "the prefill never started"
+        call.cancel()
+        settled, last = time.monotonic() + 30, -1
+        while len(hops) != last and time.monotonic() < settled:  # until a quiet second
+            last = len(hops)
+            time.sleep(1.0)
+    finally:
+        worker.route = route  # type: ignore[method-assign]
+    # Each micro-batch is routed twice (into the ring, and back as done): the whole prompt is
+    # 2 * n_prompt routes, half of them is half the prompt.
+    assert len(hops) < n_prompt, (
+        f"the cancelled prefill went on for {len(hops) // 2} of {n_prompt} micro-batches"
+    )
