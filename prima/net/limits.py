@@ -47,6 +47,11 @@ class DaemonLimits:
     # ended (DEADLINE_EXCEEDED), so idle streams cannot hold the daemon's threads.
     relay_idle_s: float = 300.0
     relay_open_s: float = 6 * 3600.0
+    # Streams (Relay, Generate, FetchRanges) hold a server thread each for as long as they run;
+    # all together may hold this many of the server's threads (prima.net.server.MAX_WORKERS), the
+    # rest stay free for control calls (Info, Ping, Profile, Abort, LoadPlan, sessions).
+    max_streams: int = 24
+    max_fetches_per_caller: int = 4
 
 
 def shown(text: str) -> str:
@@ -130,12 +135,36 @@ class WorkBounds:
                 del self._per_session[session_id]
 
 
-class CallerSlots:
-    """Counts the calls each caller has running, up to `limit` at once."""
+class StreamBudget:
+    """The server threads all streams together may hold (DaemonLimits.max_streams)."""
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.running = 0
+
+    def take(self, what: str) -> None:
+        with self._lock:
+            if self.running >= self.limit:
+                raise PayloadTooLargeError(
+                    f"this node already serves {self.running} streams, the most it keeps threads for; "
+                    f"the {what} call may be retried when one ends"
+                )
+            self.running += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.running -= 1
+
+
+class CallerSlots:
+    """Counts the calls each caller has running, up to `limit` at once, each also taking a place
+    of `budget` when one is given (streams of several kinds share one)."""
+
+    def __init__(self, limit: int, what: str, budget: StreamBudget | None = None) -> None:
         self.limit = limit
         self.what = what
+        self.budget = budget
         self._lock = threading.Lock()
         self._running: Counter[str] = Counter()
 
@@ -147,6 +176,8 @@ class CallerSlots:
                     f"{shown(caller)} already has {self._running[caller]} {self.what} calls running on this "
                     f"node, the most one caller may; wait for one to finish"
                 )
+            if self.budget is not None:
+                self.budget.take(self.what)
             self._running[caller] += 1
 
     def give_back(self, caller: str) -> None:
@@ -154,6 +185,8 @@ class CallerSlots:
             self._running[caller] -= 1
             if self._running[caller] <= 0:
                 del self._running[caller]
+            if self.budget is not None:
+                self.budget.give_back()
 
 
 def consume_bounded(

@@ -18,8 +18,10 @@ from prima.net.servicer import FileHolder, FileServicer, NodeHandler, NodeServic
 
 log = logging.getLogger("prima.net")
 
-# Each open Relay or Forward stream holds a thread for the session's lifetime.
+# Each open stream (Relay, Generate, FetchRanges) holds a thread for as long as it runs; they
+# may take all but CONTROL_THREADS (DaemonLimits.max_streams), which stay for control calls.
 MAX_WORKERS = 32
+CONTROL_THREADS = 8
 
 
 def start_server(
@@ -35,7 +37,13 @@ def start_server(
     mutual TLS: a caller without a certificate from the cluster's CA fails the handshake and
     never reaches a handler, and one whose certificate is in `revoked` gets UNAUTHENTICATED.
     Without, plaintext (primad allows that on loopback only)."""
-    return _serve(NodeServicer(handler, limits), host, port, max_message_bytes, identity, revoked)
+    bounds = limits or DaemonLimits()
+    if bounds.max_streams > MAX_WORKERS - CONTROL_THREADS:
+        raise NodeError(
+            f"{bounds.max_streams} streams at once would leave fewer than {CONTROL_THREADS} of the server's "
+            f"{MAX_WORKERS} threads for control calls; allow at most {MAX_WORKERS - CONTROL_THREADS}"
+        )
+    return _serve(NodeServicer(handler, bounds), host, port, max_message_bytes, identity, revoked)
 
 
 def start_file_server(

@@ -19,7 +19,7 @@ from prima.model.sparse import SparseFile
 from prima.net import codec, fetch
 from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
 from prima.net.credentials import peer_name
-from prima.net.limits import CallerSlots, DaemonLimits, consume_bounded
+from prima.net.limits import CallerSlots, DaemonLimits, StreamBudget, consume_bounded
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.run_ahead import WAITING, RunAhead
@@ -83,8 +83,11 @@ class FileServicer(pb_grpc.NodeServicer):
     """The two RPCs that move a model file's bytes (every other answers UNIMPLEMENTED): what a
     coordinator serves its ring, and part of every daemon."""
 
-    def __init__(self, handler: FileHolder) -> None:
+    def __init__(self, handler: FileHolder, limits: DaemonLimits | None = None) -> None:
         self.handler = handler
+        self.limits = limits or DaemonLimits()
+        self._streams = StreamBudget(self.limits.max_streams)
+        self._fetches = CallerSlots(self.limits.max_fetches_per_caller, "FetchRanges", self._streams)
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T], rpc: str = "") -> T:
         """Run `fn` for a call (after checking that its caller may make it, when `rpc` names it)
@@ -108,19 +111,26 @@ class FileServicer(pb_grpc.NodeServicer):
         may run anyway. Each piece is read as it is sent, so gRPC's flow control paces the reads."""
         h = self.handler
         chosen = self._guard(context, lambda: fetch.requested_pieces(request, h.manifest()))
-        for r in chosen:
-            if not context.is_active():
-                return
-            yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
+        caller = _caller_key(context)
+        self._guard(context, lambda: self._fetches.take(caller))
+        try:
+            for r in chosen:
+                if not context.is_active():
+                    return
+                yield self._guard(context, lambda r=r: fetch.piece_message(h.store, r))
+        finally:
+            self._fetches.give_back(caller)
 
 
 class NodeServicer(FileServicer):
     handler: NodeHandler
 
     def __init__(self, handler: NodeHandler, limits: DaemonLimits | None = None) -> None:
-        super().__init__(handler)
-        self.limits = limits or DaemonLimits()
-        self._generates = CallerSlots(self.limits.max_generates_per_caller, "Generate")
+        super().__init__(handler, limits)
+        self._generates = CallerSlots(self.limits.max_generates_per_caller, "Generate", self._streams)
+        # A session's predecessor relays to this node over one stream (when it has no activation
+        # link): at most a stream per session from any one caller.
+        self._relays = CallerSlots(self.limits.max_sessions, "Relay", self._streams)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
         return codec.node_status_to_proto(self._guard(context, self.handler.info))
@@ -181,7 +191,12 @@ class NodeServicer(FileServicer):
         def relay() -> None:
             consume_bounded(request_iterator, accept, bounds.relay_idle_s, bounds.relay_open_s)
 
-        self._guard(context, relay, "Relay")
+        caller = _caller_key(context)
+        self._guard(context, lambda: self._relays.take(caller), "Relay")  # authorized, then counted
+        try:
+            self._guard(context, relay)
+        finally:
+            self._relays.give_back(caller)
         return pb.Empty()
 
     def Generate(

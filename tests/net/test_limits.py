@@ -16,7 +16,7 @@ from prima.engine.sampling import SamplerConfig
 from prima.errors import ProtocolError
 from prima.forward.loader import load_model
 from prima.net import codec
-from prima.net.limits import CallerSlots, DaemonLimits, consume_bounded
+from prima.net.limits import CallerSlots, DaemonLimits, StreamBudget, consume_bounded
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
@@ -199,3 +199,58 @@ def test_a_cancelled_generate_stops_its_prefill_within_a_micro_batch(
     assert len(hops) < n_prompt, (
         f"the cancelled prefill went on for {len(hops) // 2} of {n_prompt} micro-batches"
     )
+
+
+def test_streams_held_open_leave_threads_for_control_calls(head_runtime: NodeRuntime) -> None:
+    """32 silent Relay streams from one caller (the server has 32 threads) used to take every
+    thread, and Info timed out. Now one caller holds at most a stream per session, all streams
+    together at most DaemonLimits.max_streams, and control calls are answered beside them."""
+    bounds = DaemonLimits()
+    server, port = start_server(head_runtime, "127.0.0.1", 0, limits=bounds)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.NodeStub(channel)
+    release = threading.Event()
+
+    def silent() -> Iterator[pb.Activation]:
+        release.wait(60)
+        return
+        yield
+
+    calls = [stub.Relay.future(silent(), timeout=60) for _ in range(32)]
+    try:
+        refused = []
+        deadline = time.monotonic() + 30
+        while len(refused) < 32 - bounds.max_sessions and time.monotonic() < deadline:
+            refused = [c for c in calls if c.done() and c.exception() is not None]
+            time.sleep(0.05)
+        assert len(refused) == 32 - bounds.max_sessions
+        for c in refused:
+            assert c.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[union-attr]
+            assert "Relay calls running" in c.exception().details()  # type: ignore[union-attr]
+        assert stub.Info(pb.InfoRequest(), timeout=10).node_id == "solo"
+        stub.Ping(pb.PingRequest(), timeout=10)
+    finally:
+        release.set()
+        channel.close()
+        server.stop(grace=None)
+
+
+def test_the_stream_budget_is_shared_by_every_kind_and_given_back() -> None:
+    budget = StreamBudget(3)
+    relays = CallerSlots(2, "Relay", budget)
+    generates = CallerSlots(2, "Generate", budget)
+    relays.take("a")
+    relays.take("b")
+    generates.take("a")
+    with pytest.raises(PayloadTooLargeError, match="already serves 3 streams"):
+        generates.take("c")
+    relays.give_back("a")
+    generates.take("c")
+    assert budget.running == 3
+    for slots, caller in [(generates, "a"), (generates, "c"), (relays, "b")]:
+        slots.give_back(caller)
+    assert budget.running == 0
+    one_each = CallerSlots(1, "Relay", StreamBudget(10))
+    one_each.take("x")
+    with pytest.raises(PayloadTooLargeError, match="'x' already has 1 Relay"):
+        one_each.take("x")
