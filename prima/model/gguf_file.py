@@ -343,7 +343,7 @@ class GGUFFile:
             if name in self.tensors:
                 raise ModelFileError(f"{self.path}: tensor {name!r} appears twice; the file is corrupt")
             self.tensors[name] = self._tensor_info(name, ne, qtype_id, rel_offset, alignment)
-        self._check_overlaps()
+        self._check_overlaps(alignment)
 
     def _tensor_info(
         self, name: str, ne: tuple[int, ...], qtype_id: int, rel_offset: int, alignment: int
@@ -384,14 +384,23 @@ class GGUFFile:
             )
         return TensorInfo(name, qtype, shape, offset, n_bytes)
 
-    def _check_overlaps(self) -> None:
-        """No two tensors share bytes: a corrupt offset must not alias another tensor's weights."""
+    def _check_overlaps(self, alignment: int) -> None:
+        """The tensors tile the data section: no two share bytes (a corrupt offset must not alias
+        another tensor's weights), and none is followed by more than alignment padding. Writers
+        (gguf-py, llama.cpp) pack tensors back to back; bytes no tensor claims mean the table does
+        not describe the data, e.g. a tensor retyped to a smaller type (F32 read as BF16)."""
         spans = sorted((t.offset, t.offset + t.n_bytes, t.name) for t in self.tensors.values() if t.n_bytes)
         for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
             if start < end:
                 raise ModelFileError(
                     f"{self.path}: tensors {first!r} and {second!r} overlap (bytes from {start} to {end}); "
                     "the file is corrupt"
+                )
+            if start - end >= alignment:
+                raise ModelFileError(
+                    f"{self.path}: {start - end} bytes between tensors {first!r} and {second!r} belong to "
+                    f"no tensor (at most {alignment - 1} of padding are expected): the tensor table does not "
+                    "describe the data (a tensor's type or shape changed?); the file is corrupt, re-download it"
                 )
 
     # -- access --------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mmap
+import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +136,37 @@ def test_layers_beyond_the_block_count_are_refused(tmp_path: Path) -> None:
     ):
         ModelWeights(GGUFFile(path))
     ModelWeights(GGUFFile(write_tiny_model(tmp_path / "whole.gguf", n_layers=3)))  # the honest file opens
+
+
+def _tensor_type_field(path: Path, name: str) -> int:
+    """Where the header stores tensor `name`'s type id (a u32 after its name and dims)."""
+    with GGUFFile(path) as gguf:
+        pos, n_tensors = gguf.tensor_info_offset, len(gguf.tensors)
+        head = path.read_bytes()[: gguf.data_offset]
+    for _ in range(n_tensors):
+        (n,) = struct.unpack_from("<Q", head, pos)
+        found = head[pos + 8 : pos + 8 + n].decode()
+        pos += 8 + n
+        (n_dims,) = struct.unpack_from("<I", head, pos)
+        pos += 4 + 8 * n_dims
+        if found == name:
+            return pos
+        pos += 12
+    raise AssertionError(f"{name} not in {path}")
+
+
+def test_a_tensor_retyped_to_a_smaller_type_is_refused(smollm2_path: Path, tmp_path: Path) -> None:
+    """An F32 norm retyped BF16 in the header would be read from half its bytes, as other
+    numbers: the bytes it no longer claims give it away."""
+    copy = tmp_path / "retyped.gguf"
+    shutil.copyfile(smollm2_path, copy)
+    at = _tensor_type_field(copy, "blk.0.attn_norm.weight")
+    with copy.open("r+b") as f:
+        f.seek(at)
+        assert struct.unpack("<I", f.read(4))[0] == GGMLQuantizationType.F32
+        f.seek(at)
+        f.write(struct.pack("<I", GGMLQuantizationType.BF16))
+    with pytest.raises(
+        ModelFileError, match=r"between tensors .blk\.0\.attn_norm\.weight.*belong to no tensor"
+    ):
+        GGUFFile(copy)
