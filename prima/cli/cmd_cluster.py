@@ -4,6 +4,8 @@ prima cluster init                 on your main device: a new cluster CA, and th
 prima cluster issue phone          a file holding the identity of node `phone`, signed by the CA
 prima cluster issue laptop --role coordinator   a device that runs prompts but serves no layers
 prima cluster join phone.pem       on the phone: install that file (or copy it to identity.pem)
+prima cluster invite phone         or, instead of a file: wait for the phone with a one-time code
+prima cluster join --invite HOST:PORT/CODE    on the phone: join with that code (its key stays there)
 prima cluster revoke phone         remove a device: its certificates go on revoked.crl (copy it
                                    to every device's cluster directory)
 prima cluster show                 this device's identity and cluster
@@ -12,13 +14,15 @@ prima cluster show                 this device's identity and cluster
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 from pathlib import Path
 
+import psutil
 from cryptography import x509
 
 from prima.errors import InputError
-from prima.net import credentials, revocation
+from prima.net import credentials, invite, revocation
 from prima.net.credentials import ClusterCA, Identity
 
 
@@ -59,8 +63,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="revoke this certificate serial (shown by `prima cluster show` on the device) instead",
     )
     revoke.set_defaults(func=cluster_revoke)
-    join = cs.add_parser("join", help="install an identity file made by `prima cluster issue`")
-    join.add_argument("file", type=Path)
+    inv = cs.add_parser("invite", help="let a device join with a one-time code (no file to copy)")
+    inv.add_argument("name", help="the device's node id (primad serves under this name)")
+    inv.add_argument("--role", choices=credentials.ROLES, default=credentials.ROLE_NODE, help="as for issue")
+    inv.add_argument(
+        "--listen",
+        default=f"0.0.0.0:{invite.DEFAULT_PORT}",
+        metavar="HOST:PORT",
+        help=f"where to wait for the device (default 0.0.0.0:{invite.DEFAULT_PORT})",
+    )
+    inv.add_argument(
+        "--expires", type=float, default=invite.DEFAULT_EXPIRES_S, metavar="SECONDS", help="default 600"
+    )
+    inv.set_defaults(func=cluster_invite)
+    join = cs.add_parser(
+        "join", help="install an identity file made by `prima cluster issue`, or join with an invite"
+    )
+    join.add_argument("file", type=Path, nargs="?")
+    join.add_argument("--invite", metavar="HOST:PORT/CODE", help="what `prima cluster invite` printed")
     join.set_defaults(func=cluster_join)
     show = cs.add_parser("show", help="print this device's identity")
     show.set_defaults(func=cluster_show)
@@ -127,13 +147,62 @@ def cluster_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def cluster_join(args: argparse.Namespace) -> int:
-    identity = Identity.from_pem(args.file.read_bytes(), str(args.file))
+def cluster_invite(args: argparse.Namespace) -> int:
     where = _dir(args)
+    ca = ClusterCA.load(where)
+    credentials.check_name(args.name)
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise InputError(f"--listen takes HOST:PORT, got {args.listen!r}")
+    code = invite.new_code()
+    with socket.create_server((host.strip("[]"), int(port))) as server:
+        bound = server.getsockname()[1]
+        hosts = [host] if host not in ("0.0.0.0", "::", "") else lan_addresses() or ["THIS-DEVICE"]
+        print(f"waiting up to {args.expires:.0f} s for {args.name} to join; on it, run one of:")
+        for h in hosts:
+            print(f"  prima cluster join --invite {invite.Invite(h, bound, code)}")
+        print(f"  (or start primad there with --join {invite.Invite(hosts[0], bound, code)})")
+        cert = invite.serve_invite(
+            ca,
+            args.name,
+            args.role,
+            code,
+            server,
+            expires_s=args.expires,
+            on_issued=lambda identity: revocation.record_issued(where, identity),
+        )
+    print(
+        f"{credentials.cert_name(cert)} joined the cluster as a {args.role} (serial {cert.serial_number:x})"
+    )
+    return 0
+
+
+def lan_addresses() -> list[str]:
+    """This device's IPv4 addresses other than loopback, as a joiner may reach them."""
+    out = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                out.append(a.address)
+    return sorted(set(out))
+
+
+def cluster_join(args: argparse.Namespace) -> int:
+    if (args.file is None) == (args.invite is None):
+        raise InputError("give an identity file (from `prima cluster issue`) or --invite HOST:PORT/CODE")
+    if args.invite is not None:
+        identity = invite.join(invite.Invite.parse(args.invite))
+    else:
+        identity = Identity.from_pem(args.file.read_bytes(), str(args.file))
+    install_identity(identity, _dir(args))
+    return 0
+
+
+def install_identity(identity: Identity, where: Path) -> None:
+    """Write `identity` as this device's, saying so."""
     where.mkdir(parents=True, exist_ok=True, mode=0o700)
     credentials.write_private(where / credentials.IDENTITY_FILE, identity.to_pem())
     print(f"this device is now {identity.name} in its cluster ({where / credentials.IDENTITY_FILE})")
-    return 0
 
 
 def cluster_show(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from prima.engine.compute import open_compute
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
 from prima.model.sparse import SparseFile
-from prima.net import credentials
+from prima.net import credentials, invite
 from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
 from prima.net.limits import DaemonLimits, check_address
 from prima.net.link_server import LinkServer
@@ -209,6 +209,13 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         f"${credentials.CLUSTER_DIR_ENV}, else ~/.config/prima/cluster); see docs/security.md",
     )
     p.add_argument(
+        "--join",
+        metavar="HOST:PORT/CODE",
+        default=None,
+        help="join the cluster first with this invite (`prima cluster invite NAME` on the CA device "
+        "prints it); ignored once this device has an identity",
+    )
+    p.add_argument(
         "--revocation-list",
         type=Path,
         default=None,
@@ -258,6 +265,12 @@ def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
     machine can call) or with --insecure; anywhere else a daemon without credentials refuses to
     start. With an identity, the node id is the one its certificate names."""
     identity = credentials.load_identity(args.cluster_dir)
+    if identity is None and args.join:
+        identity = invite.join(invite.Invite.parse(args.join))
+        where = args.cluster_dir or credentials.cluster_dir()
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        credentials.write_private(where / credentials.IDENTITY_FILE, identity.to_pem())
+        log.info("joined the cluster as %s (%s)", identity.name, where / credentials.IDENTITY_FILE)
     if identity is None:
         if args.insecure:
             log.warning("no cluster identity: serving plaintext gRPC on %s (--insecure)", args.host)
@@ -265,8 +278,9 @@ def load_node_identity(args: argparse.Namespace) -> credentials.Identity | None:
             where = args.cluster_dir or credentials.cluster_dir()
             raise InputError(
                 f"no cluster identity in {where}, so primad will not listen on {args.host}: on the device "
-                "that ran `prima cluster init`, run `prima cluster issue NAME` and copy the file it writes "
-                f"to {where}/{credentials.IDENTITY_FILE} here (docs/security.md); or --insecure on a "
+                "that ran `prima cluster init`, run `prima cluster invite NAME` and start primad here with "
+                "--join and what it prints (or `prima cluster issue NAME` and copy the file it writes "
+                f"to {where}/{credentials.IDENTITY_FILE}; docs/security.md); or --insecure on a "
                 "network you trust"
             )
         return None

@@ -20,9 +20,10 @@ log = logging.getLogger("prima.coordinator")
 FORM_A_CLUSTER = (
     "this device has no cluster identity, so it uses daemons on this machine (127.0.0.1) only: "
     "a daemon elsewhere could be anyone's, and would see your prompts. To use other devices, form "
-    "a cluster: `prima cluster init` on one device, `prima cluster issue NAME` there for each "
-    "other device (`--role coordinator` for one that only runs prompts), and `prima cluster join "
-    "NAME.pem` on that device (docs/security.md)"
+    "a cluster: `prima cluster init` on one device, then `prima cluster invite NAME` there for each "
+    "other device (`--role coordinator` for one that only runs prompts) and `prima cluster join "
+    "--invite HOST:PORT/CODE` (or `primad --join ...`) on that device, as the invite says "
+    "(docs/security.md)"
 )
 
 Resolver = Callable[[str], list[str]]

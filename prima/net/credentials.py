@@ -128,12 +128,19 @@ class ClusterCA:
 
     def issue(self, name: str, days: int = MEMBER_DAYS, role: str = ROLE_NODE) -> Identity:
         """A member identity for node id (or coordinator name) `name` in `role`, signed by this CA."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        return dataclasses.replace(self.certify(key.public_key(), name, days, role), key_pem=_key_pem(key))
+
+    def certify(
+        self, public_key: ec.EllipticCurvePublicKey, name: str, days: int = MEMBER_DAYS, role: str = ROLE_NODE
+    ) -> Identity:
+        """A member certificate for a key made elsewhere (an invite's joiner keeps its private
+        key): the identity without its key (key_pem empty)."""
         check_name(name)
         if role not in ROLES:
             raise InputError(f"a member's role is one of {', '.join(ROLES)}, got {role[:40]!r}")
         ca_key = serialization.load_pem_private_key(self.key_pem, password=None)
         ca_cert = x509.load_pem_x509_certificate(self.cert_pem)
-        key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         node = role == ROLE_NODE
         sans: list[x509.GeneralName] = (
@@ -150,7 +157,7 @@ class ClusterCA:
             x509.CertificateBuilder()
             .subject_name(x509.Name(subject))
             .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
+            .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
@@ -160,7 +167,7 @@ class ClusterCA:
             .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
         )
         cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-        return Identity(name, _key_pem(key), cert_pem, self.cert_pem, role)
+        return Identity(name, b"", cert_pem, self.cert_pem, role)
 
     def save(self, directory: Path) -> None:
         """Write ca.key (owner-only) and ca.crt into `directory`."""

@@ -54,7 +54,12 @@ def test_named_daemons_elsewhere_are_refused_saying_how_to_form_a_cluster() -> N
     assert "192.168.1.20:7000" in message
     assert "127.0.0.1:7000" not in message
     assert FORM_A_CLUSTER in message
-    for step in ("prima cluster init", "prima cluster issue", "prima cluster join"):
+    for step in (
+        "prima cluster init",
+        "prima cluster invite",
+        "prima cluster join --invite",
+        "primad --join",
+    ):
         assert step in message
 
 
