@@ -14,15 +14,13 @@ prima cluster show                 this device's identity and cluster
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import socket
 from pathlib import Path
 
-import psutil
 from cryptography import x509
 
 from prima.errors import InputError
-from prima.net import credentials, invite, revocation
+from prima.net import credentials, discovery, invite, revocation
 from prima.net.credentials import ClusterCA, Identity
 
 
@@ -157,7 +155,7 @@ def cluster_invite(args: argparse.Namespace) -> int:
     code = invite.new_code()
     with socket.create_server((host.strip("[]"), int(port))) as server:
         bound = server.getsockname()[1]
-        hosts = [host] if host not in ("0.0.0.0", "::", "") else lan_addresses() or ["THIS-DEVICE"]
+        hosts = discovery.advertised_addresses(host, discovery.resolve_interfaces("all"))
         print(f"waiting up to {args.expires:.0f} s for {args.name} to join; on it, run one of:")
         for h in hosts:
             print(f"  prima cluster join --invite {invite.Invite(h, bound, code)}")
@@ -175,16 +173,6 @@ def cluster_invite(args: argparse.Namespace) -> int:
         f"{credentials.cert_name(cert)} joined the cluster as a {args.role} (serial {cert.serial_number:x})"
     )
     return 0
-
-
-def lan_addresses() -> list[str]:
-    """This device's IPv4 addresses other than loopback, as a joiner may reach them."""
-    out = []
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
-                out.append(a.address)
-    return sorted(set(out))
 
 
 def cluster_join(args: argparse.Namespace) -> int:

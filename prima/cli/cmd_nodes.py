@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from prima.net import discovery
 from prima.net.codec import PROTOCOL_VERSION
+from prima.net.node_adverts import NodeAdvert, check_adverts
 
 if TYPE_CHECKING:
     from prima.coordinator.members import Check, Found
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     found = discover_members(args.timeout, interfaces=args.interface, expect=args.expect)
     adverts = list(found.adverts)
-    problems = discovery.check_adverts(adverts)
+    problems = check_adverts(adverts)
     if args.json:
         doc = {
             "protocol_version": PROTOCOL_VERSION,
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _node_json(advert: discovery.NodeAdvert, check: Check) -> dict[str, object]:
+def _node_json(advert: NodeAdvert, check: Check) -> dict[str, object]:
     return {
         **dataclasses.asdict(advert),
         "address": advert.address,
@@ -93,7 +94,7 @@ def _node_json(advert: discovery.NodeAdvert, check: Check) -> dict[str, object]:
     }
 
 
-def _print_table(adverts: list[discovery.NodeAdvert], found: Found) -> None:
+def _print_table(adverts: list[NodeAdvert], found: Found) -> None:
     rows = []
     for a in adverts:
         check = found.check(a)

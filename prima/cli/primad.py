@@ -33,9 +33,10 @@ from prima.errors import InputError, NodeError, PrimaError
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
 from prima.model.sparse import SparseFile
 from prima.net import credentials, invite
-from prima.net.discovery import INTERFACES_ENV, Advertiser, NodeAdvert
+from prima.net.discovery import INTERFACES_ENV, Advertiser
 from prima.net.limits import DaemonLimits, check_address
 from prima.net.link_server import LinkServer
+from prima.net.node_adverts import NodeAdvert
 from prima.net.revocation import REVOKED_FILE, RevocationList
 from prima.net.server import start_server
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from prima.errors import NodeError, PlanError, UntrustedNodeError
 from prima.net import credentials, discovery
-from prima.net.discovery import NodeAdvert
+from prima.net.node_adverts import NodeAdvert, check_adverts, hint_addresses
 from prima.net.peer_certificate import served_certificate
 
 from .loopback_only import FORM_A_CLUSTER, split_loopback, usable_addresses
@@ -79,7 +79,7 @@ def discover_members(
     checks = MemberChecks(identity)
 
     def check_new(adverts: list[NodeAdvert]) -> None:
-        hints = set(discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint))
+        hints = set(hint_addresses(adverts, model_fingerprint=model_fingerprint))
         for a in adverts:
             if a.address in hints:
                 checks.submit(a.address, a.addresses)
@@ -116,7 +116,7 @@ def _plaintext(
         return bool(expect) and len(near_ids(adverts)) >= expect
 
     adverts = discovery.browse(timeout_s, interfaces=interfaces, enough=enough)
-    hints = discovery.hint_addresses(adverts, model_fingerprint=model_fingerprint)
+    hints = hint_addresses(adverts, model_fingerprint=model_fingerprint)
     addresses = usable_addresses(hints, skip=True)
     ids = frozenset(a.node_id for a in adverts if a.address in addresses)
     why = {
@@ -201,7 +201,7 @@ def discover_addresses(
     )
     if how.expect and len(found.node_ids) < how.expect:
         shown = ", ".join(f"{a.node_id} at {a.address}" for a in found.adverts)
-        clashes = [p.message for p in discovery.check_adverts(found.adverts) if p.kind == "duplicate_id"]
+        clashes = [p.message for p in check_adverts(found.adverts) if p.kind == "duplicate_id"]
         advice = (
             "; ".join(clashes)
             or _far_advice(found.adverts)

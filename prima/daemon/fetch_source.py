@@ -20,8 +20,8 @@ from prima.model.sparse import SparseFile
 from prima.net import credentials, discovery
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION
-from prima.net.discovery import NodeAdvert
 from prima.net.fetch import bootstrap
+from prima.net.node_adverts import NodeAdvert
 from prima.net.peer_certificate import served_certificate
 
 log = logging.getLogger("prima.daemon")

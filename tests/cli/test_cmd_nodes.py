@@ -15,7 +15,7 @@ import pytest
 from prima.cli.main import main
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA
-from prima.net.discovery import NodeAdvert
+from prima.net.node_adverts import NodeAdvert
 from prima.net.server import start_server
 from tests.net.hostile_adverts import hostile_adverts
 

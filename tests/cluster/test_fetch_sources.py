@@ -21,7 +21,8 @@ from prima.model.byte_ranges import needed_ranges, total_bytes
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient
-from prima.net.discovery import Advertiser, NodeAdvert
+from prima.net.discovery import Advertiser
+from prima.net.node_adverts import NodeAdvert
 from prima.net.server import start_server
 
 from .conftest import reference_tokens, ring_tokens

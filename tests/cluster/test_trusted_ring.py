@@ -24,6 +24,7 @@ from prima.net import discovery
 from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile, NodeStatus
 from prima.net.credentials import ClusterCA
+from prima.net.node_adverts import NodeAdvert
 from prima.net.server import start_server
 from tests.net.hostile_adverts import hostile_adverts
 
@@ -84,7 +85,7 @@ def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, ca
         handler = RogueHandler(dataclasses.replace(info, node_id=name), NodeProfile(better, 0, 0.0))
         server, port = start_server(handler, "127.0.0.1", 0, identity=identity)  # type: ignore[arg-type]
         ports.append(port)
-        advert = discovery.NodeAdvert(name, "127.0.0.1", port, info.model_fingerprint, info.model_name)
+        advert = NodeAdvert(name, "127.0.0.1", port, info.model_fingerprint, info.model_name)
         servers.append((server, discovery.Advertiser(advert, interfaces="127.0.0.1")))
         rogues.append(handler)
     try:
@@ -127,9 +128,9 @@ def test_clashing_and_garbage_adverts_do_not_break_discovery(
     server, port = start_server(handler, "127.0.0.1", 0, identity=ClusterCA.create("other").issue(clash))  # type: ignore[arg-type]
     fp, name = info.model_fingerprint, info.model_name
     adverts = [
-        discovery.NodeAdvert(clash, "127.0.0.1", port, fp, name),  # the clash, a live TLS server
-        discovery.NodeAdvert("node1", "127.0.0.1", 1, fp, name),  # the other id, nobody listening
-        discovery.NodeAdvert("junk", "127.0.0.1", 2, "00" * 32, "junk"),  # another model
+        NodeAdvert(clash, "127.0.0.1", port, fp, name),  # the clash, a live TLS server
+        NodeAdvert("node1", "127.0.0.1", 1, fp, name),  # the other id, nobody listening
+        NodeAdvert("junk", "127.0.0.1", 2, "00" * 32, "junk"),  # another model
     ]
     advertisers = [discovery.Advertiser(a, interfaces="127.0.0.1") for a in adverts]
     try:
@@ -158,7 +159,7 @@ def test_members_are_found_past_hostile_adverts(ring: LocalRing, smollm2_path: P
     honest.close()
     handler = RogueHandler(dataclasses.replace(info, node_id="a-rogue"), None)
     rogue, port = start_server(handler, "127.0.0.1", 0)  # type: ignore[arg-type]  # plaintext
-    rogue_advert = discovery.NodeAdvert(
+    rogue_advert = NodeAdvert(
         "a-rogue", "127.0.0.1", port, info.model_fingerprint, info.model_name, holds_full_file=True
     )
     ids = {"node0", "node1"}

@@ -17,7 +17,8 @@ from prima.coordinator.session import Discovery
 from prima.errors import PlanError
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA
-from prima.net.discovery import Advertiser, NodeAdvert
+from prima.net.discovery import Advertiser
+from prima.net.node_adverts import NodeAdvert, rank_hosts
 from prima.net.server import start_server
 from tests.net.hostile_adverts import hostile_adverts
 
@@ -121,7 +122,7 @@ def test_every_address_an_advert_lists_is_tried(cluster: ClusterCA) -> None:
 
 def test_addresses_are_ranked_lan_ipv4_first() -> None:
     listed = ["fe80::1", "127.0.0.1", "192.168.1.20", "2001:db8::1", "not an address", "192.168.1.20"]
-    assert discovery.rank_hosts(listed) == ["192.168.1.20", "127.0.0.1", "2001:db8::1", "fe80::1"]
+    assert rank_hosts(listed) == ["192.168.1.20", "127.0.0.1", "2001:db8::1", "fe80::1"]
 
 
 def test_fewer_members_than_expected_is_an_error_naming_them() -> None:

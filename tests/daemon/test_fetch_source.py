@@ -8,7 +8,7 @@ import pytest
 
 from prima.daemon.fetch_source import PROGRESS_EVERY_S, fetch_sources, first_source
 from prima.errors import NodeError, UntrustedNodeError
-from prima.net.discovery import NodeAdvert
+from prima.net.node_adverts import NodeAdvert
 
 FP_A, FP_B = "a1" * 32, "b2" * 32
 

@@ -13,8 +13,7 @@ from contextlib import ExitStack, contextmanager
 
 from zeroconf import ServiceInfo, Zeroconf
 
-from prima.net import discovery
-from prima.net.discovery import NodeAdvert
+from prima.net.node_adverts import NodeAdvert, encode_txt
 
 LOOPBACK = "127.0.0.1"
 
@@ -52,7 +51,7 @@ def hostile_adverts(
             s.bind((LOOPBACK, 0))
         infos: list[ServiceInfo] = []
         for i in range(addressless):
-            props = discovery.encode_txt(NodeAdvert(f"noaddr{i}", LOOPBACK, 7600, fingerprint))
+            props = encode_txt(NodeAdvert(f"noaddr{i}", LOOPBACK, 7600, fingerprint))
             infos.append(
                 _info(service_type, f"noaddr{i}-{tag}", 7600, props, server=f"noaddr{i}-{tag}", addresses=())
             )
@@ -63,12 +62,10 @@ def hostile_adverts(
         ids = [*clash_ids, *(f"dead{i}" for i in range(dead_ports))]
         for i, s in enumerate(holes):
             port = s.getsockname()[1]
-            props = discovery.encode_txt(
-                NodeAdvert(ids[i], LOOPBACK, port, fingerprint, "m", holds_full_file=True)
-            )
+            props = encode_txt(NodeAdvert(ids[i], LOOPBACK, port, fingerprint, "m", holds_full_file=True))
             infos.append(_info(service_type, f"dead{i}-{tag}", port, props))
         for a in extra:
-            infos.append(_info(service_type, f"{a.node_id}-{tag}", a.port, discovery.encode_txt(a)))
+            infos.append(_info(service_type, f"{a.node_id}-{tag}", a.port, encode_txt(a)))
         zc = Zeroconf(interfaces=[LOOPBACK])
         stack.callback(zc.close)
         with ThreadPoolExecutor(32) as pool:

@@ -18,7 +18,19 @@ from prima.cli.main import main
 from prima.errors import InputError, PlanError
 from prima.net import credentials, discovery
 from prima.net.codec import PROTOCOL_VERSION
-from prima.net.discovery import AdvertError, Advertiser, NodeAdvert
+from prima.net.discovery import Advertiser
+from prima.net.node_adverts import (
+    MAX_MODEL_NAME_BYTES,
+    AdvertError,
+    NodeAdvert,
+    check_adverts,
+    decode_txt,
+    encode_txt,
+    hint_addresses,
+    pick_host,
+    require_consistent,
+    warn_once,
+)
 
 from .hostile_adverts import hostile_adverts
 
@@ -61,28 +73,28 @@ def advertising(adverts: Sequence[NodeAdvert], service_type: str) -> Iterator[li
 # -- TXT codec -----------------------------------------------------------------------------------
 def test_txt_roundtrip_keeps_every_field() -> None:
     a = _advert("node-1", 7601)
-    props = {k.encode(): v.encode() for k, v in discovery.encode_txt(a).items()}
-    assert discovery.decode_txt(props, a.host, a.port) == a
+    props = {k.encode(): v.encode() for k, v in encode_txt(a).items()}
+    assert decode_txt(props, a.host, a.port) == a
 
 
 @pytest.mark.parametrize("full", [True, False])
 def test_txt_carries_whether_a_daemon_holds_the_whole_file(full: bool) -> None:
     a = NodeAdvert("n0", "127.0.0.1", 7600, FP_A, "m", holds_full_file=full)
-    props = {k.encode(): v.encode() for k, v in discovery.encode_txt(a).items()}
-    assert discovery.decode_txt(props, a.host, a.port).holds_full_file is full
-    assert not discovery.decode_txt(_txt(), "127.0.0.1", 7600).holds_full_file  # an older daemon
+    props = {k.encode(): v.encode() for k, v in encode_txt(a).items()}
+    assert decode_txt(props, a.host, a.port).holds_full_file is full
+    assert not decode_txt(_txt(), "127.0.0.1", 7600).holds_full_file  # an older daemon
 
 
 def test_txt_encode_clips_a_long_model_name() -> None:
     a = NodeAdvert("n0", "127.0.0.1", 7600, FP_A, "é" * 100 + "\n")
-    name = discovery.encode_txt(a)["model"]
+    name = encode_txt(a)["model"]
     assert name == "é" * 60
-    assert len(name.encode()) == discovery.MAX_MODEL_NAME_BYTES
+    assert len(name.encode()) == MAX_MODEL_NAME_BYTES
 
 
 def test_txt_decode_ignores_unknown_keys_and_key_case() -> None:
     props = {b"ID": b"n0", b"Proto": b"1", b"fingerprint": FP_A.encode(), b"future": b"x", b"flag": None}
-    got = discovery.decode_txt(props, "10.0.0.2", 7600)
+    got = decode_txt(props, "10.0.0.2", 7600)
     assert (got.node_id, got.protocol_version, got.model_name, got.address) == ("n0", 1, "", "10.0.0.2:7600")
 
 
@@ -105,7 +117,7 @@ def test_txt_decode_ignores_unknown_keys_and_key_case() -> None:
 )
 def test_txt_decode_rejects_malformed_records(props: dict[bytes, bytes | None], why: str) -> None:
     with pytest.raises(AdvertError, match=why):
-        discovery.decode_txt(props, "127.0.0.1", 7600)
+        decode_txt(props, "127.0.0.1", 7600)
 
 
 def test_advertiser_rejects_an_id_no_browser_would_accept() -> None:
@@ -114,10 +126,10 @@ def test_advertiser_rejects_an_id_no_browser_would_accept() -> None:
 
 
 def test_pick_host_prefers_lan_ipv4_then_loopback_then_ipv6() -> None:
-    assert discovery.pick_host(["fe80::1%2", "127.0.0.1", "192.168.1.5", "2001:db8::1"]) == "192.168.1.5"
-    assert discovery.pick_host(["fe80::1%2", "2001:db8::1", "127.0.0.1"]) == "127.0.0.1"
-    assert discovery.pick_host(["fe80::1%2", "2001:db8::1"]) == "2001:db8::1"
-    assert discovery.pick_host(["not-an-ip"]) is None
+    assert pick_host(["fe80::1%2", "127.0.0.1", "192.168.1.5", "2001:db8::1"]) == "192.168.1.5"
+    assert pick_host(["fe80::1%2", "2001:db8::1", "127.0.0.1"]) == "127.0.0.1"
+    assert pick_host(["fe80::1%2", "2001:db8::1"]) == "2001:db8::1"
+    assert pick_host(["not-an-ip"]) is None
     assert NodeAdvert("n", "2001:db8::1", 7600, FP_A).address == "[2001:db8::1]:7600"
 
 
@@ -134,15 +146,13 @@ def test_interfaces_come_from_argument_then_env(monkeypatch: pytest.MonkeyPatch)
 # -- consistency checks --------------------------------------------------------------------------
 def test_check_adverts_accepts_a_consistent_ring() -> None:
     ring = [_advert(f"node{i}", 7600 + i) for i in range(3)]
-    assert discovery.check_adverts(ring) == []
-    assert discovery.check_adverts(ring, model_fingerprint=FP_A) == []
-    assert discovery.require_consistent(ring) == ring
+    assert check_adverts(ring) == []
+    assert check_adverts(ring, model_fingerprint=FP_A) == []
+    assert require_consistent(ring) == ring
 
 
 def test_check_adverts_reports_duplicate_node_ids() -> None:
-    problems = discovery.check_adverts(
-        [_advert("node0", 7600), _advert("node0", 7601), _advert("node1", 7602)]
-    )
+    problems = check_adverts([_advert("node0", 7600), _advert("node0", 7601), _advert("node1", 7602)])
     assert [(p.kind, p.node_ids) for p in problems] == [("duplicate_id", ("node0",))]
     assert problems[0].message == (
         "node id 'node0' is advertised by 2 daemons (127.0.0.1:7600, 127.0.0.1:7601); "
@@ -151,9 +161,7 @@ def test_check_adverts_reports_duplicate_node_ids() -> None:
 
 
 def test_check_adverts_reports_protocol_mismatch() -> None:
-    problems = discovery.check_adverts(
-        [_advert("node0", 7600), _advert("old", 7601, proto=PROTOCOL_VERSION + 1)]
-    )
+    problems = check_adverts([_advert("node0", 7600), _advert("old", 7601, proto=PROTOCOL_VERSION + 1)])
     assert [(p.kind, p.node_ids) for p in problems] == [("protocol", ("old",))]
     assert f"speaks protocol v{PROTOCOL_VERSION + 1}, this prima v{PROTOCOL_VERSION}" in problems[0].message
     assert "same prima version" in problems[0].message
@@ -161,13 +169,13 @@ def test_check_adverts_reports_protocol_mismatch() -> None:
 
 def test_check_adverts_reports_different_model_files() -> None:
     ring = [_advert("node0", 7600), _advert("node1", 7601), _advert("odd", 7602, fp=FP_B)]
-    (problem,) = discovery.check_adverts(ring)
+    (problem,) = check_adverts(ring)
     assert problem.kind == "model"
     assert problem.message == (
         f"the nodes serve 2 different model files: smollm2-135m {FP_A[:12]} on node0, node1; "
         f"smollm2-135m {FP_B[:12]} on odd; start every primad with the same --model"
     )
-    against = discovery.check_adverts(ring, model_fingerprint=FP_A)
+    against = check_adverts(ring, model_fingerprint=FP_A)
     assert [(p.kind, p.node_ids) for p in against] == [("model", ("odd",))]
     assert "than this coordinator" in against[0].message
 
@@ -175,7 +183,7 @@ def test_check_adverts_reports_different_model_files() -> None:
 def test_require_consistent_raises_every_problem_at_once() -> None:
     ring = [_advert("n", 7600), _advert("n", 7601, fp=FP_B, proto=PROTOCOL_VERSION + 1)]
     with pytest.raises(PlanError, match="--name.*same prima version.*same --model"):
-        discovery.require_consistent(ring)
+        require_consistent(ring)
 
 
 def test_hint_addresses_keep_clashing_ids_and_drop_other_models(caplog: pytest.LogCaptureFixture) -> None:
@@ -186,7 +194,7 @@ def test_hint_addresses_keep_clashing_ids_and_drop_other_models(caplog: pytest.L
         _advert("old", 7668, proto=PROTOCOL_VERSION + 1),
     ]
     with caplog.at_level(logging.WARNING, "prima.net"):
-        hints = discovery.hint_addresses([*genuine, *rogues], model_fingerprint=FP_A)
+        hints = hint_addresses([*genuine, *rogues], model_fingerprint=FP_A)
     # The clash is for the handshake to settle; other models and protocols cannot join anyway.
     assert hints == ["127.0.0.1:7600", "127.0.0.1:7601", "127.0.0.1:7666"]
     assert any("node0" in r.getMessage() for r in caplog.records)
@@ -203,7 +211,7 @@ def test_warn_once_then_debug(caplog: pytest.LogCaptureFixture) -> None:
     key = f"test:{secrets.token_hex(4)}"
     with caplog.at_level(logging.DEBUG, logger="prima.net"):
         for _ in range(3):
-            discovery._warn_once(key, "peer %s is noisy", "x")
+            warn_once(key, "peer %s is noisy", "x")
     assert [r.levelno for r in caplog.records if r.getMessage() == "peer x is noisy"] == [
         logging.WARNING,
         logging.DEBUG,
@@ -259,7 +267,7 @@ def test_watch_sees_daemons_come_and_go_while_it_is_open(service_type: str) -> N
 def test_browse_sees_both_daemons_sharing_an_id(service_type: str) -> None:
     with advertising([_advert("twin", 17620), _advert("twin", 17621)], service_type):
         found = discovery.browse(3.0, interfaces=LOOPBACK, expect=2, service_type=service_type)
-    assert [p.kind for p in discovery.check_adverts(found)] == ["duplicate_id"]
+    assert [p.kind for p in check_adverts(found)] == ["duplicate_id"]
 
 
 def test_browse_skips_malformed_txt_with_a_warning(
