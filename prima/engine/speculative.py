@@ -56,10 +56,6 @@ class DraftConfig:
         if self.model_fingerprint and self.method != "model":
             raise InputError(f"a draft model was named with --draft {self.method}; drop one of them")
 
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none"
-
 
 def _is_sha256_hex(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

@@ -43,11 +43,6 @@ def check_supported(qtype: GGMLQuantizationType | int, tensor_name: str) -> None
         )
 
 
-def block_size(qtype: GGMLQuantizationType) -> tuple[int, int]:
-    """(elements, bytes) of one block of `qtype`."""
-    return GGML_QUANT_SIZES[qtype]
-
-
 def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
     """Bytes one row of `cols` elements occupies; `cols` must fill whole blocks."""
     elems, nbytes = GGML_QUANT_SIZES[qtype]

@@ -46,12 +46,6 @@ class LayerWeights:
     post_attention_norm: np.ndarray | None = None
     post_ffw_norm: np.ndarray | None = None
 
-    def tensor_names(self) -> list[str]:
-        return [f"blk.{self.index}.{suffix}" for suffix in _LAYER_TENSORS]
-
-
-_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
 
 class ModelWeights:
     """Typed access to a GGUF's tensors; layer views are built on demand and cached."""

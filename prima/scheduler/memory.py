@@ -181,14 +181,3 @@ def process_major_faults(pid: int | str = "self") -> int:
     except (OSError, IndexError):
         return 0
     return int(fields[9])  # field 12 of stat(5), counted after the ") " that ends comm
-
-
-def process_read_bytes(pid: int | str = "self") -> int:
-    """Bytes `pid` has caused to be read from storage (/proc/<pid>/io read_bytes), 0 if hidden."""
-    try:
-        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
