@@ -23,6 +23,7 @@ import numpy as np
 
 from prima.backends import reference
 from prima.backends.decode_threads import DecodeThreads, adaptive_by_default
+from prima.backends.modes import EXACT, MODES, Q8
 from prima.backends.reference import BlockParams
 from prima.errors import InputError
 from prima.kernels import matmul as kernels
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prima.backends")
 
-MODES: tuple[str, ...] = ("q8", "exact")
-
 
 class CpuOps:
     """Matmuls on the host CPU with at most `threads` workers (None: one per core): numba's pool
@@ -45,13 +44,13 @@ class CpuOps:
     (llama.cpp's arithmetic, logits within ~1e-3 of exact); "exact" keeps float32 activations
     throughout."""
 
-    def __init__(self, threads: int | None = None, mode: str = "q8") -> None:
+    def __init__(self, threads: int | None = None, mode: str = Q8) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if mode not in MODES:
             raise InputError(f"unknown cpu mode {mode!r}; available: {', '.join(MODES)}")
         self.mode = mode
-        self.int8 = mode == "q8"
+        self.int8 = mode == Q8
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         if kernels.HAVE_NUMBA:
             import numba
@@ -103,7 +102,7 @@ class CpuBackend:
         self,
         weights: ModelWeights,
         threads: int | None = None,
-        mode: str = "q8",
+        mode: str = Q8,
         adapt_threads: bool | None = None,
     ) -> None:
         """`adapt_threads`: re-choose decode threads from measured steps (None: yes, unless
@@ -135,13 +134,13 @@ class CpuBackend:
         """|logit - llama.cpp's| on the tiny F32 models (q8 computes F32 weights in float32),
         against llama.cpp's run with the same KV cache: float32 rounding, and in q8 mode a half
         flipped where float32 noise meets a boundary of the half grid (measured up to ~6e-3)."""
-        return 1e-3 if self.mode == "exact" else 1e-2
+        return 1e-3 if self.mode == EXACT else 1e-2
 
     @property
     def kv_dtype(self) -> np.dtype:
         """What the KV cache holds: halves as llama.cpp keeps them, float32 in exact mode (the
         oracle's F32 run)."""
-        return np.dtype(np.float32 if self.mode == "exact" else np.float16)
+        return np.dtype(np.float32 if self.mode == EXACT else np.float16)
 
     def new_kv(self, n_ctx: int, layers: Iterable[int]) -> KVCache:
         return KVCache(self.config, n_ctx, layers, self.kv_dtype)

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from prima.backends.decode_threads import FIXED_ENV
+from prima.backends.modes import cpu_mode
 from prima.cli.arg_types import non_negative_int, positive_int
 from prima.engine.thread_tuning import tuned_setting
 from prima.errors import InputError
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reps < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
         raise InputError("--reps, --prompt-tokens and --gen-tokens must be positive")
     have_llama = not args.no_llama and _llama_cpp_available()
-    mode = "exact" if args.exact else "q8"
+    mode = cpu_mode(args.exact)
     report: dict = {
         "machine": _machine(),
         "threads": threads,

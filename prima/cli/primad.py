@@ -22,6 +22,7 @@ from pathlib import Path
 
 # First prima import: hashing and thread pools set up before the rest loads (prima.startup).
 import prima.startup  # noqa: F401
+from prima.backends.modes import cpu_mode
 from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import StepBar, stage
 from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
@@ -380,7 +381,7 @@ def open_runtime(
         path,
         backend=args.backend,
         threads=args.threads,
-        mode="exact" if args.exact else "q8",
+        mode=cpu_mode(args.exact),
         layers=range(0),
         npu_ctx=args.npu_ctx,
         tune=store is None,

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prima.backends.modes import cpu_mode
 from prima.engine.compute import StepBars, no_bars, open_compute
 from prima.engine.speculative import DraftConfig
 from prima.errors import InputError, NodeError
@@ -91,7 +92,7 @@ class SessionOptions:
     @property
     def mode(self) -> str:
         """The cpu backend's arithmetic: exact, or int8 decode activations (q8)."""
-        return "exact" if self.exact else "q8"
+        return cpu_mode(self.exact)
 
 
 @dataclass
