@@ -19,26 +19,23 @@ import argparse
 import contextlib
 import os
 import socket
-import statistics
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+
+from bench_plan_vs_measured import N_CTX, decode_ms_per_token  # bench/ is on sys.path when run
 
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.planner import HaldaOptions
 from prima.coordinator.ring import Ring
-from prima.engine.generate import GenerateRequest, collect, stream_text
-from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
-from prima.net.link_shaper import LinkShape, LinkShaper
+from prima.net.link_shaper import LinkShape, shaped_daemons
 from prima.plan import even_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.profile_cache import CACHE_ENV
 
 PROMPT = "The capital of France is"
-N_CTX = 512
-RUNS = 3
 NODES = 3
 LINKS: list[tuple[str, LinkShape | None]] = [
     ("loopback", None),
@@ -52,41 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def shaped(
-    addresses: Sequence[str], link_ports: Sequence[int], shape: LinkShape | None
-) -> Iterator[list[str]]:
-    """The daemons' addresses as the coordinator should dial them: as they are, or through a
-    shaper each on 127.0.0.(11+i) for the gRPC port and the activation link."""
-    if shape is None:
-        yield list(addresses)
-        return
-    shapers: list[LinkShaper] = []
-    out = []
-    try:
-        for i, (address, link_port) in enumerate(zip(addresses, link_ports, strict=True)):
-            host, port = address.rsplit(":", 1)
-            front = f"127.0.0.{11 + i}"
-            shapers.append(LinkShaper((front, int(port)), (host, int(port)), shape, seed=i))
-            shapers.append(LinkShaper((front, link_port), (host, link_port), shape, seed=100 + i))
-            out.append(f"{front}:{port}")
-        yield out
-    finally:
-        for s in shapers:
-            s.close()
-
-
-def decode_ms_per_token(ring: Ring, ids: list[int], n: int) -> float:
-    """Median over RUNS of (first token to last) / (tokens - 1), after a warm-up run."""
-    samples = []
-    for run in range(RUNS + 1):
-        request = GenerateRequest(tuple(ids), 4 if run == 0 else n, SamplerConfig(), n_ctx=N_CTX)
-        result = collect(stream_text(ring.generate(request), ids))
-        if run:
-            samples.append(result.timings.generate_ms / max(result.timings.generated_tokens - 1, 1))
-    return statistics.median(samples)
 
 
 def row(
@@ -132,12 +94,17 @@ def main() -> None:
                 f"on {os.cpu_count()} cores; budgets {budgets or 'none'}"
             )
             for name, shape in LINKS:
-                with shaped(local.addresses, link_ports, shape) as addresses:
+                links = (
+                    shaped_daemons(local.addresses, link_ports, shape)
+                    if shape is not None
+                    else contextlib.nullcontext((list(local.addresses), []))
+                )
+                with links as (addresses, _):
                     ring = Ring.connect(addresses, halda=HaldaOptions(model, refresh=True))
                     try:
                         assert ring.plan.predicted_ms_per_token is not None
                         devices = list(ring.devices)
-                        measured = decode_ms_per_token(ring, ids, args.n)
+                        measured = decode_ms_per_token(ring, ids, args.n)[0]
                         row(name, "halda", ring, devices, ring.plan.predicted_ms_per_token, measured)
                     finally:
                         ring.close()
@@ -145,7 +112,9 @@ def main() -> None:
                     ring = Ring.connect(addresses, window_sizes=even, rounds=1)
                     try:
                         predicted = predict_ms_per_token(devices, model, 1, even)
-                        row(name, "all 3", ring, devices, predicted, decode_ms_per_token(ring, ids, args.n))
+                        row(
+                            name, "all 3", ring, devices, predicted, decode_ms_per_token(ring, ids, args.n)[0]
+                        )
                     finally:
                         ring.close()
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prima.net.link_socket import shut
@@ -227,6 +228,28 @@ class LinkShaper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def shaped_daemons(
+    addresses: Sequence[str], link_ports: Sequence[int], shape: LinkShape, first_host: int = 11
+) -> Iterator[tuple[list[str], list[LinkShaper]]]:
+    """Daemons on this machine (`addresses`, host:port, each with its activation link on
+    `link_ports`) behind a shaper each, on 127.0.0.<first_host + i> with the same ports: the
+    addresses to give the coordinator instead, and the shapers (gRPC, link, gRPC, link, ...)."""
+    shapers: list[LinkShaper] = []
+    fronts = []
+    try:
+        for i, (address, link_port) in enumerate(zip(addresses, link_ports, strict=True)):
+            host, port = address.rsplit(":", 1)
+            front = f"127.0.0.{first_host + i}"
+            shapers.append(LinkShaper((front, int(port)), (host, int(port)), shape, seed=2 * i))
+            shapers.append(LinkShaper((front, link_port), (host, link_port), shape, seed=2 * i + 1))
+            fronts.append(f"{front}:{port}")
+        yield fronts, shapers
+    finally:
+        for s in shapers:
+            s.close()
 
 
 def _host_port(text: str) -> tuple[str, int]:

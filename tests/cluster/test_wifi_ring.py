@@ -5,7 +5,6 @@ bench/bench_wifi.py times the same set-up against Halda's predictions."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from prima.coordinator.planner import HaldaOptions
 from prima.coordinator.ring import Ring
 from prima.engine.prompt import prompt_ids
 from prima.forward.loader import load_model
-from prima.net.link_shaper import LinkShape, LinkShaper
+from prima.net.link_shaper import LinkShape, shaped_daemons
 from prima.scheduler.profile import ModelProfile
 
 from .conftest import N_CTX, reference_tokens, ring_tokens, start_ring
@@ -45,28 +44,11 @@ def ring(smollm2_path: Path, ring_logs: Path, mdns_env: None, link_ports: list[i
     yield from start_ring(2, smollm2_path, ring_logs / "wifi", node_args=node_args)
 
 
-@contextlib.contextmanager
-def shaped(local: LocalRing, link_ports: list[int]) -> Iterator[tuple[list[str], list[LinkShaper]]]:
-    shapers: list[LinkShaper] = []
-    addresses = []
-    try:
-        for i, (address, link_port) in enumerate(zip(local.addresses, link_ports, strict=True)):
-            host, port = address.rsplit(":", 1)
-            front = f"127.0.0.{21 + i}"
-            shapers.append(LinkShaper((front, int(port)), (host, int(port)), WIFI, seed=i))
-            shapers.append(LinkShaper((front, link_port), (host, link_port), WIFI, seed=10 + i))
-            addresses.append(f"{front}:{port}")
-        yield addresses, shapers
-    finally:
-        for s in shapers:
-            s.close()
-
-
 def test_daemons_measure_the_shaped_link_for_halda(
     ring: LocalRing, link_ports: list[int], smollm2_path: Path
 ) -> None:
     model = ModelProfile.from_gguf(load_model(smollm2_path, layers=range(0)).gguf, ctx_tokens=N_CTX)
-    with shaped(ring, link_ports) as (addresses, _):
+    with shaped_daemons(ring.addresses, link_ports, WIFI, first_host=21) as (addresses, _):
         planned = Ring.connect(addresses, halda=HaldaOptions(model, refresh=True))
         try:
             devices = planned.devices
@@ -82,7 +64,7 @@ def test_a_ring_over_wifi_gives_the_single_device_tokens(
 ) -> None:
     ids = prompt_ids(load_model(smollm2_path, layers=range(0)).tokenizer, PROMPT)
     want = reference_tokens(smollm2_path, ids)
-    with shaped(ring, link_ports) as (addresses, shapers):
+    with shaped_daemons(ring.addresses, link_ports, WIFI, first_host=21) as (addresses, shapers):
         wifi_ring = Ring.connect(addresses, window_sizes=[15, 15], rounds=1)
         try:
             got = ring_tokens(wifi_ring, ids)
