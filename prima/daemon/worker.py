@@ -5,7 +5,8 @@ or layer by layer while the node streams weights from disk (prima.forward.placem
 
 Activations of every session go through one work queue and one thread, so a session's
 micro-batches reach each layer in the order they were sent and its KV caches are written front
-to back. RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
+to back; the queue serves sessions in turn (prima.daemon.fair_queue), so one session's burst
+does not hold up the others' steps. RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
 decode step (or a speculative check of a few tokens) that finds the compute thread idle and
 nothing queued is computed in the thread it arrived on, the link's reader or the head's
 generation: handing it over would wake the compute thread, a sizeable part of a decode hop
@@ -33,6 +34,7 @@ from prima.net.limits import DaemonLimits, WorkBounds
 from prima.plan import Window
 from prima.weights.window import StreamStats
 
+from .fair_queue import FairQueue
 from .hop_times import HopTimes
 from .state import Layout, NodeSession
 from .threads import use_threads
@@ -69,7 +71,7 @@ class Worker:
         # itself, from a window it just computed, are not: they already held a place.
         self.queued = WorkBounds(bounds or DaemonLimits())
         self._admitted: set[int] = set()
-        self._work: queue.SimpleQueue[Activation | None] = queue.SimpleQueue()
+        self._work: FairQueue[Activation] = FairQueue()
         # Activations queued, held or being computed by the compute thread, and whether another
         # thread is computing one inline: a caller computes inline only when both are zero, and
         # the compute thread waits for an inline computation to end, so a session's activations
@@ -127,7 +129,7 @@ class Worker:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the batch in hand, then end the thread (bounded wait)."""
-        self._work.put(None)
+        self._work.stop()
         self._thread.join(timeout=timeout_s)
 
     # -- computing -----------------------------------------------------------------------------
@@ -149,9 +151,9 @@ class Worker:
                         pending.append(self._work.get_nowait())
                     except queue.Empty:
                         break
-                while pending and _same_hop(pending[0], act):
-                    group.append(pending.popleft())  # type: ignore[arg-type]
-                    self._taken(group[-1])
+                for later in _same_hop_run(pending, act):
+                    group.append(later)
+                    self._taken(later)
             metrics.NODE_QUEUE_DEPTH.set(self._work.qsize() + len(pending))
             with self._order:
                 while self._inline:
@@ -301,6 +303,24 @@ def _log_window(window: Window, group: list[Activation], before: StreamStats, no
         (now.bytes_read - before.bytes_read) / (1 << 20),
         now.read_ms - before.read_ms,
     )
+
+
+def _same_hop_run(pending: collections.deque[Activation | None], act: Activation) -> list[Activation]:
+    """Take from `pending` the micro-batches of `act`'s session that follow it at the same hop,
+    up to the first of that session at another hop (its order is kept); other sessions' stay."""
+    taken: list[Activation] = []
+    kept: collections.deque[Activation | None] = collections.deque()
+    blocked = False
+    for item in pending:
+        if not blocked and item is not None and item.session_id == act.session_id:
+            if _same_hop(item, act):
+                taken.append(item)
+                continue
+            blocked = True
+        kept.append(item)
+    pending.clear()
+    pending.extend(kept)
+    return taken
 
 
 def _same_hop(a: Activation | None, b: Activation) -> bool:
