@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from prima.engine.prefix import common_prefix
 from prima.engine.sampling import Sampler, SamplerConfig
 from prima.engine.speculative import DraftConfig, DraftLength, DraftSource, drafter
 from prima.errors import ContextFullError, InputError
@@ -249,16 +250,6 @@ def sample_tokens(
         accepted,
         cached_tokens=cached,
     )
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def reuse_prefix(engine: Engine, prompt: Sequence[int]) -> int:

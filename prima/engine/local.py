@@ -20,10 +20,10 @@ from prima.engine.generate import (
     PrefixEngine,
     TokenEvent,
     VerifyingEngine,
-    common_prefix,
     forward_ids,
     sample_tokens,
 )
+from prima.engine.prefix import choose_held
 from prima.engine.speculative import Drafter, DraftSource
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
@@ -306,23 +306,18 @@ class LocalGeneratorPool:
         return first.streamer if isinstance(first, LocalEngine) else None
 
     def _take(self, prompt: Sequence[int]) -> Engine:
-        """The free engine holding the longest prefix of `prompt`. While the pool may grow, a
-        request that would throw away part of what an engine holds gets a new engine instead;
-        once it is full, a request sharing nothing takes the free engine used least recently."""
+        """The free engine whose cache `prompt` should continue (prima.engine.prefix.choose_held),
+        or a new one while the pool may grow."""
         with self._lock:
-            held = [_held(e) for e in self._free]
-            shared = [common_prefix(h, prompt) for h in held]
-            extends = [i for i, h in enumerate(held) if shared[i] == len(h)]  # loses nothing
-            if extends:
-                return self._free.pop(max(extends, key=shared.__getitem__))
-            if len(self._all) < self.size:
-                engine = self._make()
-                self._all.append(engine)
-                return engine
-            if not self._free:
+            can_grow = len(self._all) < self.size
+            if not self._free and not can_grow:
                 raise RuntimeError(f"more than {self.size} generations at once on a pool of {self.size}")
-            best = max(range(len(shared)), key=shared.__getitem__)
-            return self._free.pop(best if shared[best] > 0 else 0)
+            chosen = choose_held([_held(e) for e in self._free], prompt, can_grow)
+            if chosen is not None:
+                return self._free.pop(chosen)
+            engine = self._make()
+            self._all.append(engine)
+            return engine
 
     def close(self) -> None:
         for engine in self._all:
