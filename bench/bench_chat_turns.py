@@ -3,7 +3,10 @@ turns (what `prima chat --local` and `prima serve --local` do) and with every tu
 from an empty cache (before #37).
 
     python bench/bench_chat_turns.py [-m smollm2-135m] [--turns 10] [--reply-tokens 100]
-                                     [--exact] [--threads N]
+                                     [--exact] [--threads N] [--ring N]
+
+With `--ring N` the model is split evenly over a local ring of N primad processes: the kept
+run's daemons start with `--keep-sessions 2`, the empty-cache run's without.
 
 Each user turn is ~100 tokens of text; the replies are generated greedily once (with the cache
 kept), then the same conversation is run again turn by turn from an empty cache, each turn up
@@ -14,11 +17,14 @@ both ways, and turn N over turn 1. Numbers from a loaded machine say little: say
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
 from prima.engine.generate import (
     GenerateRequest,
     GenerationResult,
@@ -78,6 +84,19 @@ class Forgetful:
         return self.engine.hidden_states(token_ids)  # type: ignore[arg-type]
 
 
+@contextlib.contextmanager
+def ring_generator(model: str, n: int, n_layers: int, keep: bool, exact: bool) -> Iterator[Ring]:
+    """A ring of `n` local daemons over `model`, its layers split evenly."""
+    args = [*(("--exact",) if exact else ()), *(("--keep-sessions", "2") if keep else ())]
+    with LocalRing.start(n, model, threads=1, extra_args=args) as local:
+        sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
+        ring = Ring.connect(local.addresses, window_sizes=sizes)
+        try:
+            yield ring
+        finally:
+            ring.close()
+
+
 def run_turn(generator: object, loaded: LoadedModel, ids: list[int], max_tokens: int) -> GenerationResult:
     tok = loaded.tokenizer
     request = GenerateRequest(
@@ -94,32 +113,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reply-tokens", type=int, default=100)
     p.add_argument("--exact", action="store_true", help="float32 activations and KV (--exact)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--ring", type=int, default=0, help="split the model over a local ring of N daemons")
     args = p.parse_args(argv)
     loaded = load_model(args.model, mode="exact" if args.exact else "q8", threads=args.threads)
     n_ctx = 4096
     meta = loaded.gguf.metadata
 
-    kept = local_generator(loaded, n_ctx)
-    warm = LocalGenerator(LocalEngine(loaded.model, n_ctx))  # first passes (page faults) untimed
-    run_turn(
-        warm, loaded, chat_prompt_ids(meta, loaded.tokenizer, [{"role": "user", "content": user_turn(99)}]), 4
-    )
-    history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful teacher."}]
-    prompts: list[list[int]] = []
-    after: list[GenerationResult] = []
-    for i in range(args.turns):
-        history.append({"role": "user", "content": user_turn(i)})
-        ids = chat_prompt_ids(meta, loaded.tokenizer, history)
-        result = run_turn(kept, loaded, ids, args.reply_tokens)
-        prompts.append(ids)
-        after.append(result)
-        history.append({"role": "assistant", "content": result.text})
-    kept.close()
+    n_layers = loaded.model.config.n_layers
+    with contextlib.ExitStack() as stack:
+        if args.ring:
+            kept: object = stack.enter_context(
+                ring_generator(args.model, args.ring, n_layers, True, args.exact)
+            )
+        else:
+            kept = stack.enter_context(contextlib.closing(local_generator(loaded, n_ctx)))
+        # The first passes (page faults, compiles) untimed.
+        warm_ids = chat_prompt_ids(meta, loaded.tokenizer, [{"role": "user", "content": user_turn(99)}])
+        run_turn(kept, loaded, warm_ids, 4)
+        history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful teacher."}]
+        prompts: list[list[int]] = []
+        after: list[GenerationResult] = []
+        for i in range(args.turns):
+            history.append({"role": "user", "content": user_turn(i)})
+            ids = chat_prompt_ids(meta, loaded.tokenizer, history)
+            result = run_turn(kept, loaded, ids, args.reply_tokens)
+            prompts.append(ids)
+            after.append(result)
+            history.append({"role": "assistant", "content": result.text})
 
-    forgetful = LocalGenerator(Forgetful(LocalEngine(loaded.model, n_ctx)))  # type: ignore[arg-type]
-    before = [run_turn(forgetful, loaded, ids, 1) for ids in prompts]
+    with contextlib.ExitStack() as stack:
+        if args.ring:
+            empty: object = stack.enter_context(
+                ring_generator(args.model, args.ring, n_layers, False, args.exact)
+            )
+        else:
+            empty = LocalGenerator(Forgetful(LocalEngine(loaded.model, n_ctx)))  # type: ignore[arg-type]
+        run_turn(empty, loaded, warm_ids, 4)
+        before = [run_turn(empty, loaded, ids, 1) for ids in prompts]
 
-    print(f"{args.model}, {'exact' if args.exact else 'q8'} mode, {args.turns} turns")
+    where = f"a local ring of {args.ring}" if args.ring else "this device"
+    print(f"{args.model} on {where}, {'exact' if args.exact else 'q8'} mode, {args.turns} turns")
     print("turn  prompt  cached  ttft_kept_ms  ttft_empty_ms")
     for i, (a, b) in enumerate(zip(after, before, strict=True)):
         t = a.timings
