@@ -1,8 +1,9 @@
 """A LocalEngine's KV cache outlives a request: the next request keeps the prefix it shares
 with what the cache holds and computes only the rest, and its logits are still llama.cpp's
-(tiny-qwen2's prompts, within the backend's tolerance, exact and q8 mode); the pool sends a
-request to the engine holding its prefix; a multi-turn chat in exact mode gives the greedy
-text it gives when every turn starts from an empty cache."""
+(tiny-qwen2's prompts within the backend's tolerance, exact and q8 mode; the quantized test
+models in q8 mode as close as a whole-prompt prefill is); the pool sends a request to the
+engine holding its prefix; a multi-turn chat in exact mode gives the greedy text it gives when
+every turn starts from an empty cache."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prima.engine.generate import GenerateRequest, GenerationDone, LocalGenerato
 from prima.engine.local import LocalEngine, local_generator
 from prima.engine.prompt import chat_prompt_ids
 from prima.forward.loader import LoadedModel, load_model
-from tests.conftest import load_tiny_oracle, tiny_model_path
+from tests.conftest import ORACLE_TAGS, load_oracle, load_tiny_oracle, tiny_model_path
 
 N_CTX = 128
 
@@ -33,9 +34,11 @@ def prompts() -> dict[str, dict[str, Any]]:
     return {p["name"]: p for p in load_tiny_oracle("tiny-qwen2")["prompts"]}
 
 
-def _run(generator: Any, prompt: list[int], max_tokens: int = 0) -> tuple[list[int], GenerationDone]:
+def _run(
+    generator: Any, prompt: list[int], max_tokens: int = 0, n_ctx: int = N_CTX
+) -> tuple[list[int], GenerationDone]:
     """A greedy generation's tokens and its GenerationDone (with the prompt's logits)."""
-    request = GenerateRequest(tuple(prompt), max_tokens, n_ctx=N_CTX, want_prompt_logits=True)
+    request = GenerateRequest(tuple(prompt), max_tokens, n_ctx=n_ctx, want_prompt_logits=True)
     events: list[TokenEvent] = list(generator.generate(request))
     done = events[-1]
     assert isinstance(done, GenerationDone)
@@ -113,6 +116,35 @@ def test_the_pool_sends_a_request_to_the_engine_holding_its_prefix(
     assert _run(pool, other)[1].cached_tokens == 0
     assert _run(pool, code + [5])[1].cached_tokens == len(code)
     assert _run(pool, chat)[1].cached_tokens == 0
+
+
+@pytest.mark.parametrize("tag", ORACLE_TAGS)
+def test_q8_logits_after_a_kept_prefix_match_llama_cpp_quant(tag: str) -> None:
+    """The quantized test models in the default mode, their 311-token prompt computed after a
+    kept prefix of 200 (from a cache that held another continuation): top-1 and cosine as
+    tests/forward/test_quant_mode.py holds a prefill of the whole prompt to, and no further
+    from llama.cpp's logits than twice what that prefill is (measured: 0.53 and 0.90 for
+    the whole prompt, 0.70 and 0.77 after the kept prefix; a cache not cut back to the
+    prefix: 2.9 and 4.1)."""
+    prompts = {p["name"]: p for p in load_oracle(tag)["prompts"]}
+    ids = prompts["long"]["prompt_token_ids"]
+    quant = prompts["long"]["quant"]["logits"]
+    model = _load_named(tag).model
+    whole = LocalEngine(model, 512).forward(ids)
+    generator = LocalGenerator(LocalEngine(model, 512))
+    _run(generator, ids[:200] + prompts["code"]["prompt_token_ids"] * 4, n_ctx=512)
+    _, done = _run(generator, ids, n_ctx=512)
+    assert done.cached_tokens == 200
+    assert done.prompt_logits is not None
+    logits = done.prompt_logits
+    assert int(np.argmax(logits)) == int(np.argmax(quant))
+    assert float(logits @ quant / (np.linalg.norm(logits) * np.linalg.norm(quant))) >= 0.998
+    assert np.abs(logits - quant).max() <= 2 * np.abs(whole - quant).max()
+
+
+@cache
+def _load_named(tag: str) -> LoadedModel:
+    return load_model(tag, mode="q8")
 
 
 @pytest.mark.slow  # SmolLM2 in exact mode, three turns generated twice
