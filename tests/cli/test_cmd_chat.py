@@ -220,3 +220,31 @@ def test_each_turn_computes_only_what_the_last_did_not_leave(
     # back to it, and only the last token runs again (for its logits).
     assert turns[3] == turns[0]
     assert _RESULTS[3].timings.cached_tokens == len(turns[0]) - 1
+
+
+@pytest.mark.slow  # two primad processes
+def test_a_chat_on_a_local_ring_sends_only_each_turns_new_tokens(
+    tiny_chat: tuple[Path, dict[str, Any], list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prima chat --local-ring 2`: the daemons it starts keep the chat's ring session open
+    between turns (primad --keep-sessions), so turn 2 holds turn 1's prompt and reply."""
+    model, _, turns = tiny_chat
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\nTell me more\n"))
+    argv = [
+        "chat",
+        "--local-ring",
+        "2",
+        "--exact",
+        "-m",
+        str(model),
+        "--temp",
+        "0",
+        "-n",
+        "6",
+        "--ctx",
+        "256",
+    ]
+    assert main(argv) == 0
+    assert len(turns) == len(_RESULTS) == 2
+    assert _RESULTS[0].timings.cached_tokens == 0
+    assert len(turns[0]) <= _RESULTS[1].timings.cached_tokens < len(turns[1])
