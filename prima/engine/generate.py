@@ -266,11 +266,12 @@ def reuse_prefix(engine: Engine, prompt: Sequence[int]) -> int:
 
 
 def prefill(engine: Engine, prompt: list[int], decoded: int = 0) -> np.ndarray:
-    """Feed `prompt` to `engine` (reset, or holding what comes before it); the last token's logits. Its last `decoded` tokens are
-    a resumed generation's, sampled before it stopped (a failover): the rest of the prompt goes
-    in as the first run's prefill did, and those tokens as decoding fed them, so the KV cache
-    and every later logit have the unbroken run's bits (batched prefill computes in another
-    order than decode: in q8 mode its logits differ by up to ~1)."""
+    """Feed `prompt` to `engine` (reset, or holding what comes before it); the last token's
+    logits. Its last `decoded` tokens are a resumed generation's, sampled before it stopped (a
+    failover): the rest of the prompt goes in as the first run's prefill did, and those tokens
+    as decoding fed them, so the KV cache and every later logit have the unbroken run's bits
+    (batched prefill computes in another order than decode: in q8 mode its logits differ by up
+    to ~1)."""
     split = len(prompt) - min(max(decoded, 0), len(prompt) - 1)
     logits = engine.forward(prompt[:split])
     rest = prompt[split:]

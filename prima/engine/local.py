@@ -266,8 +266,9 @@ class LocalGeneratorPool:
     An engine keeps its cache after a request, so the pool is also a cache of up to `size`
     conversations: a request goes to the free engine whose held tokens share the longest
     prefix with its prompt (a chat's earlier turns, a common system prompt), which computes
-    only the rest (prima.engine.generate.reuse_prefix). A request that shares nothing takes a
-    new engine while the pool may grow, else the one used least recently (see _take)."""
+    only the rest (prima.engine.generate.reuse_prefix). A request that would cut into what an
+    engine holds takes a new engine while the pool may grow; once it is full, the engine sharing
+    the longest prefix, or the one used least recently (prima.engine.prefix.choose_held)."""
 
     def __init__(
         self,
