@@ -39,6 +39,11 @@ REQUESTS = Counter(
     registry=SERVE_REGISTRY,
 )
 PROMPT_TOKENS = Counter("prima_prompt_tokens", "Prompt tokens processed", registry=SERVE_REGISTRY)
+PROMPT_CACHED_TOKENS = Counter(
+    "prima_prompt_cached_tokens",
+    "Prompt tokens whose KV an earlier request left in the cache (not computed again)",
+    registry=SERVE_REGISTRY,
+)
 GENERATED_TOKENS = Counter("prima_generated_tokens", "Tokens generated", registry=SERVE_REGISTRY)
 TIME_TO_FIRST_TOKEN = Histogram(
     "prima_time_to_first_token_seconds",

@@ -89,14 +89,19 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class Usage:
+    """A reply's token counts; `cached_tokens` of the prompt's were kept from an earlier
+    request (their KV was not computed again), reported as OpenAI's prompt_tokens_details."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -407,8 +412,11 @@ def completion_response(
     text: str,
     stop_reason: str,
     usage: Usage,
+    timings: Mapping[str, float | str] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body: a `chat.completion` or a `text_completion`."""
+    """The non-streaming body: a `chat.completion` or a `text_completion`; `timings` (prompt
+    and generation times, cached tokens: Timings.as_dict) goes beside `usage`, as llama-server
+    puts its own."""
     if req.kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         obj = "chat.completion"
@@ -424,6 +432,7 @@ def completion_response(
         "model": model,
         "choices": [choice],
         "usage": usage.as_dict(),
+        **({"timings": dict(timings)} if timings is not None else {}),
     }
 
 
@@ -455,9 +464,16 @@ def stream_chunk(
 
 
 def usage_chunk(
-    req: GenerationRequest, *, response_id: str, created: int, model: str, usage: Usage
+    req: GenerationRequest,
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    usage: Usage,
+    timings: Mapping[str, float | str] | None = None,
 ) -> dict[str, Any]:
-    """The extra last chunk sent when `stream_options.include_usage` is set: no choices, usage."""
+    """The extra last chunk sent when `stream_options.include_usage` is set: no choices, usage
+    (and `timings`, as completion_response)."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {
         "id": response_id,
@@ -466,6 +482,7 @@ def usage_chunk(
         "model": model,
         "choices": [],
         "usage": usage.as_dict(),
+        **({"timings": dict(timings)} if timings is not None else {}),
     }
 
 

@@ -513,6 +513,7 @@ class ApiHandler(BaseHTTPRequestHandler):
             text=result.text,
             stop_reason=result.stop_reason,
             usage=_usage(result),
+            timings=result.timings.as_dict(),
         )
         self._send_json(HTTPStatus.OK, body)
 
@@ -544,7 +545,9 @@ class ApiHandler(BaseHTTPRequestHandler):
                     self.server.monitor.record_generation(event.timings)
                     self._write_event(stream_chunk(req, **ident, stop_reason=event.stop_reason))
                     if req.include_usage:
-                        self._write_event(usage_chunk(req, **ident, usage=_usage(event)))
+                        usage = _usage(event)
+                        timings = event.timings.as_dict()
+                        self._write_event(usage_chunk(req, **ident, usage=usage, timings=timings))
                     break
                 if event:
                     self._write_event(stream_chunk(req, **ident, text=event))
@@ -652,7 +655,11 @@ def _last_result(events: Iterator[str | GenerationResult]) -> GenerationResult:
 
 
 def _usage(result: GenerationResult) -> Usage:
-    return Usage(prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.token_ids))
+    return Usage(
+        prompt_tokens=len(result.prompt_token_ids),
+        completion_tokens=len(result.token_ids),
+        cached_tokens=result.timings.cached_tokens,
+    )
 
 
 def _response_id(req: GenerationRequest) -> str:

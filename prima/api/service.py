@@ -297,6 +297,7 @@ class CompletionService:
                     released = True
                     outcome = "ok"
                     metrics.PROMPT_TOKENS.inc(event.timings.prompt_tokens)
+                    metrics.PROMPT_CACHED_TOKENS.inc(event.timings.cached_tokens)
                     metrics.GENERATED_TOKENS.inc(event.timings.generated_tokens)
                 yield event
         except BaseException as exc:

@@ -48,6 +48,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (durations that cannot be zero)."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port to listen on: 0..65535 (0 lets the OS pick a free one)."""
     value = _whole_number(text)

@@ -1,7 +1,9 @@
 """`prima chat`: an interactive multi-turn chat in the terminal.
 
-Each turn re-renders the whole conversation through the model's chat template and regenerates
-from the start of the context, which keeps the template logic in one place; `/reset` clears
+Each turn re-renders the whole conversation through the model's chat template, which keeps the
+template logic in one place; on this device (--local) the engine keeps its KV cache between turns,
+as does a ring whose head keeps sessions (primad --keep-sessions; --local-ring starts its daemons
+so), so a turn computes only what the last one did not leave. `/reset` clears
 the history, `/exit` (or Ctrl-D) quits. In a terminal, lines are edited with readline (history
 kept in prima's cache directory) and Ctrl-C stops the reply being written."""
 

@@ -23,11 +23,18 @@ from pathlib import Path
 # First prima import: hashing and thread pools set up before the rest loads (prima.startup).
 import prima.startup  # noqa: F401
 from prima.backends.modes import cpu_mode
-from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
+from prima.cli.arg_types import (
+    non_negative_int,
+    parse_budget,
+    parse_disk_budget,
+    positive_float,
+    positive_int,
+)
 from prima.cli.progress import StepBar, stage
 from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.daemon.drain import drain
 from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S, fetch_header
+from prima.daemon.kept_sessions import DEFAULT_IDLE_S
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
 from prima.engine.compute import open_compute
 from prima.errors import InputError, NodeError, PrimaError
@@ -151,6 +158,20 @@ def _add_compute_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_RING_TIMEOUT_S,
         help="seconds the head waits for activations from a ring whose nodes all answer its probes; a hung "
         f"or vanished node is named within seconds (default {DEFAULT_RING_TIMEOUT_S:.0f})",
+    )
+    p.add_argument(
+        "--keep-sessions",
+        type=non_negative_int,
+        default=0,
+        help="as the ring's head, keep up to N ring sessions open after their generation, so a request "
+        "that continues one (a chat's next turn) sends only its new tokens round the ring; each holds "
+        "KV memory on every node (default 0: close each when it ends)",
+    )
+    p.add_argument(
+        "--session-idle",
+        type=positive_float,
+        default=DEFAULT_IDLE_S,
+        help=f"seconds a kept session may stay unused before it is closed (default {DEFAULT_IDLE_S:.0f})",
     )
 
 
@@ -395,6 +416,8 @@ def open_runtime(
         budget_bytes=budget,
         max_batch_tokens=args.max_batch,
         ring_timeout_s=args.ring_timeout,
+        keep_sessions=args.keep_sessions,
+        session_idle_s=args.session_idle,
         threads=compute.threads,
         identity=identity or "plaintext",
         bounds=daemon_limits(args),

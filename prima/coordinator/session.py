@@ -283,13 +283,16 @@ def _start_local_ring(
         ensure_compiled(loaded.path, on_stage=progress.stage, on_progress=bar)
     progress.stage(f"starting {n} primad daemon(s) on 127.0.0.1")
     exact = ("--exact",) if options.exact else ()
+    # They serve this process alone: the head keeps a session per generation that may run at
+    # once, so a chat's next turn sends only its new tokens round the ring.
+    keep = ("--keep-sessions", str(max(1, options.parallel)))
     # The first daemon is the head (the plan keeps the order given), the one that drafts.
     head = ("--draft-model", str(resolve_model(options.draft_model))) if options.draft_model else ()
     local = LocalRing.start(
         n,
         loaded.path,
         threads=options.threads,
-        extra_args=exact,
+        extra_args=(*exact, *keep),
         node_args=[head, *([()] * (n - 1))],
         mem_budgets=[options.mem_budget] * n if options.mem_budget else None,
     )

@@ -28,9 +28,10 @@ from prima.forward.transformer import Transformer
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
 from prima.net.run_ahead import stop_requested, waiting
-from prima.net.status import NotReadyError
+from prima.net.status import NotReadyError, PayloadTooLargeError, UnknownSessionError
 from prima.plan import Plan
 
+from .kept_sessions import DEFAULT_IDLE_S, KeptSessions
 from .state import Layout, NodeSession, OwnHop
 from .threads import use_threads
 from .worker import Worker
@@ -61,7 +62,9 @@ class RingLink(Protocol):
 
 
 class RingEngine:
-    """`forward(ids) -> last-token logits` over the ring; one instance is one session."""
+    """`forward(ids) -> last-token logits` over the ring; one instance is one session. Like
+    LocalEngine it says which tokens the ring's caches hold (`held_tokens`), so a kept session
+    (prima.daemon.kept_sessions) can serve the next request that starts with them."""
 
     def __init__(self, model: Transformer, link: RingLink, n_ctx: int, ubatch: int = DEFAULT_UBATCH) -> None:
         if n_ctx <= 0:
@@ -74,7 +77,7 @@ class RingEngine:
         self.n_ctx = min(n_ctx, model.config.context_length)
         self.ubatch = ubatch
         self.session_id = uuid.uuid4().hex
-        self.n_past = 0
+        self._held: list[int] = []  # the token at each position the nodes' caches hold
         self._seq = 0
         link.open_ring_session(self.session_id, self.n_ctx)
 
@@ -82,9 +85,17 @@ class RingEngine:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def n_past(self) -> int:
+        return len(self._held)
+
+    @property
+    def held_tokens(self) -> tuple[int, ...]:
+        return tuple(self._held)
+
     def reset(self) -> None:
         # Nodes need no message: the next batch writes from position 0, which truncates their caches.
-        self.n_past = 0
+        self._held.clear()
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         last = self._round_trip(token_ids, self.ubatch, all_rows=False)[-1]
@@ -120,7 +131,7 @@ class RingEngine:
         node's cache (positions travel with the activations)."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past}: the ring holds {self.n_past} positions")
-        self.n_past = n_past
+        del self._held[n_past:]
 
     def _round_trip(
         self, token_ids: list[int] | np.ndarray, ubatch: int, *, all_rows: bool
@@ -138,7 +149,7 @@ class RingEngine:
                 Activation(self.session_id, self.plan.epoch, 0, positions, hidden, self._seq, all_rows)
             )
             self._seq += 1
-            self.n_past += chunk.size
+            self._held.extend(int(t) for t in chunk)
             n_batches += 1
         return [self.link.receive(self.session_id) for _ in range(n_batches)]
 
@@ -164,7 +175,8 @@ class HeadHost(Protocol):
 class Head:
     """The head node's ring sessions (a RingLink) and the generations run on them; `worker`
     computes and routes this node's hops; `draft_model` (primad --draft-model) drafts for
-    generations that ask for `--draft model`."""
+    generations that ask for `--draft model`. Up to `keep_sessions` sessions stay open after
+    their generation, for `session_idle_s` unused (prima.daemon.kept_sessions)."""
 
     def __init__(
         self,
@@ -174,9 +186,13 @@ class Head:
         threads: int | None = None,
         liveness: Liveness | None = None,
         draft_model: DraftModel | None = None,
+        keep_sessions: int = 0,
+        session_idle_s: float = DEFAULT_IDLE_S,
     ) -> None:
         self.host = host
         self.worker = worker
+        # Ring sessions kept open between requests (primad --keep-sessions).
+        self.kept = KeptSessions(keep_sessions, lambda e: e.close(), session_idle_s)
         self.threads = threads
         self.draft_model = draft_model
         # A hung or vanished node is named within seconds; ring_timeout_s only bounds a ring
@@ -189,16 +205,52 @@ class Head:
 
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
         """Token ids as sampled here, then a GenerationDone; runs in the caller's thread, and
-        closing the iterator ends the generation and its ring session."""
+        closing the iterator ends the generation (its ring session is kept for the next request
+        when it ended well and sessions are kept, else closed).
+
+        A kept session whose prompt prefix fails before the first token (a node lost it) is
+        closed and the request runs again on a new session, its whole prompt computed."""
         use_threads(self.threads)  # each call may come on another gRPC thread
         self._check_draft_model(request)
-        engine = RingEngine(self.host.model, self, request.n_ctx, request.ubatch or DEFAULT_UBATCH)
+        n_ctx = min(request.n_ctx, self.host.model.config.context_length)
+        engine = self.kept.take(request.prompt_ids, self.plan.epoch, n_ctx)
+        if engine is not None:
+            engine.ubatch = request.ubatch or DEFAULT_UBATCH
+            events = self._run(engine, request)
+            try:
+                first = next(events)
+            except (NodeError, UnknownSessionError) as exc:
+                log.info(
+                    "kept session %s failed (%s): the prompt runs whole on a new one", engine.session_id, exc
+                )
+            else:
+                try:
+                    yield first
+                    yield from events
+                finally:
+                    events.close()
+                return
+        yield from self._run(self._open_engine(request), request)
+
+    def _open_engine(self, request: GenerateRequest) -> RingEngine:
+        """A new ring session for `request`; if some node has no room for it, the kept sessions
+        are closed and it is opened again."""
+        ubatch = request.ubatch or DEFAULT_UBATCH
+        try:
+            return RingEngine(self.host.model, self, request.n_ctx, ubatch)
+        except (NodeError, PayloadTooLargeError):
+            if not self.kept.release_all():
+                raise
+        return RingEngine(self.host.model, self, request.n_ctx, ubatch)
+
+    def _run(self, engine: RingEngine, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
         closed = False
         try:
             for event in sample_tokens(engine, request, draft_model=self.draft_model):
                 if isinstance(event, GenerationDone):
-                    # Free the sessions before the coordinator hears the end: it may hang up then.
-                    engine.close()
+                    # Free (or keep) the session before the coordinator hears the end: it may
+                    # hang up then.
+                    self.kept.keep(engine)
                     closed = True
                 yield event
         finally:

@@ -32,6 +32,7 @@ from .authorization import PlanOwnership
 from .fetching import PlanFetch, WindowFetcher
 from .head import Head
 from .install import build_layout, check_plan
+from .kept_sessions import DEFAULT_IDLE_S
 from .profile import node_profile
 from .sessions import Sessions, end_sessions
 from .state import Layout, NodeSession, OwnHop
@@ -66,6 +67,8 @@ class NodeRuntime:
         fetch_from: tuple[str, ...] = (),
         disk_budget_bytes: int = 0,
         draft_model: DraftModel | None = None,
+        keep_sessions: int = 0,
+        session_idle_s: float = DEFAULT_IDLE_S,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -91,7 +94,15 @@ class NodeRuntime:
         self.sessions = Sessions(self.model, node_id, self.bounds)
         self._node_id = node_id
         self.worker = Worker(self, threads, self.bounds)
-        self.head = Head(self, self.worker, ring_timeout_s, threads, draft_model=draft_model)
+        self.head = Head(
+            self,
+            self.worker,
+            ring_timeout_s,
+            threads,
+            draft_model=draft_model,
+            keep_sessions=keep_sessions,
+            session_idle_s=session_idle_s,
+        )
 
     @property
     def node_id(self) -> str:
@@ -299,7 +310,9 @@ class NodeRuntime:
 
     def stop_taking_work(self) -> list[str]:
         """From now on refuse new plans and sessions (UNAVAILABLE, saying why); the sessions
-        open now run on. Returns their ids."""
+        open now run on, but the idle ones the head kept for later requests close. Returns the
+        ids of those that run on."""
+        self.head.kept.release_all()
         return self.sessions.stop_taking_work()
 
     def session_ids(self) -> list[str]:
@@ -367,6 +380,7 @@ class NodeRuntime:
         """Call off a fetch, finish the batch in hand, then close sessions and channels (bounded
         wait)."""
         self._cancel_fetch()
+        self.head.kept.release_all()
         self.worker.stop()
         layout = self._layout
         for session_id in self.sessions.ids():

@@ -82,7 +82,7 @@ class DecodeBatcher:
             logits = model.output_logits(h)
             self.batch_sizes.append(len(batch))
             for i, s in enumerate(batch):
-                s.engine.n_past += 1
+                s.engine.count_written(np.array([s.token]))
                 s.logits = logits[i]
         except Exception as exc:  # every waiting generation hears of it, in its own thread
             for s in batch:

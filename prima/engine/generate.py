@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from prima.engine.prefix import common_prefix
 from prima.engine.sampling import Sampler, SamplerConfig
 from prima.engine.speculative import DraftConfig, DraftLength, DraftSource, drafter
 from prima.errors import ContextFullError, InputError
@@ -51,6 +52,18 @@ class ReplayingEngine(Protocol):
     def forward_decoded(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
 
 
+@runtime_checkable
+class PrefixEngine(Protocol):
+    """An engine whose KV cache outlives a generation: `held_tokens` are the ids at the
+    positions it holds, and `rewind(n)` keeps the first n of them. A request that starts with
+    some of them computes only the rest (reuse_prefix)."""
+
+    @property
+    def held_tokens(self) -> Sequence[int]: ...
+
+    def rewind(self, n_past: int) -> None: ...
+
+
 class TextDecoder(Protocol):
     def feed(self, token_id: int) -> str: ...
 
@@ -60,6 +73,7 @@ class TextDecoder(Protocol):
 @dataclass
 class Timings:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV was kept from an earlier request
     prompt_ms: float = 0.0
     generated_tokens: int = 0
     generate_ms: float = 0.0
@@ -69,7 +83,9 @@ class Timings:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / (self.prompt_ms / 1000) if self.prompt_ms else 0.0
+        """Prompt tokens computed (the cached ones were not) per second of prompt time."""
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / (self.prompt_ms / 1000) if self.prompt_ms else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -85,6 +101,7 @@ class Timings:
     def as_dict(self) -> dict[str, float | str]:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "prompt_ms": round(self.prompt_ms, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
             "generated_tokens": self.generated_tokens,
@@ -144,6 +161,7 @@ class GenerationDone:
     accepted_tokens: int = 0
     hidden_states: np.ndarray | None = None  # (n_prompt, d_model), when asked for
     draft_off: str = ""  # why the drafts asked for were not made as asked ("" = they were)
+    cached_tokens: int = 0  # prompt tokens whose KV an earlier request left (not computed again)
 
 
 TokenEvent = int | GenerationDone
@@ -187,9 +205,9 @@ def sample_tokens(
         raise InputError(f"{type(engine).__name__} cannot check draft tokens; run without --draft")
     stops = set(request.stop_ids)
     history = list(prompt)
-    engine.reset()
     t0 = clock()
-    logits = prefill(engine, prompt, request.first_step)
+    cached = reuse_prefix(engine, prompt)
+    logits = prefill(engine, prompt[cached:], request.first_step)
     prompt_logits = logits if request.want_prompt_logits else None
     t1 = clock()
     stop_reason = "length"
@@ -224,16 +242,36 @@ def sample_tokens(
         # Positions hold the context's tokens up to here; the rest were rejected drafts.
         verifier.rewind(len(history))
     yield GenerationDone(
-        stop_reason, (t1 - t0) * 1000, (clock() - t1) * 1000, prompt_logits, drafted, accepted
+        stop_reason,
+        (t1 - t0) * 1000,
+        (clock() - t1) * 1000,
+        prompt_logits,
+        drafted,
+        accepted,
+        cached_tokens=cached,
     )
 
 
+def reuse_prefix(engine: Engine, prompt: Sequence[int]) -> int:
+    """Make `engine` hold a prefix of `prompt` and return its length: the longest prefix its
+    cache shares with the prompt (a PrefixEngine), but never the prompt's last token, whose
+    logits the first sample needs; otherwise reset it and return 0."""
+    if isinstance(engine, PrefixEngine):
+        keep = min(common_prefix(engine.held_tokens, prompt), len(prompt) - 1)
+        if keep > 0:
+            engine.rewind(keep)
+            return keep
+    engine.reset()
+    return 0
+
+
 def prefill(engine: Engine, prompt: list[int], decoded: int = 0) -> np.ndarray:
-    """Feed `prompt` to a reset `engine`; the last token's logits. Its last `decoded` tokens are
-    a resumed generation's, sampled before it stopped (a failover): the rest of the prompt goes
-    in as the first run's prefill did, and those tokens as decoding fed them, so the KV cache
-    and every later logit have the unbroken run's bits (batched prefill computes in another
-    order than decode: in q8 mode its logits differ by up to ~1)."""
+    """Feed `prompt` to `engine` (reset, or holding what comes before it); the last token's
+    logits. Its last `decoded` tokens are a resumed generation's, sampled before it stopped (a
+    failover): the rest of the prompt goes in as the first run's prefill did, and those tokens
+    as decoding fed them, so the KV cache and every later logit have the unbroken run's bits
+    (batched prefill computes in another order than decode: in q8 mode its logits differ by up
+    to ~1)."""
     split = len(prompt) - min(max(decoded, 0), len(prompt) - 1)
     logits = engine.forward(prompt[:split])
     rest = prompt[split:]
@@ -301,6 +339,7 @@ def stream_text(
                 result.timings.draft_tokens = event.draft_tokens
                 result.timings.accepted_tokens = event.accepted_tokens
                 result.timings.draft_off = event.draft_off
+                result.timings.cached_tokens = event.cached_tokens
                 break
             result.token_ids.append(int(event))
             piece = text.feed(int(event))

@@ -17,11 +17,13 @@ from prima.engine.batching import DecodeBatcher
 from prima.engine.generate import (
     Engine,
     GenerateRequest,
+    PrefixEngine,
     TokenEvent,
     VerifyingEngine,
     forward_ids,
     sample_tokens,
 )
+from prima.engine.prefix import choose_held
 from prima.engine.speculative import Drafter, DraftSource
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
@@ -38,7 +40,9 @@ DEFAULT_UBATCH = 128  # prefill dequantizes each weight tile once per micro-batc
 
 class LocalEngine:
     """Runs every layer here. `forward` appends tokens to the session's KV cache and returns the
-    logits of the last one; prefill goes in micro-batches of `ubatch` tokens."""
+    logits of the last one; prefill goes in micro-batches of `ubatch` tokens. The cache outlives
+    a generation: `held_tokens` says what it holds, so the next request can keep the prefix it
+    shares (`rewind`) and compute only the rest."""
 
     def __init__(
         self,
@@ -54,15 +58,25 @@ class LocalEngine:
         self.n_ctx = min(n_ctx, model.config.context_length)
         self.ubatch = ubatch
         self.cache = model.new_cache(self.n_ctx)
-        self.n_past = 0
+        self._held: list[int] = []  # the token at each position the cache holds
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def n_past(self) -> int:
+        """Positions the cache holds."""
+        return len(self._held)
+
+    @property
+    def held_tokens(self) -> tuple[int, ...]:
+        """The token ids whose keys and values the cache holds, position by position."""
+        return tuple(self._held)
+
     def reset(self) -> None:
         self.cache.truncate(0)
-        self.n_past = 0
+        self._held.clear()
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         return self.model.output_logits(self._run(token_ids, self.ubatch)[-1][-1:])[0]
@@ -84,7 +98,12 @@ class LocalEngine:
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past}: the cache holds {self.n_past} positions")
         self.cache.truncate(n_past)
-        self.n_past = n_past
+        del self._held[n_past:]
+
+    def count_written(self, token_ids: np.ndarray) -> None:
+        """Count `token_ids` as the next positions of the cache, written by a pass that ran
+        outside `forward` (the decode batcher's)."""
+        self._held.extend(int(t) for t in token_ids)
 
     def hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         return self.model.output_norm(np.concatenate(self._run(token_ids, self.ubatch)))
@@ -110,7 +129,7 @@ class LocalEngine:
                 for i, pos in enumerate(positions):
                     hs[i] = m.forward_layers(hs[i], pos, layer, layer + 1, self.cache)
                 self.streamer.after_layer(layer)
-        self.n_past += ids.size
+        self.count_written(ids)
         return hs
 
     def close(self) -> None:
@@ -193,8 +212,15 @@ class _TakingTurns:
         with self.turns.turn():
             return self._verifying().forward_all(token_ids)
 
+    @property
+    def held_tokens(self) -> Sequence[int]:
+        return self.engine.held_tokens if isinstance(self.engine, PrefixEngine) else ()
+
     def rewind(self, n_past: int) -> None:
-        self._verifying().rewind(n_past)
+        if isinstance(self.engine, PrefixEngine):
+            self.engine.rewind(n_past)
+        else:
+            self._verifying().rewind(n_past)
 
     def _verifying(self) -> VerifyingEngine:
         if not isinstance(self.engine, VerifyingEngine):
@@ -235,7 +261,14 @@ class LocalGeneratorPool:
     sharing the model's weights, and take turns one forward pass at a time; with `batch`,
     the decode steps waiting at a turn run as one batch (continuous batching). A caller must
     not run more than `size` requests at once (the API's queue sees to it). `draft_model`
-    drafts for requests that ask for one (`--draft-model`), each with its own cache."""
+    drafts for requests that ask for one (`--draft-model`), each with its own cache.
+
+    An engine keeps its cache after a request, so the pool is also a cache of up to `size`
+    conversations: a request goes to the free engine whose held tokens share the longest
+    prefix with its prompt (a chat's earlier turns, a common system prompt), which computes
+    only the rest (prima.engine.generate.reuse_prefix). A request that would cut into what an
+    engine holds takes a new engine while the pool may grow; once it is full, the engine sharing
+    the longest prefix, or the one used least recently (prima.engine.prefix.choose_held)."""
 
     def __init__(
         self,
@@ -250,7 +283,7 @@ class LocalGeneratorPool:
         self.n_ctx = first.n_ctx
         self.size = size
         self._make = make_engine
-        self._free: list[Engine] = [first]
+        self._free: list[Engine] = [first]  # least recently used first
         self._all: list[Engine] = [first]
         self._lock = threading.Lock()
         self._turns = TurnTaking()
@@ -258,7 +291,7 @@ class LocalGeneratorPool:
         self.draft_model = _DraftingInTurns(draft_model, self._turns) if draft_model else None
 
     def generate(self, request: GenerateRequest) -> Generator[TokenEvent, None, None]:
-        engine = self._take()
+        engine = self._take(request.prompt_ids)
         try:
             yield from sample_tokens(
                 _TakingTurns(engine, self._turns, self.batcher), request, draft_model=self.draft_model
@@ -273,12 +306,16 @@ class LocalGeneratorPool:
         first = self._all[0]
         return first.streamer if isinstance(first, LocalEngine) else None
 
-    def _take(self) -> Engine:
+    def _take(self, prompt: Sequence[int]) -> Engine:
+        """The free engine whose cache `prompt` should continue (prima.engine.prefix.choose_held),
+        or a new one while the pool may grow."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-            if len(self._all) >= self.size:
+            can_grow = len(self._all) < self.size
+            if not self._free and not can_grow:
                 raise RuntimeError(f"more than {self.size} generations at once on a pool of {self.size}")
+            chosen = choose_held([_held(e) for e in self._free], prompt, can_grow)
+            if chosen is not None:
+                return self._free.pop(chosen)
             engine = self._make()
             self._all.append(engine)
             return engine
@@ -288,6 +325,10 @@ class LocalGeneratorPool:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
+
+
+def _held(engine: Engine) -> Sequence[int]:
+    return engine.held_tokens if isinstance(engine, PrefixEngine) else ()
 
 
 def local_generator(

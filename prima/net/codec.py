@@ -554,6 +554,7 @@ def token_event_to_proto(event: TokenEvent) -> pb.GenerateReply:
         generate_ms=event.generate_ms,
         draft_tokens=event.draft_tokens,
         accepted_tokens=event.accepted_tokens,
+        cached_tokens=event.cached_tokens,
     )
     if event.prompt_logits is not None:
         reply.prompt_logits.CopyFrom(encode_tensor(np.asarray(event.prompt_logits, dtype=np.float32)))
@@ -577,4 +578,5 @@ def token_event_from_proto(msg: pb.GenerateReply) -> TokenEvent:
         draft_tokens=msg.draft_tokens,
         accepted_tokens=msg.accepted_tokens,
         hidden_states=hidden,
+        cached_tokens=msg.cached_tokens,
     )

@@ -131,9 +131,12 @@ def test_chat_keys_behave_as_in_a_shell(smollm2_path: Path, tmp_path: Path) -> N
 # Piped input (not a terminal), in-process on the tiny qwen2 oracle model: fast by default.
 @pytest.fixture
 def tiny_chat(monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any], list[list[int]]]:
-    """tiny-qwen2, the oracle's chat prompt, and the prompt ids of every turn the chat generates."""
+    """tiny-qwen2, the oracle's chat prompt, and the prompt ids of every turn the chat generates
+    (their results go to `tiny_chat_results`)."""
     prompt = next(p for p in load_tiny_oracle("tiny-qwen2")["prompts"] if p["chat"])
     turns: list[list[int]] = []
+    results = _RESULTS
+    results.clear()
     real_open = cmd_chat.open_session
 
     def open_session(args: argparse.Namespace) -> Session:
@@ -142,13 +145,17 @@ def tiny_chat(monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any], li
 
         def recorded(request: GenerateRequest, **kwargs: Any) -> GenerationResult:
             turns.append(list(request.prompt_ids))
-            return generate(request, **kwargs)
+            results.append(generate(request, **kwargs))
+            return results[-1]
 
         session.generate = recorded  # type: ignore[method-assign]
         return session
 
     monkeypatch.setattr(cmd_chat, "open_session", open_session)
     return tiny_model_path("tiny-qwen2"), prompt, turns
+
+
+_RESULTS: list[GenerationResult] = []  # each turn's result in the last tiny_chat
 
 
 def _chat(model: Path, stdin: str, monkeypatch: pytest.MonkeyPatch, *argv: str) -> int:
@@ -194,3 +201,50 @@ def test_system_prompt_survives_reset_and_end_of_input_ends_the_chat(
     assert "<|im_start|>system\nBe brief.<|im_end|>" in rendered
     assert "SmolLM" not in rendered
     assert len(capsys.readouterr().out.split("\n")) == 3  # two replies
+
+
+def test_each_turn_computes_only_what_the_last_did_not_leave(
+    tiny_chat: tuple[Path, dict[str, Any], list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chat runs on the pool the CLI builds (--local), whose engine keeps its KV cache
+    between turns: a turn's prompt holds the last turn's prompt and reply, and only the rest
+    is computed."""
+    model, _, turns = tiny_chat
+    lines = ["Hello there", "Tell me more", "And then?", "/reset", "Hello there"]
+    assert _chat(model, "\n".join(lines) + "\n", monkeypatch, "-n", "6") == 0
+    assert len(turns) == len(_RESULTS) == 4
+    for n in (1, 2):
+        cached = _RESULTS[n].timings.cached_tokens
+        assert len(turns[n - 1]) <= cached < len(turns[n])
+    # After /reset the prompt is turn 0's again, a prefix of what the cache holds: it is cut
+    # back to it, and only the last token runs again (for its logits).
+    assert turns[3] == turns[0]
+    assert _RESULTS[3].timings.cached_tokens == len(turns[0]) - 1
+
+
+@pytest.mark.slow  # two primad processes
+def test_a_chat_on_a_local_ring_sends_only_each_turns_new_tokens(
+    tiny_chat: tuple[Path, dict[str, Any], list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prima chat --local-ring 2`: the daemons it starts keep the chat's ring session open
+    between turns (primad --keep-sessions), so turn 2 holds turn 1's prompt and reply."""
+    model, _, turns = tiny_chat
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\nTell me more\n"))
+    argv = [
+        "chat",
+        "--local-ring",
+        "2",
+        "--exact",
+        "-m",
+        str(model),
+        "--temp",
+        "0",
+        "-n",
+        "6",
+        "--ctx",
+        "256",
+    ]
+    assert main(argv) == 0
+    assert len(turns) == len(_RESULTS) == 2
+    assert _RESULTS[0].timings.cached_tokens == 0
+    assert len(turns[0]) <= _RESULTS[1].timings.cached_tokens < len(turns[1])

@@ -53,7 +53,8 @@ def test_a_batched_decode_step_gives_each_session_its_own_bits(smollm2_path: Pat
     alone = []
     for engine, token in sessions:
         twin = LocalEngine(loaded.model, N_CTX)
-        twin.cache, twin.n_past = copy.deepcopy(engine.cache), engine.n_past
+        twin.cache = copy.deepcopy(engine.cache)
+        twin.count_written(np.array(engine.held_tokens))
         alone.append(twin.forward([token]))
 
     turns = TurnTaking()

@@ -140,6 +140,11 @@ def test_generate_request_and_done_carry_the_draft() -> None:
     assert codec.token_event_from_proto(codec.token_event_to_proto(done)) == done
 
 
+def test_the_done_event_carries_the_cached_prompt_tokens() -> None:
+    done = GenerationDone("length", 1.0, 2.0, cached_tokens=41)
+    assert codec.token_event_from_proto(codec.token_event_to_proto(done)).cached_tokens == 41  # type: ignore[union-attr]
+
+
 def test_a_bad_draft_from_a_peer_is_an_input_error() -> None:
     msg = codec.generate_request_to_proto(GenerateRequest((1,), 5, SamplerConfig()))
     msg.draft = "oracle"

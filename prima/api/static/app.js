@@ -119,6 +119,8 @@ async function* sseEvents(stream) {
 function replySummary(usage, finish, t0, tFirst, tEnd) {
   const parts = [];
   if (usage) parts.push(`${usage.completion_tokens} tokens`);
+  const cached = usage?.prompt_tokens_details?.cached_tokens;
+  if (cached) parts.push(`${cached} of ${usage.prompt_tokens} prompt tokens cached`);
   if (finish) parts.push(finish === "length" ? "cut at max tokens" : "done");
   if (tFirst != null) parts.push(`first text after ${ms(tFirst - t0)}`);
   if (usage && usage.completion_tokens > 1 && tFirst != null) {

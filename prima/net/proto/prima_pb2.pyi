@@ -282,7 +282,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ..., draft: _Optional[str] = ..., draft_max: _Optional[int] = ..., want_hidden_states: _Optional[bool] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits", "draft_tokens", "accepted_tokens", "hidden_states")
+    __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits", "draft_tokens", "accepted_tokens", "hidden_states", "cached_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,7 @@ class GenerateReply(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     done: bool
     stop_reason: str
@@ -301,7 +302,8 @@ class GenerateReply(_message.Message):
     draft_tokens: int
     accepted_tokens: int
     hidden_states: Tensor
-    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., prompt_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ..., prompt_logits: _Optional[_Union[Tensor, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("peer_address", "refresh")

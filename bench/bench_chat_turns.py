@@ -1,0 +1,172 @@
+"""Time to first token, turn by turn, of a chat on this device: with the KV cache kept between
+turns (what `prima chat --local` and `prima serve --local` do) and with every turn prefilled
+from an empty cache (before #37).
+
+    python bench/bench_chat_turns.py [-m smollm2-135m] [--turns 10] [--reply-tokens 100]
+                                     [--exact] [--threads N] [--ring N]
+
+With `--ring N` the model is split evenly over a local ring of N primad processes: the kept
+run's daemons start with `--keep-sessions 2`, the empty-cache run's without.
+
+Each user turn is ~100 tokens of text; the replies are generated greedily once (with the cache
+kept), then the same conversation is run again turn by turn from an empty cache, each turn up
+to its first token. Prints each turn's prompt length, cached tokens and time to first token (ms)
+both ways, and turn N over turn 1. Numbers from a loaded machine say little: say so with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from prima.coordinator.local_ring import LocalRing
+from prima.coordinator.ring import Ring
+from prima.engine.generate import (
+    GenerateRequest,
+    GenerationResult,
+    LocalGenerator,
+    collect,
+    stream_text,
+)
+from prima.engine.local import LocalEngine, local_generator
+from prima.engine.prompt import chat_prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.forward.loader import LoadedModel, load_model
+
+TOPICS = (
+    "rivers",
+    "mountains",
+    "bridges",
+    "libraries",
+    "volcanoes",
+    "harbours",
+    "deserts",
+    "railways",
+    "forests",
+    "lighthouses",
+    "glaciers",
+    "markets",
+)
+ASKS = (
+    "Describe how they form or are built, who uses them, and what changes them over a century.",
+    "Compare two famous examples, say what makes each one unusual, and what a visitor notices first.",
+    "Explain what goes wrong with them most often and how people have tried to prevent it.",
+)
+
+
+def user_turn(i: int) -> str:
+    """About 100 tokens of question, different each turn."""
+    topic = TOPICS[i % len(TOPICS)]
+    lines = [f"Turn {i + 1}. Let us talk about {topic}."]
+    lines += [ASKS[(i + k) % len(ASKS)] for k in range(3)]
+    lines.append(f"Keep the answer about {topic} short, plain and concrete, in a few sentences.")
+    return " ".join(lines)
+
+
+class Forgetful:
+    """An engine that starts every request from an empty cache: prima before #37."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine = engine
+        self.n_ctx = engine.n_ctx
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def forward(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.engine.forward(token_ids)  # type: ignore[arg-type]
+
+    def hidden_states(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.engine.hidden_states(token_ids)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def ring_generator(model: str, n: int, n_layers: int, keep: bool, exact: bool) -> Iterator[Ring]:
+    """A ring of `n` local daemons over `model`, its layers split evenly."""
+    args = [*(("--exact",) if exact else ()), *(("--keep-sessions", "2") if keep else ())]
+    with LocalRing.start(n, model, threads=1, extra_args=args) as local:
+        sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
+        ring = Ring.connect(local.addresses, window_sizes=sizes)
+        try:
+            yield ring
+        finally:
+            ring.close()
+
+
+def run_turn(generator: object, loaded: LoadedModel, ids: list[int], max_tokens: int) -> GenerationResult:
+    tok = loaded.tokenizer
+    request = GenerateRequest(
+        tuple(ids), max_tokens, SamplerConfig(), tuple(sorted(tok.stop_ids)), n_ctx=4096
+    )
+    events = generator.generate(request)  # type: ignore[attr-defined]
+    return collect(stream_text(events, ids, decoder=tok.stream_decoder()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="smollm2-135m")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--reply-tokens", type=int, default=100)
+    p.add_argument("--exact", action="store_true", help="float32 activations and KV (--exact)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--ring", type=int, default=0, help="split the model over a local ring of N daemons")
+    args = p.parse_args(argv)
+    loaded = load_model(args.model, mode="exact" if args.exact else "q8", threads=args.threads)
+    n_ctx = 4096
+    meta = loaded.gguf.metadata
+
+    n_layers = loaded.model.config.n_layers
+    with contextlib.ExitStack() as stack:
+        if args.ring:
+            kept: object = stack.enter_context(
+                ring_generator(args.model, args.ring, n_layers, True, args.exact)
+            )
+        else:
+            kept = stack.enter_context(contextlib.closing(local_generator(loaded, n_ctx)))
+        # The first passes (page faults, compiles) untimed.
+        warm_ids = chat_prompt_ids(meta, loaded.tokenizer, [{"role": "user", "content": user_turn(99)}])
+        run_turn(kept, loaded, warm_ids, 4)
+        history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful teacher."}]
+        prompts: list[list[int]] = []
+        after: list[GenerationResult] = []
+        for i in range(args.turns):
+            history.append({"role": "user", "content": user_turn(i)})
+            ids = chat_prompt_ids(meta, loaded.tokenizer, history)
+            result = run_turn(kept, loaded, ids, args.reply_tokens)
+            prompts.append(ids)
+            after.append(result)
+            history.append({"role": "assistant", "content": result.text})
+
+    with contextlib.ExitStack() as stack:
+        if args.ring:
+            empty: object = stack.enter_context(
+                ring_generator(args.model, args.ring, n_layers, False, args.exact)
+            )
+        else:
+            empty = LocalGenerator(Forgetful(LocalEngine(loaded.model, n_ctx)))  # type: ignore[arg-type]
+        run_turn(empty, loaded, warm_ids, 4)
+        before = [run_turn(empty, loaded, ids, 1) for ids in prompts]
+
+    where = f"a local ring of {args.ring}" if args.ring else "this device"
+    print(f"{args.model} on {where}, {'exact' if args.exact else 'q8'} mode, {args.turns} turns")
+    print("turn  prompt  cached  ttft_kept_ms  ttft_empty_ms")
+    for i, (a, b) in enumerate(zip(after, before, strict=True)):
+        t = a.timings
+        print(
+            f"{i + 1:4d}  {t.prompt_tokens:6d}  {t.cached_tokens:6d}  {t.prompt_ms:12.1f}  {b.timings.prompt_ms:13.1f}"
+        )
+    last = args.turns - 1
+    print(
+        f"turn {args.turns} / turn 1 time to first token: kept "
+        f"{after[last].timings.prompt_ms / after[0].timings.prompt_ms:.2f}x, empty cache "
+        f"{before[last].timings.prompt_ms / before[0].timings.prompt_ms:.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
