@@ -39,7 +39,7 @@ def synthetic(qtype: GGMLQuantizationType, rows: int, cols: int) -> QTensor:
     return QTensor(f"synthetic.{qtype.name}", qtype, (rows, cols), raw)
 
 
-def time_call(fn, repeat: int) -> float:  # noqa: ANN001
+def time_call(fn, repeat: int) -> float:
     """Median seconds per call after one warm-up (which also triggers numba compilation)."""
     fn()
     times = []
@@ -50,7 +50,7 @@ def time_call(fn, repeat: int) -> float:  # noqa: ANN001
     return float(np.median(times))
 
 
-def report(backend, w: QTensor, ns: list[int], repeat: int) -> None:  # noqa: ANN001
+def report(backend, w: QTensor, ns: list[int], repeat: int) -> None:
     for n in ns:
         x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
         sec = time_call(lambda x=x: backend.matmul(w, x), repeat)

@@ -24,7 +24,7 @@ REFERENCES_ENV = "PRIMA_TINY_REFERENCES"
 REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path", "smollm2_gguf", "gemma3_gguf", "private_copy"}
 
 
-def pytest_configure(config: pytest.Config) -> None:  # noqa: ARG001
+def pytest_configure(config: pytest.Config) -> None:
     directory = os.environ.get(REFERENCES_ENV)
     if not directory:
         return

@@ -26,14 +26,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `tests`
 
-from prima.coordinator.failover import FailoverRing, RingSpec  # noqa: E402
-from prima.coordinator.ring import Ring  # noqa: E402
-from prima.engine.generate import GenerateRequest, sample_tokens  # noqa: E402
-from prima.engine.local import LocalEngine  # noqa: E402
-from prima.engine.prompt import prompt_ids  # noqa: E402
-from prima.engine.sampling import SamplerConfig  # noqa: E402
-from prima.forward.loader import load_model  # noqa: E402
-from tests.primad_proc import start_primad  # noqa: E402
+from prima.coordinator.failover import FailoverRing, RingSpec
+from prima.coordinator.ring import Ring
+from prima.engine.generate import GenerateRequest, sample_tokens
+from prima.engine.local import LocalEngine
+from prima.engine.prompt import prompt_ids
+from prima.engine.sampling import SamplerConfig
+from prima.forward.loader import load_model
+from tests.primad_proc import start_primad
 
 PROMPT = "The capital of France is"
 N_TOKENS = 8

@@ -19,8 +19,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `tests`
 
-from tests.conftest import load_tiny_oracle, tiny_model_path  # noqa: E402
-from tests.tiny_qwen import TINY_TAGS  # noqa: E402
+from tests.conftest import load_tiny_oracle, tiny_model_path
+from tests.tiny_qwen import TINY_TAGS
 
 
 def main(out: Path) -> None:

@@ -22,7 +22,7 @@ ROWS, COLS = 576, 1536
 WINDOW_SYSCALL = 4095  # bench/arm_insn/insn_count.c's PRIMA_WINDOW
 
 
-def matvec(qtype: GGMLQuantizationType, mode: str):  # noqa: ANN201
+def matvec(qtype: GGMLQuantizationType, mode: str):
     """A call computing one matvec of `qtype` weights in `mode`, warmed up (compiled) once."""
     layout = load()[qtype].layout
     rng = np.random.default_rng(0)

@@ -39,7 +39,7 @@ def run(engine: str, path: str, threads: int, mode: str, n_ctx: int, conn: Conne
                 return
             _, ids, n_gen = msg
             conn.send(step(ids, n_gen))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+    except Exception as exc:  # reported to the parent, which raises
         conn.send(("error", f"{engine}: {type(exc).__name__}: {exc}"))
 
 
@@ -90,7 +90,7 @@ def _llama_engine(path: str, threads: int, n_ctx: int, conn: Connection) -> Step
     return step
 
 
-def llama_last_logits(llm):  # noqa: ANN001, ANN201 - a llama_cpp.Llama in, a numpy row out
+def llama_last_logits(llm):  # a llama_cpp.Llama in, a numpy row out
     """The logits of the last token llama.cpp evaluated. Llama.scores is written only when
     every token's logits are kept (logits_all) and holds only n_batch rows, so it is not read."""
     import llama_cpp

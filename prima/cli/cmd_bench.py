@@ -204,7 +204,7 @@ def _busy(cores: int) -> Iterator[None]:
             proc.wait()
 
 
-def _warm_kernel_cache(ctx, path: Path, threads: int, mode: str) -> None:  # noqa: ANN001
+def _warm_kernel_cache(ctx, path: Path, threads: int, mode: str) -> None:
     """Compile prima's kernels into numba's disk cache in a throwaway process, so that the
     measured worker loads them as a later `prima run` does. llama.cpp's compiler ran at install
     time, outside its worker; without this, a first bench after installing or editing a kernel
@@ -233,7 +233,7 @@ def _without(keys: set[str]) -> dict[str, str]:
     return env
 
 
-def _recv(conn: Connection):  # noqa: ANN202 - whatever the worker sent
+def _recv(conn: Connection):  # whatever the worker sent
     try:
         msg = conn.recv()
     except EOFError:

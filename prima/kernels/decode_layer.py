@@ -28,7 +28,7 @@ from prima.kernels import drivers, fused_ops
 
 
 @njit(cache=True)
-def _project(fmt, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
+def _project(fmt, a, b, c, x, int8, lut):
     """x @ [A; B; C].T of one format, as matmul_many's fused launch."""
     out = np.empty((x.shape[0], a.shape[0] + b.shape[0] + c.shape[0]), dtype=np.float32)
     if int8 and drivers.has_int8(fmt):
@@ -39,7 +39,7 @@ def _project(fmt, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
 
 
 @njit(cache=True)
-def _project3(fa, fb, fc, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
+def _project3(fa, fb, fc, a, b, c, x, int8, lut):
     """x @ [A; B; C].T where consecutive weights of one format share a launch (Transformer's
     grouping of q/k/v and gate/up: A|B|C, A|B + C, A + B|C, or three launches)."""
     n = x.shape[0]
@@ -61,28 +61,28 @@ def _project3(fa, fb, fc, a, b, c, x, int8, lut):  # noqa: ANN001, ANN202
 
 
 @njit(cache=True)
-def decode_layer(  # noqa: ANN201
-    x,  # noqa: ANN001
-    ws,  # noqa: ANN001
-    fmts,  # noqa: ANN001
-    int8,  # noqa: ANN001
-    lut,  # noqa: ANN001
-    vecs,  # noqa: ANN001
-    kv,  # noqa: ANN001
-    t,  # noqa: ANN001
-    positions,  # noqa: ANN001
-    inv_freq,  # noqa: ANN001
-    neox,  # noqa: ANN001
-    n_heads,  # noqa: ANN001
-    n_kv_heads,  # noqa: ANN001
-    head_dim,  # noqa: ANN001
-    eps,  # noqa: ANN001
-    attn_scale,  # noqa: ANN001
-    window,  # noqa: ANN001
-    ffn_dim,  # noqa: ANN001
-    gelu,  # noqa: ANN001
-    gelu_table,  # noqa: ANN001
-    attn_parallel_min,  # noqa: ANN001
+def decode_layer(
+    x,
+    ws,
+    fmts,
+    int8,
+    lut,
+    vecs,
+    kv,
+    t,
+    positions,
+    inv_freq,
+    neox,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    eps,
+    attn_scale,
+    window,
+    ffn_dim,
+    gelu,
+    gelu_table,
+    attn_parallel_min,
 ):
     """Hidden states x (n, d) through one block; writes the tokens' keys and values into the
     cache rows at `positions`; t is the number of valid cache rows afterwards."""

@@ -63,7 +63,7 @@ def switch(
     filename = f"<prima.kernels.dispatch.{step}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     namespace: dict[str, object] = {qtype.name.lower(): kernel for qtype, kernel in kernels}
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - source built above from the table
+    exec(compile(source, filename, "exec"), namespace)  # source built above from the table
     return njit(namespace[step])
 
 

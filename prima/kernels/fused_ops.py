@@ -51,7 +51,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(cache=True, inline="always")
-def _residual_row(x, y, post_w, norm_w, eps, h, hn, tmp, i) -> None:  # noqa: ANN001
+def _residual_row(x, y, post_w, norm_w, eps, h, hn, tmp, i) -> None:
     """Row i of residual_norm_rows into h and hn (tmp: scratch of d floats)."""
     if post_w.size:
         _norm_row(y[i], post_w, eps, tmp)
@@ -374,7 +374,7 @@ def _attend(
 
 
 @njit(parallel=True, cache=True)
-def _attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window):  # noqa: ANN001, ANN202
+def _attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window):
     """Attention of q over a float32 cache (k32, v32) or, when k16 is not empty, a cache of
     halves (k16, v16: uint16 bits), heads split over the threads."""
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
@@ -387,7 +387,7 @@ def _attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window):  # 
 
 
 @njit(cache=True)
-def _attention_serial(q, k32, v32, k16, v16, t, positions, scale, window):  # noqa: ANN001, ANN202
+def _attention_serial(q, k32, v32, k16, v16, t, positions, scale, window):
     """_attention_parallel on the calling thread (the same bits)."""
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for item in range(q.shape[0] * q.shape[1]):
@@ -399,7 +399,7 @@ def _attention_serial(q, k32, v32, k16, v16, t, positions, scale, window):  # no
 
 
 @njit(cache=True)
-def store_kv(k, v, k32, v32, k16, v16, positions):  # noqa: ANN001, ANN201
+def store_kv(k, v, k32, v32, k16, v16, positions):
     """A block's new keys and values k, v (n, KVH, hd) into cache rows `positions`: the float32
     cache, or, when k16 is not empty, the cache of halves (rounded as numpy's astype rounds)."""
     for i in range(positions.shape[0]):

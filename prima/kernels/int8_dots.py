@@ -75,7 +75,7 @@ LANES = 4 if DOTPROD else 8 if AVX2 else 16
 # ---- LLVM building blocks -------------------------------------------------------------------
 
 
-def _load(context, builder, aryty, ary, off, n):  # noqa: ANN001, ANN202
+def _load(context, builder, aryty, ary, off, n):
     """<n x i8> loaded (unaligned) from byte `off` of the contiguous array `ary`."""
     data = context.make_array(aryty)(context, builder, ary).data
     base = builder.bitcast(data, _I8.as_pointer())
@@ -84,7 +84,7 @@ def _load(context, builder, aryty, ary, off, n):  # noqa: ANN001, ANN202
     return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
 
 
-def _splat(builder, value, n):  # noqa: ANN001, ANN202
+def _splat(builder, value, n):
     """<n x i8> with every lane `value` (an LLVM integer, truncated to i8)."""
     vty = ir.VectorType(_I8, n)
     v = builder.insert_element(
@@ -95,16 +95,16 @@ def _splat(builder, value, n):  # noqa: ANN001, ANN202
     )
 
 
-def _const(n, value):  # noqa: ANN001, ANN202
+def _const(n, value):
     return ir.Constant(ir.VectorType(_I8, n), [value] * n)
 
 
-def _concat(builder, lo, hi, n):  # noqa: ANN001, ANN202
+def _concat(builder, lo, hi, n):
     """<2n x i8> = lo ++ hi, for two <n x i8>."""
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
 
 
-def _accumulate(builder, acc, scale, w, x, n):  # noqa: ANN001, ANN202
+def _accumulate(builder, acc, scale, w, x, n):
     """acc[0:LANES] += scale * (partial sums of w[j] * x[j]) for two <n x i8> (signed), n = 16 or
     32. Generic: neighbouring products are added in int32 (vpmaddwd), converted and scaled as 16
     float lanes, so the horizontal sum happens once per row, not once per block. AVX2 (n = 32):
@@ -124,7 +124,7 @@ def _accumulate(builder, acc, scale, w, x, n):  # noqa: ANN001, ANN202
     _scaled_add(builder, acc, scale, prod)
 
 
-def _accumulate_unsigned(builder, acc, scale, u, x):  # noqa: ANN001, ANN202
+def _accumulate_unsigned(builder, acc, scale, u, x):
     """acc += scale * (partial sums of u[j] * x[j]) for <32 x i8> u (unsigned, < 256) and x
     (signed, |x| <= 127). AVX2: pmaddubsw adds neighbouring u8 x s8 products into 16 int16, which
     cannot saturate for u <= 128 (2 * 128 * 127 < 32768; callers pass nibbles, 5- and 6-bit values
@@ -161,7 +161,7 @@ def _accumulate_unsigned(builder, acc, scale, u, x):  # noqa: ANN001, ANN202
     )
 
 
-def _sdot(builder, w, x, n):  # noqa: ANN001, ANN202
+def _sdot(builder, w, x, n):
     """<4 x i32>: lane i sums w[j] * x[j] over j = 4i..4i+3 of each 16-byte chunk of the two signed
     <n x i8> (n = 16 or 32), one `sdot` per chunk (only reached when DOTPROD is true)."""
     i32x4 = ir.VectorType(_I32, 4)
@@ -177,18 +177,18 @@ def _sdot(builder, w, x, n):  # noqa: ANN001, ANN202
     return lanes
 
 
-def _x86(builder, name, ret, *args):  # noqa: ANN001, ANN202
+def _x86(builder, name, ret, *args):
     """A call of the x86 intrinsic `name` (only reached when AVX2 is true)."""
     fnty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
 
-def _psign(builder, v, s):  # noqa: ANN001, ANN202
+def _psign(builder, v, s):
     """v with each lane negated where s < 0 and zeroed where s == 0 (psignb)."""
     return _x86(builder, "llvm.x86.avx2.psign.b", v.type, v, s)
 
 
-def _scaled_add(builder, acc, scale, lanes):  # noqa: ANN001, ANN202
+def _scaled_add(builder, acc, scale, lanes):
     """acc[0:len(lanes)] += scale * float(lanes) for an <n x i32> of partial sums."""
     n = lanes.type.count
     fty = ir.VectorType(ir.FloatType(), n)
@@ -204,15 +204,15 @@ def _scaled_add(builder, acc, scale, lanes):  # noqa: ANN001, ANN202
     builder.store(builder.call(fmuladd, [pf, sv, builder.load(ptr, align=4)]), ptr, align=4)
 
 
-def _i64(builder, value, ty):  # noqa: ANN001, ANN202
+def _i64(builder, value, ty):
     return builder.sext(value, ir.IntType(64)) if ty.bitwidth < 64 else value
 
 
 @intrinsic
-def f16_at(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
+def f16_at(typingctx, w, off):
     """The little-endian IEEE half at byte `off` of the array `w`, as float32."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.gep(builder.bitcast(data, _I8.as_pointer()), [_i64(builder, args[1], sig.args[1])])
         if NATIVE_HALF:
@@ -231,10 +231,10 @@ PREFETCH_AHEAD = 1024
 
 
 @intrinsic
-def prefetch(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
+def prefetch(typingctx, w, off):
     """Hint the CPU to load the cache line at byte `off` of the array `w` (never faults)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.gep(builder.bitcast(data, _I8.as_pointer()), [_i64(builder, args[1], sig.args[1])])
         fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
@@ -244,7 +244,7 @@ def prefetch(typingctx, w, off):  # noqa: ANN001, ANN201, ARG001
     return types.void(w, off), codegen
 
 
-def _half_bits_to_float(builder, h):  # noqa: ANN001, ANN202
+def _half_bits_to_float(builder, h):
     """float32 of the IEEE half with bits h (i16), by integer ops: the exponent and mantissa move
     up 13 bits, a multiply by 2^112 rebiases the exponent (and normalizes subnormals), and
     infinities and NaNs get the float32 all-ones exponent."""
@@ -265,10 +265,10 @@ def _half_bits_to_float(builder, h):  # noqa: ANN001, ANN202
 
 
 @intrinsic
-def dot_i8x32(typingctx, acc, scale, w, wo, x, xo):  # noqa: ANN001, ANN201, ARG001
+def dot_i8x32(typingctx, acc, scale, w, wo, x, xo):
     """acc += scale * int8(w[wo + j]) * x[xo + j], j < 32 (Q8_0's quants)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         a = sig.args
         wv = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 32)
         xv = _load(context, builder, a[4], args[4], _i64(builder, args[5], a[5]), 32)
@@ -278,13 +278,13 @@ def dot_i8x32(typingctx, acc, scale, w, wo, x, xo):  # noqa: ANN001, ANN201, ARG
 
 
 @intrinsic
-def dot_nib16(typingctx, acc, scale, w, wo, qh, x, xo):  # noqa: ANN001, ANN201, ARG001
+def dot_nib16(typingctx, acc, scale, w, wo, qh, x, xo):
     """acc += scale * v_j * x[xo + j], j < 32, for a legacy 4/5-bit block (v_j unsigned; the
     caller subtracts Q4_0's and Q5_0's offset through the block sum of x): 16 bytes at wo hold
     v_j's low nibble (j < 16) and v_{j+16}'s (high nibble); bit j of the u32 `qh` is v_j's bit 4
     (pass 0 for 4-bit formats)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         a = sig.args
         raw = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 16)
         lo = builder.and_(raw, _const(16, 15))
@@ -297,7 +297,7 @@ def dot_nib16(typingctx, acc, scale, w, wo, qh, x, xo):  # noqa: ANN001, ANN201,
     return types.void(acc, types.float32, w, wo, qh, x, xo), codegen
 
 
-def _high_bits(builder, qh):  # noqa: ANN001, ANN202
+def _high_bits(builder, qh):
     """<32 x i8>: 16 in lane j where bit j of the i32 `qh` is set, else 0. AVX2 takes it as a
     <32 x i1> bitcast, which LLVM lowers well there; elsewhere (AArch64: ~100 scalar instructions
     for that bitcast) byte j / 8 of qh is copied to lanes j and tested against 1 << (j % 8): a
@@ -315,14 +315,14 @@ def _high_bits(builder, qh):  # noqa: ANN001, ANN202
     return builder.select(is_set, _const(32, 16), _const(32, 0))
 
 
-def _nib32(high: bool):  # noqa: ANN202
+def _nib32(high: bool):
     """An intrinsic for one Q4_K sub-block: acc += scale * q_j * x[xo + j], j < 32, where q_j is
     the low (or, with `high`, the high) nibble of w[wo + j]; the shift is a constant, so it
     compiles to one vector shift instead of a per-lane variable one."""
 
     @intrinsic
-    def dot(typingctx, acc, scale, w, wo, x, xo):  # noqa: ANN001, ANN202, ARG001
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def dot(typingctx, acc, scale, w, wo, x, xo):
+        def codegen(context, builder, sig, args):
             a = sig.args
             raw = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 32)
             v = builder.lshr(raw, _const(32, 4)) if high else builder.and_(raw, _const(32, 15))
@@ -339,12 +339,12 @@ dot_hi32 = _nib32(high=True)
 
 
 @intrinsic
-def dot_q6x32(typingctx, acc, dx, s0, s1, w, lo, hi, lshift, hshift, x, xo):  # noqa: ANN001, ANN201, ARG001
+def dot_q6x32(typingctx, acc, dx, s0, s1, w, lo, hi, lshift, hshift, x, xo):
     """acc += dx * s_j * (q_j - 32) * x[xo + j], j < 32, for 32 Q6_K values with the int8 scale
     s0 for j < 16 and s1 above: q_j = ((w[lo + j] >> lshift) & 15) | (((w[hi + j] >> hshift) & 3)
     << 4). AVX2 applies both scales in one pmaddwd (int16 pair sums times int16 scales)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         a = sig.args
         lv = _load(context, builder, a[4], args[4], _i64(builder, args[5], a[5]), 32)
         hv = _load(context, builder, a[4], args[4], _i64(builder, args[6], a[6]), 32)
@@ -380,10 +380,10 @@ def dot_q6x32(typingctx, acc, dx, s0, s1, w, lo, hi, lshift, hshift, x, xo):  # 
 
 
 @intrinsic
-def hsum(typingctx, acc):  # noqa: ANN001, ANN201, ARG001
+def hsum(typingctx, acc):
     """The sum of the LANES float lanes at `acc`, added as a tree (log2 dependent adds)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         fty = ir.VectorType(ir.FloatType(), LANES)
         v = builder.load(builder.bitcast(args[0], fty.as_pointer()), align=4)
         n = LANES
@@ -456,13 +456,13 @@ def u32_at(w: np.ndarray, r: int, o: int) -> np.uint32:
 
 
 @intrinsic
-def affine_scales4(typingctx, w, off, stride, xd, xs, xo, accm):  # noqa: ANN001, ANN201, ARG001
+def affine_scales4(typingctx, w, off, stride, xd, xs, xo, accm):
     """For the four blocks `stride` bytes apart whose halves d and m begin at byte `off` of the
     array w: returns (d_j * xd_j for j < 4) and adds m_j * xs_j to the 4 float lanes at accm,
     where xd_j, xs_j are elements xo + j of the C-contiguous arrays xd, xs. The eight halves are
     converted by one instruction (NATIVE_HALF only)."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         a = sig.args
         off = _i64(builder, args[1], a[1])
         stride = _i64(builder, args[2], a[2])
@@ -493,13 +493,13 @@ def affine_scales4(typingctx, w, off, stride, xd, xs, xo, accm):  # noqa: ANN001
     return types.UniTuple(types.float32, 4)(w, off, stride, xd, xs, xo, accm), codegen
 
 
-def _byte_ptr(context, builder, aryty, ary, off):  # noqa: ANN001, ANN202
+def _byte_ptr(context, builder, aryty, ary, off):
     """An i8 pointer to byte `off` of the contiguous array `ary`."""
     data = context.make_array(aryty)(context, builder, ary).data
     return builder.gep(builder.bitcast(data, _I8.as_pointer()), [off])
 
 
-def affine_rows(layout: Layout, block_dot):  # noqa: ANN001, ANN201
+def affine_rows(layout: Layout, block_dot):
     """The qdot kernel of a legacy format whose blocks begin with the halves d and m (value =
     d * q + m: Q4_1, Q5_1), from its integer block dot
         block_dot(accp, scale, w, r, wr, o, xq, xk)
@@ -514,7 +514,7 @@ def affine_rows(layout: Layout, block_dot):  # noqa: ANN001, ANN201
     if m_at != d_at + 2:
         raise ValueError(f"{layout.qtype.name}: m must follow d")
 
-    def kernel(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN202
+    def kernel(w, r0, r1, xq, xd, xs, out, c0):
         acc0p = stack_f32(16)
         acc1p = stack_f32(16)
         accmp = stack_f32(4)
@@ -554,7 +554,7 @@ def affine_rows(layout: Layout, block_dot):  # noqa: ANN001, ANN201
     return kernel
 
 
-def legacy_rows(layout: Layout, block):  # noqa: ANN001, ANN202
+def legacy_rows(layout: Layout, block):
     """The qdot kernel of a legacy format (one scale per 32-element block, so weight block b meets
     activation block b) from its per-block step
         block(accp, w, r, wr, b, xq, xd, xs, k, xk) -> float32
@@ -565,7 +565,7 @@ def legacy_rows(layout: Layout, block):  # noqa: ANN001, ANN202
     if layout.elements != QK8:
         raise ValueError(f"{layout.qtype.name} blocks hold {layout.elements} elements, not {QK8}")
 
-    def kernel(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN202
+    def kernel(w, r0, r1, xq, xd, xs, out, c0):
         acc0p = stack_f32(16)
         acc1p = stack_f32(16)
         acc0 = carray(acc0p, 16)

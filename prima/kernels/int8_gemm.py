@@ -103,14 +103,14 @@ def pack_group(x: np.ndarray, g: int, xt: np.ndarray, xdt: np.ndarray, xst: np.n
             xst[g, b * 2 * GROUP + GROUP + lane] = d * np.float32(s1)
 
 
-def _ptr(context, builder, aryty, ary, off, ty):  # noqa: ANN001, ANN202
+def _ptr(context, builder, aryty, ary, off, ty):
     """A `ty` pointer to byte `off` of the contiguous array `ary`."""
     data = context.make_array(aryty)(context, builder, ary).data
     base = builder.bitcast(data, _I8.as_pointer())
     return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
 
 
-def _splat_u4(builder, u4):  # noqa: ANN001, ANN202
+def _splat_u4(builder, u4):
     """<GROUP x i32> with every lane the 4 weight bytes u4 (one i32)."""
     i32xg = ir.VectorType(_I32, GROUP)
     splat = builder.insert_element(ir.Constant(i32xg, ir.Undefined), u4, ir.Constant(_I32, 0))
@@ -119,7 +119,7 @@ def _splat_u4(builder, u4):  # noqa: ANN001, ANN202
     )
 
 
-def _dot4(builder, acc, u4, xv):  # noqa: ANN001, ANN202
+def _dot4(builder, acc, u4, xv):
     """acc (GROUP x i32) + per lane l: sum over e < 4 of u4[e] * xv[4 l + e], for u4 the 4 weight
     bytes (unsigned, as one i32) and xv STEP_BYTES activation bytes (signed)."""
     i32x8 = ir.VectorType(_I32, GROUP)
@@ -167,7 +167,7 @@ def i16_run(unpack_max: int, steps: int) -> int:
     return run
 
 
-def _pairs_avx2(builder, u4, xv, wide):  # noqa: ANN001, ANN202
+def _pairs_avx2(builder, u4, xv, wide):
     """<16 x i16>: per lane l, u4[0] xv[4l] + u4[1] xv[4l+1] and u4[2] xv[4l+2] + u4[3] xv[4l+3]
     (pmaddubsw); `wide`: with q = u4 - 128 per byte in place of u4."""
     i8x32 = ir.VectorType(_I8, 32)
@@ -191,13 +191,13 @@ def _pairs_avx2(builder, u4, xv, wide):  # noqa: ANN001, ANN202
     return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", i16x16, u, xv)
 
 
-def _widen_avx2(builder, pairs):  # noqa: ANN001, ANN202
+def _widen_avx2(builder, pairs):
     """<8 x i32> sums of neighbouring int16 lanes (pmaddwd against ones)."""
     ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
     return _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones)
 
 
-def _steps_avx2(builder, u4s, xvs, run):  # noqa: ANN001, ANN202
+def _steps_avx2(builder, u4s, xvs, run):
     """<8 x i32>: the integer dots of consecutive steps (weights u4s, activations xvs), their
     pmaddubsw sums added in int16 `run` at a time (WIDE: signed steps, one at a time)."""
     pairs = [_pairs_avx2(builder, u, x, run == WIDE) for u, x in zip(u4s, xvs, strict=True)]
@@ -213,7 +213,7 @@ def _steps_avx2(builder, u4s, xvs, run):  # noqa: ANN001, ANN202
     return groups[0]
 
 
-def _splat_f(builder, value):  # noqa: ANN001, ANN202
+def _splat_f(builder, value):
     fty = ir.VectorType(_F32, GROUP)
     v = builder.insert_element(ir.Constant(fty, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(
@@ -227,7 +227,7 @@ PMADDUBSW = AVX2 and not VNNI
 STEPS_PER_BLOCK = QK8 // 4
 
 
-def _gemm_step(split: bool, run: int):  # noqa: ANN202
+def _gemm_step(split: bool, run: int):
     """The intrinsic gemm_step: one weight block against one packed activation group, into GROUP
     float lanes (one per activation row),
 
@@ -240,8 +240,8 @@ def _gemm_step(split: bool, run: int):  # noqa: ANN202
     steps' int16 run length (i16_run), 1 where PMADDUBSW is false."""
 
     @intrinsic
-    def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):  # noqa: ANN001, ANN202, ARG001
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):
+        def codegen(context, builder, sig, args):
             a = sig.args
             i32x8 = ir.VectorType(_I32, GROUP)
             i8x32 = ir.VectorType(_I8, STEP_BYTES)
@@ -318,17 +318,17 @@ def _gemm_step(split: bool, run: int):  # noqa: ANN202
     return step
 
 
-def _fmuladd_f32(builder):  # noqa: ANN001, ANN202
+def _fmuladd_f32(builder):
     return cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_F32, [_F32, _F32, _F32]), "llvm.fmuladd.f32"
     )
 
 
-def _tile_product(step):  # noqa: ANN001, ANN202
+def _tile_product(step):
     """tile_product over the step `step` (split or joint), uncompiled."""
 
     @njit(cache=True, inline="always")
-    def row_step(acc, accm, u, sc, mn, i, b, xt, xo, xdt, xd, xst, xs) -> None:  # noqa: ANN001
+    def row_step(acc, accm, u, sc, mn, i, b, xt, xo, xdt, xd, xst, xs) -> None:
         """`step` for block b of unpacked row i."""
         s = 2 * b
         step(
@@ -401,7 +401,7 @@ def _tile_product(step):  # noqa: ANN001, ANN202
 _TILE_PRODUCTS: dict[tuple[bool, int], object] = {}
 
 
-def tile_product_for(unpack_max: int, unpack_piece: int):  # noqa: ANN201
+def tile_product_for(unpack_max: int, unpack_piece: int):
     """tile_product(u, sc, mn, m, xt, xdt, xst, n, out, c0) for a format whose unpacked bytes go up
     to unpack_max with one affine map per unpack_piece elements: out[k, c0 + i] = x_k . w_i for the
     first m unpacked weight rows and the n packed activation rows. Formats whose steps compile
@@ -415,7 +415,7 @@ def tile_product_for(unpack_max: int, unpack_piece: int):  # noqa: ANN201
 
 
 @njit(cache=True, inline="always")
-def _zero(p) -> None:  # noqa: ANN001
+def _zero(p) -> None:
     v = carray(p, GROUP)
     for j in range(GROUP):
         v[j] = 0.0

@@ -183,7 +183,7 @@ def preload_cached(dispatchers: Iterable[Any]) -> int:
                 disp.compile(sig)
                 _drop_linking_module(disp, sig)
                 loaded += 1
-            except Exception as exc:  # noqa: BLE001 - best effort: the first call loads it instead
+            except Exception as exc:  # best effort: the first call loads it instead
                 log.debug("could not preload %s%s from numba's cache: %s", disp.__name__, sig, exc)
     return loaded
 
@@ -199,7 +199,7 @@ def _lowering_left_unloaded(targetctx: Any) -> Iterator[None]:
         from numba.core.runtime import nrt
 
         nrt.rtsys.initialize(targetctx)
-    except Exception as exc:  # noqa: BLE001 - numba private API: refresh fully, as numba would
+    except Exception as exc:  # numba private API: refresh fully, as numba would
         log.debug("numba's runtime did not initialize on its own: %s", exc)
         yield
         return
@@ -232,7 +232,7 @@ def _cached_signatures(disp: Any) -> Iterator[tuple]:
 def _safe_signatures(disp: Any) -> list[tuple]:
     try:
         return [sig for sig in _cached_signatures(disp) if tuple(sig) not in disp.overloads]
-    except Exception:  # noqa: BLE001 - numba private API
+    except Exception:  # numba private API
         return []
 
 
@@ -269,7 +269,7 @@ def _linking_module(disp: Any, sig: tuple, name: str) -> Any:
         lib_name, kind, (_, bitcode) = payload[0]
         if lib_name == name and kind == "object":
             return llvm.parse_bitcode(bitcode)
-    except Exception as exc:  # noqa: BLE001 - numba private API or a vanished file: compile instead
+    except Exception as exc:  # numba private API or a vanished file: compile instead
         log.debug("no cached linking module for %s%s: %s", disp.__name__, sig, exc)
     log.debug("compiling %s%s again to link it", disp.__name__, sig)
     return disp._compiler._compile_core(tuple(sig), None).library._get_module_for_linking()

@@ -36,7 +36,7 @@ def u32(row: np.ndarray, o: int) -> np.uint32:
 
 
 @intrinsic
-def stack_f32(typingctx, n):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+def stack_f32(typingctx, n):  # numba intrinsic signature
     """A pointer to n (a literal) float32 lanes on the stack. Lane accumulators must live there,
     not on the heap: only a stack array that nothing else can alias gets promoted to vector
     registers; a heap array is reloaded and stored on every block."""
@@ -44,7 +44,7 @@ def stack_f32(typingctx, n):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic s
         return None
     size = n.literal_value
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):
         f32 = context.get_value_type(types.float32)
         return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(f32, size)), f32.as_pointer())
 
@@ -52,20 +52,20 @@ def stack_f32(typingctx, n):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic s
 
 
 @intrinsic
-def f32_bits(typingctx, v):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+def f32_bits(typingctx, v):  # numba intrinsic signature
     """The bits of a float32 as a uint32."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(types.float32), codegen
 
 
 @intrinsic
-def bits_f32(typingctx, u):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+def bits_f32(typingctx, u):  # numba intrinsic signature
     """The float32 whose bits are a uint32."""
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202, ARG001
+    def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
@@ -101,7 +101,7 @@ NATIVE_HALF = _native_half()
 
 
 @intrinsic
-def half_to_f32(typingctx, h16):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+def half_to_f32(typingctx, h16):  # numba intrinsic signature
     """An IEEE half (its uint16 bits) as float32, exactly: the CPU's conversion instruction where
     it has one (NATIVE_HALF), which LLVM vectorizes to 8-16 halves per instruction: ~4x
     faster than widen_half's bit arithmetic over a row of a KV cache. Equal to numpy's
@@ -109,7 +109,7 @@ def half_to_f32(typingctx, h16):  # noqa: ANN001, ANN201, ARG001 - numba intrins
     if not (isinstance(h16, types.Integer) and h16.bitwidth == 16 and not h16.signed):
         return None
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         if NATIVE_HALF:
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
         return context.compile_internal(builder, widen_half.py_func, sig, args)
@@ -135,13 +135,13 @@ def f16_bits(v: np.float32) -> np.uint16:
 
 
 @intrinsic
-def half_bits(typingctx, v):  # noqa: ANN001, ANN201, ARG001 - numba intrinsic signature
+def half_bits(typingctx, v):  # numba intrinsic signature
     """f16_bits, by the CPU's conversion instruction where it has one (NATIVE_HALF:
     vcvtps2ph rounds to nearest even, as f16_bits and numpy do)."""
     if not isinstance(v, types.Float):
         return None
 
-    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def codegen(context, builder, sig, args):
         if NATIVE_HALF:
             x = context.cast(builder, args[0], sig.args[0], types.float32)
             return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
@@ -233,7 +233,7 @@ def exp_f32(x: np.float32) -> np.float32:
     return out
 
 
-def as_float32(v):  # noqa: ANN001, ANN201 - typed by the overload below inside compiled code
+def as_float32(v):  # typed by the overload below inside compiled code
     """A stored value as float32: a half's uint16 bits widened exactly (half_to_f32), a float32
     as is. Compiled code picks the form by the array's dtype, so one kernel reads a KV cache of
     either kind (prima.weights.kv_cache)."""
@@ -241,7 +241,7 @@ def as_float32(v):  # noqa: ANN001, ANN201 - typed by the overload below inside 
 
 
 @overload(as_float32, inline="always")
-def _as_float32_typed(v):  # noqa: ANN001, ANN202
+def _as_float32_typed(v):
     if isinstance(v, types.Integer) and v.bitwidth == 16 and not v.signed:
         return lambda v: half_to_f32(v)
     if isinstance(v, types.Float):
@@ -249,14 +249,14 @@ def _as_float32_typed(v):  # noqa: ANN001, ANN202
     return None
 
 
-def holds_halves(a):  # noqa: ANN001, ANN201 - typed by the overload below inside compiled code
+def holds_halves(a):  # typed by the overload below inside compiled code
     """Whether array `a` holds halves as uint16 bits (as_float32's widening form): a constant of
     the compiled variant, so the branch it picks costs nothing."""
     return a.dtype == np.uint16
 
 
 @overload(holds_halves, inline="always")
-def _holds_halves_typed(a):  # noqa: ANN001, ANN202
+def _holds_halves_typed(a):
     dtype = getattr(a, "dtype", None)
     flag = isinstance(dtype, types.Integer) and dtype.bitwidth == 16 and not dtype.signed
     return lambda a: flag

@@ -219,7 +219,7 @@ def prefill_map(fn: Callable[[tuple[int, int]], np.ndarray], n: int) -> list[np.
 
 def _thread_pool() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None or _pool._max_workers < _prefill_threads:  # noqa: SLF001
+    if _pool is None or _pool._max_workers < _prefill_threads:
         _pool = ThreadPoolExecutor(max_workers=_prefill_threads, thread_name_prefix="prima-prefill")
     return _pool
 

@@ -276,7 +276,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def getitem(self, obj: Any, argument: Any) -> Any:
         return self.check(super().getitem(obj, argument))
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         for a in (*args, *kwargs.values()):
             __self.check(a)
         return __self.check(super().call(__context, __obj, *args, **kwargs))

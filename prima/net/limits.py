@@ -217,7 +217,7 @@ def consume_bounded(
                     return
                 last[0] = clock()
                 handle(m)
-        except Exception as exc:  # noqa: BLE001 - raised again by the watching thread
+        except Exception as exc:  # raised again by the watching thread
             failure.append(exc)
         finally:
             done.set()

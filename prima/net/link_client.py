@@ -118,7 +118,7 @@ class LinkRelay:
         try:
             self._sock.settimeout(ERROR_READ_TIMEOUT_S)
             got = link_wire.read_frame(lambda n: read_exactly(self._sock, n), link_wire.MAX_ERROR_BYTES)
-        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the link is gone
+        except Exception as exc:  # whatever went wrong, the link is gone
             return NodeError(f"node {self.name} at {self.address} ended the activation link ({exc})")
         if got is None or got[0] != link_wire.ERROR:
             return NodeError(

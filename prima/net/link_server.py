@@ -129,7 +129,7 @@ class LinkServer:
             # No certificate of the cluster, plaintext against TLS, a peer that hung up: nothing
             # reached the node, and there is no one to tell.
             log.info("activation link from %s ended: %s", _peer(conn), exc)
-        except Exception as exc:  # noqa: BLE001 - a bug must end one link, not the daemon's listener
+        except Exception as exc:  # a bug must end one link, not the daemon's listener
             log.exception("activation link from %s failed", _peer(conn))
             _send_quietly(sock, link_wire.error_frame("INTERNAL", f"the node failed: {exc}"))
         finally:

@@ -81,7 +81,7 @@ class RunAhead(Generic[T]):
                 if self._stop.is_set():
                     break
                 self._held.append(item)
-        except BaseException as exc:  # noqa: BLE001 - raised again in the consumer's thread
+        except BaseException as exc:  # raised again in the consumer's thread
             last = _Failed(exc)
         finally:
             _running.ahead = None

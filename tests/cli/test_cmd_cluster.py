@@ -30,7 +30,7 @@ def test_init_issue_join(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     capsys.readouterr()
 
 
-def _args(tmp_path: Path, *argv: str):  # noqa: ANN202
+def _args(tmp_path: Path, *argv: str):
     return primad.build_parser().parse_args(["--cluster-dir", str(tmp_path), *argv])
 
 

@@ -17,8 +17,8 @@ from tests.scheduler.conftest import make_device, make_model
 
 
 def test_plan_sizes_for_the_context_run_uses(smollm2_path: Path) -> None:
-    assert cmd_plan._model_profile(str(smollm2_path), None, None).ctx_tokens == DEFAULT_CTX  # noqa: SLF001
-    assert cmd_plan._model_profile(str(smollm2_path), None, 512).ctx_tokens == 512  # noqa: SLF001
+    assert cmd_plan._model_profile(str(smollm2_path), None, None).ctx_tokens == DEFAULT_CTX
+    assert cmd_plan._model_profile(str(smollm2_path), None, 512).ctx_tokens == 512
 
 
 def test_plan_with_a_draft_model_shows_it_in_the_heads_memory(

@@ -54,7 +54,7 @@ def test_temperature_help_states_the_default_in_use(command: str, temp: float) -
     parser = cli_main.build_parser([command])
     args = parser.parse_args([command, "-p", "x"] if command == "run" else [command])
     assert args.temp == temp
-    sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # noqa: SLF001
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     assert f"(default {temp:g})" in sub.format_help()
 
 

@@ -27,8 +27,8 @@ from tests.conftest import load_tiny_oracle, tiny_model_path
 
 pytest.importorskip("onnxruntime")
 
-from prima.backends.acl.backend import AclBackend  # noqa: E402
-from tests.backends.acl.fake_acl import standin_env  # noqa: E402
+from prima.backends.acl.backend import AclBackend
+from tests.backends.acl.fake_acl import standin_env
 
 pytestmark = pytest.mark.slow
 

@@ -70,7 +70,7 @@ def ring(mdns_env: None, smollm2_path: Path, ring_logs: Path) -> Iterator[LocalR
     yield from start_ring(2, smollm2_path, ring_logs, mdns=True)
 
 
-def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys, caplog) -> None:  # noqa: ANN001
+def test_rogue_daemons_are_never_planned(ring: LocalRing, smollm2_path: Path, capsys, caplog) -> None:
     honest = NodeClient(ring.addresses[0])
     info, profile = honest.info(), honest.profile()
     honest.close()
@@ -116,7 +116,7 @@ def test_clashing_and_garbage_adverts_do_not_break_discovery(
     ring: LocalRing,
     smollm2_path: Path,
     capsys,
-    caplog,  # noqa: ANN001
+    caplog,
 ) -> None:
     """Adverts are hints: a rogue claiming a genuine node's id, an advert pointing at nothing and
     one for another model neither stop the search nor the run, which uses the genuine nodes."""
@@ -148,7 +148,7 @@ def test_clashing_and_garbage_adverts_do_not_break_discovery(
     assert out["token_ids"] == _reference(smollm2_path)
 
 
-def test_members_are_found_past_hostile_adverts(ring: LocalRing, smollm2_path: Path, capsys) -> None:  # noqa: ANN001
+def test_members_are_found_past_hostile_adverts(ring: LocalRing, smollm2_path: Path, capsys) -> None:
     """The LAN of issue 36: 16 instances without an address record, 17 malformed TXT records, 40
     dead-port adverts (two claiming the ring's node ids) and a plaintext rogue advertising the
     whole file beside two real primad: `prima nodes --expect 2` finds both members in each of 5

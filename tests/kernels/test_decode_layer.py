@@ -140,7 +140,7 @@ def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
     raws = [w.raw.view() for w in ws]
     for r in raws:
         r.flags.writeable = False
-    got = dl._project3(*(int(q) for q in formats), *raws, x, int8, F16_TABLE)  # noqa: SLF001
+    got = dl._project3(*(int(q) for q in formats), *raws, x, int8, F16_TABLE)
     expected = np.concatenate([mm.matmul(w, x, int8) for w in ws], axis=1)
     np.testing.assert_array_equal(got, expected)
 

@@ -51,7 +51,7 @@ def test_unusable_member_names_are_refused(ca: ClusterCA, name: str) -> None:
         ca.issue(name)
 
 
-def test_ca_saves_owner_only_and_loads(ca: ClusterCA, tmp_path) -> None:  # noqa: ANN001
+def test_ca_saves_owner_only_and_loads(ca: ClusterCA, tmp_path) -> None:
     ca.save(tmp_path / "c")
     assert (tmp_path / "c" / credentials.CA_KEY_FILE).stat().st_mode & 0o077 == 0
     assert ClusterCA.load(tmp_path / "c") == ca

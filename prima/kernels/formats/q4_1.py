@@ -53,14 +53,14 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
-def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):
     o = b * BLOCK
     dot_nib16(accp, half_at(w, r, o + D) * xd[k, b], w, wr + o + QS, 0, xq, xk + b * QK)
     return half_at(w, r, o + M) * xs[k, b]
 
 
 @njit(cache=True, inline="always")
-def _block_dot(accp, scale, w, r, wr, o, xq, xk):  # noqa: ANN001, ANN202, ARG001
+def _block_dot(accp, scale, w, r, wr, o, xq, xk):
     dot_nib16(accp, scale, w, wr + o + QS, 0, xq, xk)
 
 

@@ -92,7 +92,7 @@ def _scale_min_at(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np
 
 
 @njit(cache=True)
-def qdot(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201
+def qdot(w, r0, r1, xq, xd, xs, out, c0):
     """out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks; sub-block 2g meets activation
     block b, 2g + 1 block b + 1, and the mins meet the blocks' sums."""
     acc0p = stack_f32(16)

@@ -60,7 +60,7 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
-def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202
+def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):
     o = b * BLOCK
     d = half_at(w, r, o + D)
     dot_nib16(accp, d * xd[k, b], w, wr + o + QS, u32_at(w, r, o + QH), xq, xk + b * QK)

@@ -74,7 +74,7 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def qdot(w, r0, r1, xq, xd, xs, out, c0):  # noqa: ANN001, ANN201, ARG001
+def qdot(w, r0, r1, xq, xd, xs, out, c0):
     """out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks; each 32-element chunk meets one
     activation block, with its two int8 scales applied inside dot_q6x32."""
     acc0p = stack_f32(16)

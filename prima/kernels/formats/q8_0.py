@@ -47,7 +47,7 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
-def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):  # noqa: ANN001, ANN202, ARG001
+def _qblock(accp, w, r, wr, b, xq, xd, xs, k, xk):
     o = b * BLOCK
     dot_i8x32(accp, half_at(w, r, o + D) * xd[k, b], w, wr + o + QS, xq, xk + b * QK)
     return np.float32(0.0)

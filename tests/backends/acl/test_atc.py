@@ -20,10 +20,10 @@ from tests.conftest import tiny_model_path
 
 pytest.importorskip("onnx")
 
-from prima.backends.acl import atc  # noqa: E402
-from prima.backends.acl.onnx_window import window_graph  # noqa: E402
-from prima.backends.acl.runtime import MAX_DIM_CNT  # noqa: E402
-from tests.backends.acl.fake_acl import write_fake_atc  # noqa: E402
+from prima.backends.acl import atc
+from prima.backends.acl.onnx_window import window_graph
+from prima.backends.acl.runtime import MAX_DIM_CNT
+from tests.backends.acl.fake_acl import write_fake_atc
 
 DOCUMENTED = {"--framework", "--model", "--output", "--soc_version", "--input_format", "--input_shape"}
 DOCUMENTED |= {"--dynamic_dims", "--precision_mode", "--precision_mode_v2", "--log"}

@@ -20,10 +20,10 @@ from tests.conftest import load_tiny_oracle, tiny_model_path
 
 pytest.importorskip("onnxruntime")
 
-import prima.backends.acl.runtime as runtime  # noqa: E402
-from prima.backends.acl import AclBackend, AclError  # noqa: E402
-from prima.backends.acl.runtime import ERRORS, describe, import_acl  # noqa: E402
-from tests.backends.acl.fake_acl import FakeAcl, fake_cann  # noqa: E402
+import prima.backends.acl.runtime as runtime
+from prima.backends.acl import AclBackend, AclError
+from prima.backends.acl.runtime import ERRORS, describe, import_acl
+from tests.backends.acl.fake_acl import FakeAcl, fake_cann
 
 IDS = np.array([9707, 11, 1879, 0, 42, 7, 3])
 

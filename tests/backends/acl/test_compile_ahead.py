@@ -20,7 +20,7 @@ from tests.fake_time import FakeTime
 
 pytest.importorskip("onnxruntime")
 
-from tests.backends.acl.fake_acl import FAKE_ATC_LOG_ENV, FAKE_ATC_SECONDS_ENV, fake_cann  # noqa: E402
+from tests.backends.acl.fake_acl import FAKE_ATC_LOG_ENV, FAKE_ATC_SECONDS_ENV, fake_cann
 
 SMALL = profiler.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
 

@@ -16,7 +16,7 @@ from tests.conftest import tiny_model_path
 
 pytest.importorskip("onnxruntime")
 
-from tests.backends.acl.fake_acl import fake_cann  # noqa: E402
+from tests.backends.acl.fake_acl import fake_cann
 
 
 def test_the_doctor_reports_what_a_bug_report_needs(

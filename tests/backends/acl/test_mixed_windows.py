@@ -19,7 +19,7 @@ from tests.tiny_qwen import TINY_TAGS
 
 pytest.importorskip("onnxruntime")
 
-from tests.backends.acl.fake_acl import fake_cann  # noqa: E402
+from tests.backends.acl.fake_acl import fake_cann
 
 N_CTX = 64
 STEPS = 4

@@ -19,10 +19,10 @@ from tests.conftest import tiny_model_path
 
 pytest.importorskip("onnxruntime")
 
-from prima.backends.acl import AclBackend, AclError  # noqa: E402
-from prima.backends.acl.atc import full_dims  # noqa: E402
-from prima.backends.acl.runtime import DYNAMIC_DIMS_INPUT, MAX_DIM_CNT, output_name  # noqa: E402
-from tests.backends.acl.fake_acl import INVALID_PARAM, RT_CONTEXT_NULL, FakeAcl, fake_cann  # noqa: E402
+from prima.backends.acl import AclBackend, AclError
+from prima.backends.acl.atc import full_dims
+from prima.backends.acl.runtime import DYNAMIC_DIMS_INPUT, MAX_DIM_CNT, output_name
+from tests.backends.acl.fake_acl import INVALID_PARAM, RT_CONTEXT_NULL, FakeAcl, fake_cann
 
 IDS = np.array([9707, 11, 1879])
 

@@ -17,8 +17,8 @@ from tests.conftest import load_oracle
 
 pytest.importorskip("onnxruntime")
 
-from prima.backends.acl import AclBackend  # noqa: E402
-from tests.backends.acl.fake_acl import fake_cann  # noqa: E402
+from prima.backends.acl import AclBackend
+from tests.backends.acl.fake_acl import fake_cann
 
 pytestmark = pytest.mark.slow
 
