@@ -23,8 +23,8 @@ batch size up to which each token's row has the bits it has when the token runs 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol, cast
+from collections.abc import Iterable, Sequence
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -97,6 +97,24 @@ class Backend(Protocol):
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T (float32), in the mode this backend runs: what the profiler times per
         weight format (prima.scheduler.kernel_bench) so that plans use this backend's speed."""
+        ...
+
+
+@runtime_checkable
+class SessionBatching(Protocol):
+    """A backend that runs the decode rows of several sessions in one pass over the weights
+    (continuous batching), each row as it would be alone, up to `decode_batch_rows` rows."""
+
+    decode_batch_rows: int
+
+    def run_window_sessions(
+        self,
+        window: WindowHandle,
+        hidden: np.ndarray,
+        positions: np.ndarray,
+        sessions: Sequence[tuple[KVState, int]],
+    ) -> np.ndarray:
+        """`run_window` over the rows of several sessions, each with its cache and row count."""
         ...
 
 

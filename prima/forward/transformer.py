@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prima.backends.base import Backend, KVState, WindowHandle, host_backend
+from prima.backends.base import Backend, KVState, SessionBatching, WindowHandle, host_backend
 from prima.backends.reference import final_norm
 from prima.forward.placement import Piece, SplitKV
 from prima.model.config import ModelConfig
@@ -74,9 +74,9 @@ class Transformer:
     def decode_batch_rows(self) -> int:
         """Sessions' decode steps one `forward_sessions` pass may carry, each computed exactly
         as it would be alone; 1 when the backend cannot batch sessions."""
-        if not hasattr(self.backend, "run_window_sessions"):
+        if not isinstance(self.backend, SessionBatching):
             return 1
-        return max(1, int(getattr(self.backend, "decode_batch_rows", 1)))
+        return max(1, self.backend.decode_batch_rows)
 
     def forward_sessions(
         self,
@@ -88,7 +88,9 @@ class Transformer:
     ) -> np.ndarray:
         """`forward_layers` over the rows of several sessions, each with its cache and row
         count, in row order: one read of the weights for all (continuous batching)."""
-        return self.backend.run_window_sessions(self.window(range(start, end)), h, positions, sessions)  # type: ignore[attr-defined]
+        if not isinstance(self.backend, SessionBatching):
+            raise TypeError(f"the {self.backend.name} backend cannot batch sessions (decode_batch_rows is 1)")
+        return self.backend.run_window_sessions(self.window(range(start, end)), h, positions, sessions)
 
     def output_logits(self, h: np.ndarray) -> np.ndarray:
         """Hidden states (n, d) -> logits (n, vocab) float32 through the final norm and head."""
