@@ -10,8 +10,10 @@ the cores there, which libgomp reads only once).
 DecodeThreads is pure bookkeeping over step times the caller measures: it keeps the count in
 use, now and then runs a few steps with each other count (a probe), and moves to one that is
 clearly faster. Probes come soon after start or a switch and then ever more rarely while the
-choice keeps winning; a step time that jumps or drops (the machine's load changed) brings the
-next probe forward. A probe step costs at most a few slow steps in hundreds.
+choice keeps winning; steps of the count in use that turn slower (another process took a core)
+bring the next probe forward. A count whose probe step is twice as slow as the count in use is
+dropped from that probe at once: on a busy machine a step with too many threads can take many
+times a normal one, and the probe must not cost more than it can win.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ FIRST_INTERVAL = 16  # steps before the first probe, and after a switch or a cha
 LONGEST_INTERVAL = 512  # steps between probes at most, while the choice keeps winning ...
 LONGEST_GAP_S = 3.0  # ... and seconds of decode between probes at most
 MARGIN = 0.10  # another count must be this much faster to take over (noise is not a reason)
-LOAD_CHANGE = 1.5  # a step median this many times off the last decision's means the load changed
+LOAD_CHANGE = 1.5  # a step median this many times the last decision's means the load rose
+HOPELESS = 2.0  # a probe step this many times the count in use ends that count's probe
 
 
 def adaptive_by_default() -> bool:
@@ -69,6 +72,8 @@ class DecodeThreads:
             if self._probe and threads == self._probe[0]:
                 self._probe.pop(0)
                 self._probed.setdefault(threads, []).append(ms)
+                if self._recent and ms > HOPELESS * statistics.median(self._recent):
+                    self._probe = [n for n in self._probe if n != threads]
                 if not self._probe:
                     self._decide()
                 return
@@ -77,8 +82,7 @@ class DecodeThreads:
             self._recent.append(ms)
             self._steps_left -= 1
             self._gap_ms += ms
-            if self._load_changed():
-                self._interval = FIRST_INTERVAL
+            if self._load_rose():
                 self._steps_left = 0
             if len(self._recent) == PROBE_STEPS and (
                 self._steps_left <= 0 or self._gap_ms >= LONGEST_GAP_S * 1000.0
@@ -87,14 +91,15 @@ class DecodeThreads:
                 self._probe = [n for n in others for _ in range(PROBE_STEPS)]
                 self._probed = {}
 
-    def _load_changed(self) -> bool:
+    def _load_rose(self) -> bool:
+        """The count in use turned slower since the last decision (a change for the faster
+        needs no early probe: the count in use gained too, and the periodic probes find the rest)."""
         if self._reference_ms is None or len(self._recent) < PROBE_STEPS:
             return False
-        now = statistics.median(self._recent)
-        changed = now > self._reference_ms * LOAD_CHANGE or now * LOAD_CHANGE < self._reference_ms
-        if changed:
+        rose = statistics.median(self._recent) > self._reference_ms * LOAD_CHANGE
+        if rose:
             self._reference_ms = None  # one early probe per change, not one per step
-        return changed
+        return rose
 
     def _decide(self) -> None:
         """End of a probe: keep the count in use unless another was clearly faster."""

@@ -114,3 +114,24 @@ def test_fixed_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert adaptive_by_default()
     monkeypatch.setenv(decode_threads.FIXED_ENV, "fixed")
     assert not adaptive_by_default()
+
+
+def test_a_hopeless_probe_ends_after_one_step() -> None:
+    """With a core taken, a step with two threads can take many times a normal one (60 ms
+    against 7.4): one such step is evidence enough, the probe does not run four."""
+    chooser = DecodeThreads(2)
+    used = run(chooser, 3000, lambda step, n: {2: 60.0, 1: 7.4}[n])
+    assert chooser.current == 1
+    after = used[used.index(1) :]
+    pairs = [after[i : i + 2] for i in range(len(after) - 1)]
+    assert [2, 2] not in pairs
+    assert after.count(2) >= 3  # it kept looking, now and then
+
+
+def test_a_faster_count_in_use_brings_no_early_probe() -> None:
+    chooser = DecodeThreads(2)
+    run(chooser, 2000, lambda step, n: QUIET[n])
+    interval = chooser._interval
+    used = run(chooser, 300, lambda step, n: {2: 2.0, 1: 7.5}[n], first=2000)
+    assert chooser._interval >= interval  # no reset: a faster count in use is no reason to look
+    assert used.count(1) <= decode_threads.PROBE_STEPS
