@@ -153,7 +153,13 @@ def cluster_invite(args: argparse.Namespace) -> int:
     if not host or not port.isdigit():
         raise InputError(f"--listen takes HOST:PORT, got {args.listen!r}")
     code = invite.new_code()
-    with socket.create_server((host.strip("[]"), int(port))) as server:
+    try:
+        server = socket.create_server((host.strip("[]"), int(port)))
+    except OSError as exc:
+        raise InputError(
+            f"cannot listen on {args.listen} for the invite ({exc.strerror}); pick another --listen"
+        ) from None
+    with server:
         bound = server.getsockname()[1]
         hosts = discovery.advertised_addresses(host, discovery.resolve_interfaces("all"))
         print(f"waiting up to {args.expires:.0f} s for {args.name} to join; on it, run one of:")
