@@ -24,7 +24,7 @@ batch size up to which each token's row has the bits it has when the token runs 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -112,6 +112,24 @@ class AcceleratorBackend(Backend, Protocol):
 
     def device_memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device's memory now."""
+        ...
+
+
+@runtime_checkable
+class CompilingBackend(Protocol):
+    """A backend whose windows must be compiled before they load (the NPU's: minutes each with
+    ATC). Compiling is a step of its own, before serving: see prima.engine.ahead_of_time."""
+
+    def compiled(self, layers: range) -> bool:
+        """Whether `layers` load without compiling."""
+        ...
+
+    def compile(self, layers: range) -> object:
+        """Compile `layers` unless they are compiled."""
+        ...
+
+    def serve_compiled_only(self) -> None:
+        """From now on load_window refuses a window that is not compiled."""
         ...
 
 

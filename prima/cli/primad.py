@@ -22,12 +22,13 @@ from pathlib import Path
 
 # First prima import: hashing and thread pools set up before the rest loads (prima.startup).
 import prima.startup  # noqa: F401
-from prima.cli.arg_types import parse_budget, parse_disk_budget, positive_int
+from prima.cli.arg_types import layer_window, parse_budget, parse_disk_budget, positive_int
 from prima.cli.progress import StepBar, stage
 from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.daemon.drain import drain
 from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S, fetch_header
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.ahead_of_time import compile_ahead
 from prima.engine.compute import open_compute
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
@@ -127,6 +128,15 @@ def _add_compute_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="acl: KV slots the NPU windows are compiled for, the longest session they serve "
         "(default 512; as given to `prima npu compile --npu-ctx`)",
+    )
+    p.add_argument(
+        "--npu-window",
+        action="append",
+        default=[],
+        metavar="START-END",
+        help="acl: layers [START, END) a plan may give this node's NPU, compiled (or found in the "
+        "acl cache) before it serves; repeatable (default: the whole model as one window). A plan "
+        "naming another NPU window is refused: ATC never runs inside a request",
     )
     p.add_argument(
         "--exact",
@@ -351,7 +361,10 @@ def open_runtime(
     args: argparse.Namespace, identity: credentials.Identity | None, budget: int | None, disk_budget: int
 ) -> NodeRuntime:
     """The daemon's state over its model, ready to compute: the file fetched first with
-    --fetch-from, then compiled, tuned and mapped (prima.engine.compute)."""
+    --fetch-from, then compiled, tuned and mapped (prima.engine.compute); with --backend acl its
+    NPU windows compiled before it serves (prima.engine.ahead_of_time)."""
+    if args.npu_window and args.backend != "acl":
+        raise InputError("--npu-window compiles windows for the NPU: add --backend acl, or drop it")
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
     # Compiled before the ready line, so a coordinator's calls never wait on a compile; the file
@@ -369,6 +382,10 @@ def open_runtime(
         on_stage=lambda msg: stage(msg, prog="primad"),
         steps=StepBar,
     )
+    if args.backend == "acl":
+        n_layers = compute.loaded.model.config.n_layers
+        windows = [layer_window(w, n_layers, "--npu-window") for w in args.npu_window] or [range(n_layers)]
+        compile_ahead(compute.loaded, windows, lambda msg: stage(msg, prog="primad"))
     return NodeRuntime(
         compute.loaded,
         args.name or "pending",

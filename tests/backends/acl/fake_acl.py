@@ -5,7 +5,8 @@ enforce the documented rules of the real ones that prima depends on, each listed
 source in docs/backends.md ("What prima relies on"), so that breaking one fails a test here:
 
 - ATC (`--dynamic_dims`): --input_format=ND, 2 to 100 gears, one value per -1 of
-  --input_shape in each, and at most 4 of them;
+  --input_shape in each, and at most 4 of them; with --host_env_os and --host_env_cpu (set
+  together) the model is written as `<output>_<os>_<cpu>.om`;
 - aclmdlGetOutputNameByIndex answers "<op name>:<edge index>:<output name>" for an ONNX model;
 - aclmdlSetInputDynamicDims takes a gear's full shape, every input's dims concatenated, at most
   ACL_MAX_DIM_CNT (128) of them;
@@ -63,7 +64,8 @@ FAKE_ATC_LOG_ENV = "PRIMA_TEST_FAKE_ATC_LOG"
 
 FAKE_ATC = """#!{python}
 # Stand-in for CANN's atc (tests only): checks the --dynamic_dims rules ATC documents, then
-# writes <output>.om naming the ONNX file it stands for.
+# writes <output>.om (<output>_<os>_<cpu>.om with --host_env_os/--host_env_cpu) naming the ONNX
+# file it stands for.
 import json, os, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 for flag in ("framework", "model", "output", "soc_version", "input_shape"):
@@ -82,11 +84,17 @@ if args.get("dynamic_dims"):
         sys.exit("ATC_ERROR: each gear of --dynamic_dims needs one value per -1 of --input_shape")
     if free > 4:
         sys.exit("ATC_ERROR: at most 4 dynamic dims per gear, not %d" % free)
+host_os, host_cpu = args.get("host_env_os"), args.get("host_env_cpu")
+if bool(host_os) != bool(host_cpu):
+    sys.exit("ATC_ERROR: --host_env_os and --host_env_cpu are set together")
+# With them, the model's file name carries the OS and architecture it runs on.
+om = args["output"] + ("_%s_%s" % (host_os, host_cpu) if host_os else "") + ".om"
 time.sleep(float(os.environ.get("{seconds_env}") or 0))
 if os.environ.get("{log_env}"):
+    compiler = ",".join(v + "=" + os.environ.get(v, "") for v in ("TE_PARALLEL_COMPILER", "MAX_COMPILE_CORE_NUMBER"))
     with open(os.environ["{log_env}"], "a") as log:
-        log.write(args["output"] + "\\n")
-with open(args["output"] + ".om", "w") as f:
+        log.write(args["output"] + "\\t" + compiler + "\\n")
+with open(om, "w") as f:
     json.dump({{"format": "fake-om", "onnx": args["model"], "input_shape": args["input_shape"],
                "dynamic_dims": args.get("dynamic_dims", ""), "soc_version": args["soc_version"]}}, f)
 """
