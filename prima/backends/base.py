@@ -133,6 +133,24 @@ class AcceleratorBackend(Backend, Protocol):
         ...
 
 
+@runtime_checkable
+class CompilingBackend(Protocol):
+    """A backend whose windows must be compiled before they load (the NPU's: minutes each with
+    ATC). Compiling is a step of its own, before serving: see prima.engine.ahead_of_time."""
+
+    def compiled(self, layers: range) -> bool:
+        """Whether `layers` load without compiling."""
+        ...
+
+    def compile(self, layers: range) -> object:
+        """Compile `layers` unless they are compiled."""
+        ...
+
+    def serve_compiled_only(self) -> None:
+        """From now on load_window refuses a window that is not compiled."""
+        ...
+
+
 def host_backend(backend: Backend) -> Backend:
     """The backend that computes on the host CPU: an accelerator's `host`, else `backend` itself."""
     if backend.accelerator:

@@ -148,3 +148,14 @@ def parse_disk_budget(text: str) -> int:
         raise InputError(
             f"--disk-budget: cannot read {text!r} as bytes; use a size such as 20G or 500M, or 0 for no cap"
         ) from None
+
+
+def layer_window(text: str, n_layers: int, flag: str = "--window") -> range:
+    """'START-END' -> range(START, END), layers [START, END) of a model of `n_layers`."""
+    try:
+        start, end = (int(v) for v in text.split("-"))
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: expected START-END, e.g. 0-10 for layers 0 to 9") from None
+    if not 0 <= start < end <= n_layers:
+        raise InputError(f"{flag} {text}: layers [START, END) must lie in [0, {n_layers}]")
+    return range(start, end)

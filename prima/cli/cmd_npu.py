@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from prima.cli.arg_types import positive_int
+from prima.cli.arg_types import layer_window, positive_int
 from prima.errors import InputError
 from prima.model.files import open_model
 from prima.model.registry import DEFAULT_MODEL
@@ -43,6 +43,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gears", default="1,2,4,8", help="tokens per call the model accepts (default 1,2,4,8)"
     )
     comp.add_argument("--soc", default="Ascend310B1", help="ATC --soc_version (default Ascend310B1)")
+    comp.add_argument(
+        "--host-env",
+        default=None,
+        metavar="OS/CPU",
+        help="compile for another machine that will run the model, e.g. linux/aarch64 for a board "
+        "when compiling on an x86 laptop (ATC's --host_env_os and --host_env_cpu; default: this one)",
+    )
     comp.add_argument("--dry-run", action="store_true", help="print the ATC command lines, run nothing")
     comp.set_defaults(func=run_compile)
     doc = sub.add_parser(
@@ -64,29 +71,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     doc.set_defaults(func=run_doctor)
 
 
-def _window(text: str, n_layers: int) -> range:
-    try:
-        start, end = (int(v) for v in text.split("-"))
-    except ValueError:
-        raise InputError(f"--window {text!r}: expected START-END, e.g. 0-10") from None
-    if not 0 <= start < end <= n_layers:
-        raise InputError(f"--window {text}: layers must lie in [0, {n_layers})")
-    return range(start, end)
-
-
 def run_compile(args: argparse.Namespace) -> int:
     from prima.backends.acl import atc
 
     weights = open_model(args.model).weights
     n = weights.config.n_layers
-    windows = [_window(w, n) for w in args.window] or [range(n)]
+    windows = [layer_window(w, n) for w in args.window] or [range(n)]
     try:
         gears = tuple(int(g) for g in args.gears.split(","))
     except ValueError:
         raise InputError(f"--gears {args.gears!r}: expected numbers separated by commas") from None
+    host_env = None
+    if args.host_env is not None:
+        host_os, _, cpu = args.host_env.partition("/")
+        if not host_os or not cpu:
+            raise InputError(f"--host-env {args.host_env!r}: expected OS/CPU, e.g. linux/aarch64")
+        host_env = atc.HostEnv(host_os, cpu)
     fingerprint = weights.gguf.fingerprint()
     for layers in windows:
-        art = atc.artifacts(weights, fingerprint, layers, args.ctx, gears, args.soc)
+        art = atc.artifacts(weights, fingerprint, layers, args.ctx, gears, args.soc, host_env=host_env)
         if args.dry_run:
             print(f"# layers {layers.start}-{layers.stop - 1} -> {art.om}")
             print(shlex.join(art.job.argv()))

@@ -24,6 +24,7 @@ from pathlib import Path
 import prima.startup  # noqa: F401
 from prima.backends.modes import cpu_mode
 from prima.cli.arg_types import (
+    layer_window,
     non_negative_int,
     parse_budget,
     parse_disk_budget,
@@ -36,6 +37,7 @@ from prima.daemon.drain import drain
 from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S, fetch_header
 from prima.daemon.kept_sessions import DEFAULT_IDLE_S
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S, NodeRuntime
+from prima.engine.ahead_of_time import compile_ahead
 from prima.engine.compute import open_compute
 from prima.errors import InputError, NodeError, PrimaError
 from prima.model.registry import DEFAULT_MODEL, KNOWN_MODELS, model_path, resolve_model
@@ -140,6 +142,15 @@ def _add_compute_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="acl: KV slots the NPU windows are compiled for, the longest session they serve "
         "(default 512; as given to `prima npu compile --npu-ctx`)",
+    )
+    p.add_argument(
+        "--npu-window",
+        action="append",
+        default=[],
+        metavar="START-END",
+        help="acl: layers [START, END) a plan may give this node's NPU, compiled (or found in the "
+        "acl cache) before it serves; repeatable (default: the whole model as one window). A plan "
+        "naming another NPU window is refused: ATC never runs inside a request",
     )
     p.add_argument(
         "--exact",
@@ -392,7 +403,10 @@ def open_runtime(
     args: argparse.Namespace, identity: credentials.Identity | None, budget: int | None, disk_budget: int
 ) -> NodeRuntime:
     """The daemon's state over its model, ready to compute: the file fetched first with
-    --fetch-from, then compiled, tuned and mapped (prima.engine.compute)."""
+    --fetch-from, then compiled, tuned and mapped (prima.engine.compute); with --backend acl its
+    NPU windows compiled before it serves (prima.engine.ahead_of_time)."""
+    if args.npu_window and args.backend != "acl":
+        raise InputError("--npu-window compiles windows for the NPU: add --backend acl, or drop it")
     store = fetch_model(args, identity) if args.fetch_from else None
     path = store.path if store else resolve_model(args.model)
     # Compiled before the ready line, so a coordinator's calls never wait on a compile; the file
@@ -410,6 +424,10 @@ def open_runtime(
         on_stage=lambda msg: stage(msg, prog="primad"),
         steps=StepBar,
     )
+    if args.backend == "acl":
+        n_layers = compute.loaded.model.config.n_layers
+        windows = [layer_window(w, n_layers, "--npu-window") for w in args.npu_window] or [range(n_layers)]
+        compile_ahead(compute.loaded, windows, lambda msg: stage(msg, prog="primad"))
     return NodeRuntime(
         compute.loaded,
         args.name or "pending",

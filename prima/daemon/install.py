@@ -84,15 +84,20 @@ def build_layout(
         model.release_layers(mine)
     for w in windows:
         loaded.weights.validate(range(w.start, w.end))
-    # The accelerator's part of each window is one compiled model, readied now (an NPU
-    # compiles it unless cached); the host's part is read by the layer windows below.
     spans = [range(w.start, w.end) for w in windows]
-    for span in spans:
-        for piece in split_window(span, accel):
-            if piece.on_accel:
-                model.window(piece)
+    on_accel = [p for s in spans for p in split_window(s, accel) if p.on_accel]
+    # Measured before the accelerator's layers are loaded: where it shares the RAM their copies
+    # are charged in full, whether or not the host's count would show them yet.
     auto = budget_bytes is None
-    budget = window_budget(loaded, node_id, me == 0) if budget_bytes is None else budget_bytes
+    if budget_bytes is None:
+        accel_layers = sum(len(p.layers) for p in on_accel)
+        budget = window_budget(loaded, node_id, me == 0, accel_layers=accel_layers)
+    else:
+        budget = budget_bytes
+    # The accelerator's part of each window is one compiled model, loaded now (a serving NPU
+    # daemon loads only compiled ones); the host's part is read by the layer windows below.
+    for piece in on_accel:
+        model.window(piece)
     host_windows = [Window(r.start, r.stop) for r in (host_layers(s, accel) for s in spans)]
     layer_windows = LayerWindows(loaded.gguf, loaded.weights, host_windows, budget)
     if layer_windows.limited:

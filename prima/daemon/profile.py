@@ -29,6 +29,7 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
+from prima.scheduler.cost_model import npu_layer_bytes
 from prima.scheduler.disk_sharing import shared_disk_key
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops
 from prima.scheduler.memory import MemoryLimit, read_memory_limit
@@ -265,12 +266,37 @@ def memory_limit(loaded: LoadedModel) -> MemoryLimit:
     return read_memory_limit(ours_mapped=resident_bytes(loaded.gguf, model_span))
 
 
-def window_budget(loaded: LoadedModel, node_id: str, is_head: bool) -> int:
-    """Bytes of layer weights a node may keep resident, measured now: what its cgroup or host
-    leaves, less the output head that the head node reads every token."""
+def window_budget(loaded: LoadedModel, node_id: str, is_head: bool, accel_layers: int = 0) -> int:
+    """Bytes of layer weights a node may keep resident, measured now (before its accelerator
+    layers are loaded): what its cgroup or host leaves, less the output head that the head node
+    reads every token, less the accelerator's copies of its `accel_layers` layers where the
+    accelerator shares the RAM."""
     limit = memory_limit(loaded)
     budget = limit.weights_budget()
     if is_head:
         budget -= ModelProfile.from_gguf(loaded.gguf).head_resident_bytes
-    log.info("node %s: %s; layer budget %d MiB", node_id, limit.describe(), budget >> 20)
+    accel = accelerator_ram_bytes(loaded, accel_layers)
+    budget -= accel
+    log.info(
+        "node %s: %s; the accelerator's %d layers take %d MiB of it; layer budget %d MiB",
+        node_id,
+        limit.describe(),
+        accel_layers,
+        accel >> 20,
+        budget >> 20,
+    )
     return max(budget, 1)
+
+
+def accelerator_ram_bytes(loaded: LoadedModel, accel_layers: int) -> int:
+    """RAM that `accel_layers` layers on `loaded`'s accelerator take from the host: on a SoC whose
+    NPU shares the RAM (the 310B) its own fp16 copies with their gears and KV cache, as Halda
+    plans them (cost_model.npu_layer_bytes); nothing where it has memory of its own."""
+    backend = loaded.model.backend
+    if accel_layers <= 0 or not backend.accelerator:
+        return 0
+    accel = cast(AcceleratorBackend, backend)
+    if not accel.shares_ram or accel.name != "acl":
+        return 0
+    model = ModelProfile.from_gguf(loaded.gguf, ctx_tokens=getattr(accel, "ctx", None))
+    return accel_layers * npu_layer_bytes(model)

@@ -165,6 +165,13 @@ def accel_layer_bytes(accel: AcceleratorProfile, model: ModelProfile) -> int:
     the CPU holds it."""
     if accel.kind != "acl":
         return model.layer_bytes + model.kv_bytes_per_layer
+    return npu_layer_bytes(model)
+
+
+def npu_layer_bytes(model: ModelProfile) -> int:
+    """One layer on the acl backend's NPU: fp16 weights, NPU_GEAR_OVERHEAD more for the gears,
+    and `model.ctx_tokens` of fp16 KV cache. What Halda plans with, and what a daemon on a
+    shared-memory SoC takes out of its RAM budget for each layer it puts there."""
     fp16_weights = sum(model.layer_flops.values())
     kv = model.kv_bytes_per_layer * NPU_KV_ELEMENT_BYTES // KV_ELEMENT_BYTES
     return int(fp16_weights * (1 + NPU_GEAR_OVERHEAD)) + kv

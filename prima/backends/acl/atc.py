@@ -1,6 +1,7 @@
 """Compiling a window for the NPU: its ONNX graph (onnx_window) exported once, then ATC, CANN's
 offline model compiler, run on it; both cached per model fingerprint, window, context size,
-gears, SoC and CANN version, so a daemon compiles a window once and loads it at every plan.
+gears, SoC, CANN version and the OS and CPU that run it, so a window is compiled once, before a
+daemon serves, and loaded at every plan.
 
 The command line (`AtcJob.argv`), with the flags ascend-llm and qwen-ascend-llm use on the 310B:
 
@@ -23,12 +24,15 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shlex
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from prima.backends.acl.onnx_window import WindowGraph, window_graph
 from prima.backends.acl.runtime import MAX_DIM_CNT, AclError
@@ -48,6 +52,29 @@ DEFAULT_KV_DTYPE = "float16"
 # ATC's --dynamic_dims: 2 to 100 gears, at most 4 dynamic dims in each (docs/backends.md).
 GEAR_COUNT = range(2, 101)
 MAX_DYNAMIC_DIMS = 4
+# ATC's parallel operator compiles (8 processes by default) exhaust a board's RAM; Huawei's board
+# samples set one process and one core below 8 GB. Below this much RAM prima does the same (a
+# wider margin: a language model's window is a larger graph), unless the environment sets them
+# (docs/backends.md).
+SMALL_BOARD_RAM_BYTES = 32 << 30
+SMALL_BOARD_ATC_ENV: Mapping[str, str] = {"TE_PARALLEL_COMPILER": "1", "MAX_COMPILE_CORE_NUMBER": "1"}
+
+
+@dataclass(frozen=True)
+class HostEnv:
+    """The OS and CPU of the machine that will run a compiled model (ATC's --host_env_os and
+    --host_env_cpu), e.g. linux/aarch64 for a board when compiling on an x86 laptop."""
+
+    os: str
+    cpu: str
+
+    @classmethod
+    def this_machine(cls) -> HostEnv:
+        return cls(platform.system().lower(), platform.machine())
+
+    @property
+    def key(self) -> str:
+        return f"{self.os}-{self.cpu}"
 
 
 @dataclass(frozen=True)
@@ -60,10 +87,19 @@ class AtcJob:
     input_shape: str
     dynamic_dims: str
     precision: tuple[str, ...] = PRECISION_FLAGS
+    host_env: HostEnv | None = None  # None: the machine ATC runs on runs the model
 
     @property
     def om(self) -> Path:
         return self.output.with_name(self.output.name + ".om")
+
+    def produced(self) -> Path | None:
+        """The model ATC wrote: `<output>.om`, or `<output>_<os>_<arch>.om` when it names the
+        OS and architecture the model runs on (it may, with --host_env_os/--host_env_cpu)."""
+        if self.om.is_file():
+            return self.om
+        named = sorted(self.output.parent.glob(self.output.name + "_*.om"))
+        return named[0] if len(named) == 1 else None
 
     def argv(self, atc: str = "atc") -> list[str]:
         return [
@@ -76,6 +112,11 @@ class AtcJob:
             f"--input_shape={self.input_shape}",
             f"--dynamic_dims={self.dynamic_dims}",
             *self.precision,
+            *(
+                (f"--host_env_os={self.host_env.os}", f"--host_env_cpu={self.host_env.cpu}")
+                if self.host_env
+                else ()
+            ),
             "--log=error",
         ]
 
@@ -138,6 +179,16 @@ def find_atc() -> str:
     return atc
 
 
+def atc_environment(base: Mapping[str, str], total_ram_bytes: int) -> dict[str, str]:
+    """The environment ATC runs in: `base`, and on a machine with less than
+    SMALL_BOARD_RAM_BYTES of RAM one compiler process on one core, unless `base` says otherwise."""
+    env = dict(base)
+    if total_ram_bytes < SMALL_BOARD_RAM_BYTES:
+        for name, value in SMALL_BOARD_ATC_ENV.items():
+            env.setdefault(name, value)
+    return env
+
+
 @dataclass(frozen=True)
 class WindowArtifacts:
     """Where a window's ONNX graph and offline model are cached, and the ATC run that makes one."""
@@ -174,13 +225,21 @@ def artifacts(
     soc: str = DEFAULT_SOC,
     root: Path | None = None,
     kv_dtype: str = DEFAULT_KV_DTYPE,
+    host_env: HostEnv | None = None,
 ) -> WindowArtifacts:
-    """The cache entry of one window with a `kv_dtype` KV cache (nothing is written)."""
+    """The cache entry of one window with a `kv_dtype` KV cache, for a model run on `host_env`
+    (None: this machine), keyed on everything that changes the offline model: the model file,
+    SoC, CANN version, the host's OS and CPU, the graph's version, layers, context, gears and KV
+    dtype (nothing is written)."""
+    runs_on = host_env or HostEnv.this_machine()
     gear_key = "_".join(map(str, gears))
     key = f"g{GRAPH_VERSION}-{layers.start}-{layers.stop}-ctx{ctx}-gears{gear_key}-kv{kv_dtype}"
-    directory = (root or acl_cache_dir()) / fingerprint / f"{soc}-cann{cann_version()}" / key
+    target = f"{soc}-cann{cann_version()}-{runs_on.key}"
+    directory = (root or acl_cache_dir()) / fingerprint / target / key
     input_shape, dynamic_dims = shapes(weights.config, layers, ctx, gears)
-    job = AtcJob(directory / "window.onnx", directory / "window", soc, input_shape, dynamic_dims)
+    job = AtcJob(
+        directory / "window.onnx", directory / "window", soc, input_shape, dynamic_dims, host_env=host_env
+    )
     return WindowArtifacts(directory, job, kv_dtype)
 
 
@@ -214,8 +273,12 @@ def compile_window(
     argv = art.job.argv(find_atc())
     say(f"compiling layers {layers.start}-{layers.stop - 1} with ATC (minutes on the board)")
     (art.directory / "atc.cmd").write_text(shlex.join(argv) + "\n", encoding="utf-8")
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 or not art.om.is_file():
+    env = atc_environment(os.environ, psutil.virtual_memory().total)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+    produced = art.job.produced() if proc.returncode == 0 else None
+    if produced is not None and produced != art.om:
+        produced.replace(art.om)  # one name in the cache, whatever ATC called it
+    if produced is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise AclError(
             f"ATC failed to compile layers {layers.start}-{layers.stop - 1} (exit {proc.returncode}): "

@@ -29,7 +29,7 @@ from prima.backends.acl import atc
 from prima.backends.acl.onnx_window import WindowGraph, window_graph, window_masks
 from prima.backends.acl.runtime import DYNAMIC_DIMS_INPUT, AclError, AclRuntime, DeviceModel, open_runtime
 from prima.backends.cpu import CpuBackend
-from prima.errors import InputError
+from prima.errors import InputError, PlanError
 from prima.kernels.tensor import QTensor
 from prima.model.weights import ModelWeights
 from prima.weights.kv_cache import WrittenPositions
@@ -40,6 +40,11 @@ DEFAULT_CTX = 512  # cache slots a compiled window has; sessions may use up to t
 # The window a daemon's profile times (prima.daemon.profile.PROFILE_LAYERS), compiled when the
 # backend is made so that the profile never runs ATC inside a request.
 PROFILE_WINDOW = range(0, 1)
+
+
+class WindowNotCompiledError(PlanError):
+    """A plan gives this node NPU layers whose offline model is not in the acl cache, on a
+    backend that no longer compiles (a serving daemon: ATC takes minutes, requests have seconds)."""
 
 
 class AclKV:
@@ -150,6 +155,7 @@ class AclBackend:
         self.shares_ram = soc.startswith("Ascend310B")
         self.progress = progress
         self.fingerprint = weights.gguf.fingerprint()
+        self.compiles_on_load = True  # until serve_compiled_only()
         # Embeddings, output head, the profiler's matmul, and the layers a plan leaves on the CPU.
         self.host = CpuBackend(weights, threads=threads, mode=host_mode)
         self.runtime = open_runtime(device_id, acl)
@@ -179,6 +185,12 @@ class AclBackend:
         atc.compile_window(self.weights, art, layers, self.ctx, self.progress)
         return art
 
+    def serve_compiled_only(self) -> None:
+        """From now on load_window loads only windows already compiled and raises
+        WindowNotCompiledError for any other: called by a daemon before it serves, so that no
+        request (a plan, a forward pass) waits minutes on ATC."""
+        self.compiles_on_load = False
+
     def compiled(self, layers: range) -> bool:
         """Whether `layers` load without running ATC (their offline model is in the cache)."""
         return self._artifacts(layers).om.is_file()
@@ -189,7 +201,12 @@ class AclBackend:
         )
 
     def load_window(self, layers: range) -> AclWindow:
-        art = self.compile(layers)
+        if self.compiles_on_load:
+            art = self.compile(layers)
+        else:
+            art = self._artifacts(layers)
+            if not art.om.is_file():
+                raise self._not_compiled(layers)
         graph = window_graph(self.config, layers, self.ctx)
         model = self.runtime.load_model(art.om)
         buffers: dict[str, tuple[int, int]] = {}
@@ -211,6 +228,16 @@ class AclBackend:
             self.runtime.unload(model)
             raise
         return AclWindow(layers, graph, model, buffers)
+
+    def _not_compiled(self, layers: range) -> WindowNotCompiledError:
+        first, last = layers.start, layers.stop - 1
+        return WindowNotCompiledError(
+            f"layers {first}-{last} are not compiled for this node's NPU (context {self.ctx}, gears "
+            f"{','.join(map(str, self.gears))}), and a serving daemon does not run ATC (minutes) inside a "
+            f"request: run `prima npu compile -m {self.weights.gguf.path} --window {layers.start}-{layers.stop} "
+            f"--npu-ctx {self.ctx}` on this node, or restart primad with --npu-window {layers.start}-{layers.stop}, "
+            "then load the plan again"
+        )
 
     def release_window(self, window: AclWindow) -> None:
         if window.released:

@@ -189,10 +189,15 @@ class AclRuntime:
         self.device_id = device_id
         self.users = 1
         self._bound = threading.local()
+        self._stream_lock = threading.Lock()
         self._check("init", self.acl.init())
         try:
             self._check("rt.set_device", self.acl.rt.set_device(device_id))
             self.context = self._value("rt.create_context", self.acl.rt.create_context(device_id))
+            # Models run on this stream: pyACL's execute holds the GIL until the NPU is done, its
+            # synchronize_stream waits without it (docs/backends.md), so the daemon's network
+            # and prefetch threads run while a window computes.
+            self.stream = self._value("rt.create_stream", self.acl.rt.create_stream())
         except AclError:
             self.acl.finalize()  # so that a later attempt may init again
             raise
@@ -313,8 +318,14 @@ class AclRuntime:
                     "mdl.set_input_dynamic_dims",
                     mdl.set_input_dynamic_dims(model.model_id, in_ds, index, spec),
                 )
-            self._check("mdl.execute", mdl.execute(model.model_id, in_ds, out_ds))
-        finally:
+            # One execution at a time on the stream: CANN asks callers sharing a model or a
+            # stream across threads to lock around a run (aclmdlExecuteAsync's restrictions).
+            with self._stream_lock:
+                self._check(
+                    "mdl.execute_async", mdl.execute_async(model.model_id, in_ds, out_ds, self.stream)
+                )
+                self._check("rt.synchronize_stream", self.acl.rt.synchronize_stream(self.stream))
+        finally:  # the datasets live until the stream is synchronized
             self._destroy_dataset(in_ds)
             self._destroy_dataset(out_ds)
 
@@ -342,6 +353,7 @@ class AclRuntime:
                 return
         self.bind()
         self.closed = True
+        self._check("rt.destroy_stream", self.acl.rt.destroy_stream(self.stream))
         self._check("rt.destroy_context", self.acl.rt.destroy_context(self.context))
         self._check("rt.reset_device", self.acl.rt.reset_device(self.device_id))
         self._check("finalize", self.acl.finalize())

@@ -5,7 +5,8 @@ enforce the documented rules of the real ones that prima depends on, each listed
 source in docs/backends.md ("What prima relies on"), so that breaking one fails a test here:
 
 - ATC (`--dynamic_dims`): --input_format=ND, 2 to 100 gears, one value per -1 of
-  --input_shape in each, and at most 4 of them;
+  --input_shape in each, and at most 4 of them; with --host_env_os and --host_env_cpu (set
+  together) the model is written as `<output>_<os>_<cpu>.om`;
 - aclmdlGetOutputNameByIndex answers "<op name>:<edge index>:<output name>" for an ONNX model;
 - aclmdlSetInputDynamicDims takes a gear's full shape, every input's dims concatenated, at most
   ACL_MAX_DIM_CNT (128) of them;
@@ -13,18 +14,23 @@ source in docs/backends.md ("What prima relies on"), so that breaking one fails 
   107002, otherwise);
 - aclrtGetMemInfo answers an HBM query from DDR (the Atlas 200I/500 A2 class, the 310B's) and,
   for a device that shares the host's memory (`shared_host`), from the host's memory;
-- acl.util.numpy_to_ptr fails under numpy 2 (CANN's pyACL is built against numpy 1.x).
+- acl.util.numpy_to_ptr fails under numpy 2 (CANN's pyACL is built against numpy 1.x);
+- acl.mdl.execute holds the GIL until the device is done (with `device_seconds` set, no other
+  Python thread runs meanwhile); acl.mdl.execute_async queues the run on a stream, whose outputs
+  exist once acl.rt.synchronize_stream returns, and that call waits with the GIL released.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import json
 import os
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +58,8 @@ RT_MEMORY_ALLOCATION = 207001
 RT_NO_DEVICE = 207004
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+# libc through ctypes.PyDLL: its calls keep the GIL, as pyACL's execute does while the NPU computes.
+_LIBC = ctypes.PyDLL(ctypes.util.find_library("c"))
 DYNAMIC_DIMS_INPUT = "ascend_mbatch_shape_data"
 MAX_DIM_CNT = 128  # acl_mdl.h: aclmdlIODims.dims
 _SPAN = 1 << 40  # device addresses: each allocation is its own span, so base = ptr - ptr % _SPAN
@@ -63,7 +71,8 @@ FAKE_ATC_LOG_ENV = "PRIMA_TEST_FAKE_ATC_LOG"
 
 FAKE_ATC = """#!{python}
 # Stand-in for CANN's atc (tests only): checks the --dynamic_dims rules ATC documents, then
-# writes <output>.om naming the ONNX file it stands for.
+# writes <output>.om (<output>_<os>_<cpu>.om with --host_env_os/--host_env_cpu) naming the ONNX
+# file it stands for.
 import json, os, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 for flag in ("framework", "model", "output", "soc_version", "input_shape"):
@@ -82,11 +91,17 @@ if args.get("dynamic_dims"):
         sys.exit("ATC_ERROR: each gear of --dynamic_dims needs one value per -1 of --input_shape")
     if free > 4:
         sys.exit("ATC_ERROR: at most 4 dynamic dims per gear, not %d" % free)
+host_os, host_cpu = args.get("host_env_os"), args.get("host_env_cpu")
+if bool(host_os) != bool(host_cpu):
+    sys.exit("ATC_ERROR: --host_env_os and --host_env_cpu are set together")
+# With them, the model's file name carries the OS and architecture it runs on.
+om = args["output"] + ("_%s_%s" % (host_os, host_cpu) if host_os else "") + ".om"
 time.sleep(float(os.environ.get("{seconds_env}") or 0))
 if os.environ.get("{log_env}"):
+    compiler = ",".join(v + "=" + os.environ.get(v, "") for v in ("TE_PARALLEL_COMPILER", "MAX_COMPILE_CORE_NUMBER"))
     with open(os.environ["{log_env}"], "a") as log:
-        log.write(args["output"] + "\\n")
-with open(args["output"] + ".om", "w") as f:
+        log.write(args["output"] + "\\t" + compiler + "\\n")
+with open(om, "w") as f:
     json.dump({{"format": "fake-om", "onnx": args["model"], "input_shape": args["input_shape"],
                "dynamic_dims": args.get("dynamic_dims", ""), "soc_version": args["soc_version"]}}, f)
 """
@@ -171,6 +186,12 @@ class FakeAcl:
         self.mem: dict[int, bytearray] = {}
         self.models: dict[int, _Model] = {}
         self.executions = 0
+        self.streams: dict[Any, list[Callable[[], int]]] = {}
+        # The device's compute time of each execution (0: none modelled), and when the last ends.
+        self.device_seconds = 0.0
+        self.device_until = 0.0
+        self.device_started = threading.Event()  # set when the device starts computing
+        self.device_idle = threading.Event()
         self._next = 1
         self._failures: dict[str, int] = {}
         self.rt = _Namespace(self, "rt")
@@ -490,20 +511,98 @@ class FakeAcl:
         return INVALID_PARAM
 
     def mdl_execute(self, model_id: int, in_ds: _Dataset, out_ds: _Dataset) -> int:
+        """Synchronous: returns when the device is done, and pyACL holds the GIL all the while
+        (no other Python thread runs for `device_seconds`)."""
         if code := self._injected("mdl.execute"):
             return code
         if self._no_context():
             return RT_CONTEXT_NULL
+        run, code = self._prepare(model_id, in_ds, out_ds)
+        if run is None:
+            return code
+        code = run()
+        self._device_busy(hold_gil=True)
+        return code
+
+    def mdl_execute_async(self, model_id: int, in_ds: _Dataset, out_ds: _Dataset, stream: Any) -> int:
+        """Queued on `stream`: the outputs are written by the time synchronize_stream returns, not
+        before; the datasets must live until then."""
+        if code := self._injected("mdl.execute_async"):
+            return code
+        if self._no_context():
+            return RT_CONTEXT_NULL
+        if stream not in self.streams:
+            return INVALID_PARAM
+        run, code = self._prepare(model_id, in_ds, out_ds)
+        if run is None:
+            return code
+        self.streams[stream].append(run)
+        self._device_busy(hold_gil=False)
+        return SUCCESS
+
+    def rt_create_stream(self) -> tuple[Any, int]:
+        if self._no_context():
+            return None, RT_CONTEXT_NULL
+        stream = ("stream", self._id())
+        self.streams[stream] = []
+        return stream, SUCCESS
+
+    def rt_destroy_stream(self, stream: Any) -> int:
+        if self._no_context():
+            return RT_CONTEXT_NULL
+        return SUCCESS if self.streams.pop(stream, None) is not None else INVALID_PARAM
+
+    def rt_synchronize_stream(self, stream: Any) -> int:
+        """Runs what `stream` holds and waits for the device with the GIL released, as pyACL's
+        wrapper does (PyEval_SaveThread around aclrtSynchronizeStream)."""
+        if self._no_context():
+            return RT_CONTEXT_NULL
+        if stream not in self.streams:
+            return INVALID_PARAM
+        queued, self.streams[stream] = self.streams[stream], []
+        codes = [run() for run in queued]
+        if code := self._injected("rt.synchronize_stream"):  # a run that failed on the device
+            return code
+        time.sleep(max(0.0, self.device_until - time.perf_counter()))  # releases the GIL
+        self.device_idle.set()
+        return next((c for c in codes if c != SUCCESS), SUCCESS)
+
+    def device_computing(self) -> bool:
+        """Whether the device is still computing what it was last given (`device_seconds`)."""
+        return time.perf_counter() < self.device_until
+
+    def _device_busy(self, hold_gil: bool) -> None:
+        """The device computes for `device_seconds` from now; holding the GIL the while if
+        `hold_gil` (libc's usleep called through ctypes.PyDLL, which keeps the GIL)."""
+        if self.device_seconds <= 0:
+            return
+        self.device_until = time.perf_counter() + self.device_seconds
+        self.device_idle.clear()
+        self.device_started.set()
+        if hold_gil:
+            _LIBC.usleep(int(self.device_seconds * 1e6))
+            self.device_idle.set()
+
+    def _prepare(
+        self, model_id: int, in_ds: _Dataset, out_ds: _Dataset
+    ) -> tuple[Callable[[], int] | None, int]:
+        """The execution of `model_id` on the datasets, checked (None and the code otherwise)."""
         model = self.models.get(model_id)
         if model is None:
-            return INVALID_MODEL_ID
+            return None, INVALID_MODEL_ID
         if len(in_ds.buffers) != len(model.inputs) + 1 or in_ds.dims is None:
-            return MODEL_INPUT_NOT_MATCH
+            return None, MODEL_INPUT_NOT_MATCH
         if len(out_ds.buffers) != len(model.outputs):
-            return MODEL_OUTPUT_NOT_MATCH
+            return None, MODEL_OUTPUT_NOT_MATCH
+        inputs, outputs, dims = list(in_ds.buffers), list(out_ds.buffers), list(in_ds.dims)
+        return (lambda: self._run(model, inputs, outputs, dims)), SUCCESS
+
+    def _run(
+        self, model: _Model, inputs: list[tuple[int, int]], outputs: list[tuple[int, int]], gear: list[int]
+    ) -> int:
         feed = {}
-        shapes = self._shapes(model, in_ds.dims)
-        for name, (ptr, size) in zip(model.inputs, in_ds.buffers, strict=False):
+        shapes = self._shapes(model, gear)
+        for name, (ptr, size) in zip(model.inputs, inputs, strict=False):
             shape = shapes[name]
             n = int(np.prod(shape)) * np.dtype(model.dtypes[name]).itemsize
             view = self._resolve(ptr, n)
@@ -511,7 +610,7 @@ class FakeAcl:
                 return MODEL_INPUT_NOT_MATCH
             feed[name] = np.frombuffer(bytes(view), dtype=model.dtypes[name]).reshape(shape)
         results = model.session.run(model.outputs, feed)
-        for (ptr, size), value in zip(out_ds.buffers, results, strict=True):
+        for (ptr, size), value in zip(outputs, results, strict=True):
             data = np.ascontiguousarray(value).tobytes()
             view = self._resolve(ptr, len(data))
             if view is None or len(data) > size:

@@ -6,6 +6,7 @@ gear, and the precision mode that keeps the graph's fp32 norms."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -23,10 +24,11 @@ pytest.importorskip("onnx")
 from prima.backends.acl import atc
 from prima.backends.acl.onnx_window import window_graph
 from prima.backends.acl.runtime import MAX_DIM_CNT
-from tests.backends.acl.fake_acl import write_fake_atc
+from tests.backends.acl.fake_acl import FAKE_ATC_LOG_ENV, write_fake_atc
 
 DOCUMENTED = {"--framework", "--model", "--output", "--soc_version", "--input_format", "--input_shape"}
 DOCUMENTED |= {"--dynamic_dims", "--precision_mode", "--precision_mode_v2", "--log"}
+DOCUMENTED |= {"--host_env_os", "--host_env_cpu"}
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
@@ -123,3 +125,51 @@ def test_the_stand_in_atc_keeps_atcs_rules(
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not (tmp_path / "m.om").exists()
+
+
+def test_a_model_compiled_for_another_host_is_found_under_the_name_atc_gives_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --host_env_os/--host_env_cpu ATC names the model `<output>_<os>_<cpu>.om`; prima
+    caches it as window.om, under a key for that host (a board finds what a laptop compiled)."""
+    monkeypatch.setenv("PATH", f"{write_fake_atc(tmp_path / 'bin')}:{os.environ['PATH']}")
+    weights = open_model(tiny_model_path("tiny-qwen2")).weights
+    board = atc.HostEnv("linux", "aarch64")
+    art = atc.artifacts(weights, "f" * 16, range(1), 64, root=tmp_path / "acl", host_env=board)
+    flags = _flags(art.job.argv())
+    assert (flags["--host_env_os"], flags["--host_env_cpu"]) == ("linux", "aarch64")
+    assert atc.compile_window(weights, art, range(1), 64) == art.om
+    assert art.om.is_file()
+    assert not list(art.directory.glob("window_*.om"))
+    here = atc.artifacts(weights, "f" * 16, range(1), 64, root=tmp_path / "acl")
+    assert "--host_env_os" not in " ".join(here.job.argv())
+    assert (here.directory == art.directory) == (atc.HostEnv.this_machine() == board)
+
+
+def test_atc_runs_one_compiler_on_one_core_on_a_small_board_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Huawei's board samples' advice below 8 GB (TE_PARALLEL_COMPILER=1,
+    MAX_COMPILE_CORE_NUMBER=1) is the default below SMALL_BOARD_RAM_BYTES; the user's values win."""
+    small, big = atc.SMALL_BOARD_RAM_BYTES - 1, atc.SMALL_BOARD_RAM_BYTES
+    assert atc.atc_environment({"PATH": "/x"}, small) == {
+        "PATH": "/x",
+        "TE_PARALLEL_COMPILER": "1",
+        "MAX_COMPILE_CORE_NUMBER": "1",
+    }
+    assert atc.atc_environment({"TE_PARALLEL_COMPILER": "2"}, small)["TE_PARALLEL_COMPILER"] == "2"
+    assert atc.atc_environment({"PATH": "/x"}, big) == {"PATH": "/x"}
+    # and the ATC child sees them (the stand-in logs what it was given)
+    log = tmp_path / "atc.log"
+    monkeypatch.setenv("PATH", f"{write_fake_atc(tmp_path / 'bin')}:{os.environ['PATH']}")
+    monkeypatch.setenv(FAKE_ATC_LOG_ENV, str(log))
+    monkeypatch.setenv("TE_PARALLEL_COMPILER", "2")
+    monkeypatch.delenv("MAX_COMPILE_CORE_NUMBER", raising=False)
+    monkeypatch.setattr(atc, "SMALL_BOARD_RAM_BYTES", 1 << 62)  # this machine counts as small
+    weights = open_model(tiny_model_path("tiny-qwen2")).weights
+    art = atc.artifacts(weights, "f" * 16, range(1), 64, root=tmp_path / "acl")
+    atc.compile_window(weights, art, range(1), 64)
+    assert (
+        log.read_text(encoding="utf-8").split("\t")[1].strip()
+        == "TE_PARALLEL_COMPILER=2,MAX_COMPILE_CORE_NUMBER=1"
+    )

@@ -101,8 +101,8 @@ def test_load_failures_become_errors_that_say_what_to_do(
 @pytest.mark.parametrize(
     ("call", "code", "message"),
     [
-        ("mdl.execute", 500003, "NPU runtime failed"),
-        ("mdl.execute", 207001, "out of NPU memory"),
+        ("rt.synchronize_stream", 500003, "NPU runtime failed"),  # the run failed on the device
+        ("mdl.execute_async", 207001, "out of NPU memory"),
         ("rt.memcpy", 100000, "bug in prima"),
     ],
 )
