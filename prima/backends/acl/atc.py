@@ -47,7 +47,7 @@ DEFAULT_SOC = "Ascend310B1"  # the OrangePi AIpro's NPU
 DEFAULT_GEARS: tuple[int, ...] = (1, 2, 4, 8)  # tokens per call: decode, and prefill in chunks
 PRECISION_FLAGS: tuple[str, ...] = ("--precision_mode=must_keep_origin_dtype",)
 # Bumped whenever onnx_window builds a different graph, so cached models are rebuilt.
-GRAPH_VERSION = 3  # 2: the KV cache's dtype is chosen; 3: KV packed per window, masks stacked
+GRAPH_VERSION = 4  # 2: KV dtype chosen; 3: KV packed per window, masks stacked; 4: f16 attention
 DEFAULT_KV_DTYPE = "float16"
 # ATC's --dynamic_dims: 2 to 100 gears, at most 4 dynamic dims in each (docs/backends.md).
 GEAR_COUNT = range(2, 101)

@@ -8,7 +8,7 @@ model's past_k/past_v inputs as they are. After each call the new keys and value
 into them device to device, so no cache crosses to the host. Tokens go through in gears (1, 2, 4, 8 at a time): a prefill of 13
 tokens is three calls (8, 4, 1). Embedding and output head run on the host CPU.
 
-Numerics: projections in float16, the rest float32, so logits are within fp16 tolerance of
+Numerics: projections and attention's MatMuls in float16, the rest float32, so logits are within fp16 tolerance of
 llama.cpp's f32 logits, not bit-equal: `logit_tolerance` below (the tiny F32 models, either
 KV dtype), cosine
 >= 0.999 and the same greedy tokens up to near-ties (tests/backends/test_conformance.py). Not

@@ -15,14 +15,15 @@ layer's cache would stop a window at 20 layers; and ATC takes at most 4 dynamic 
 which are n, n, n and ctx + n here (a second mask input would add two more).
 
 The KV cache is float16 by default (half the device memory of float32): keys and values are
-rounded to f16 as they are stored, and attention reads them back as f32, the new tokens' own
-keys rounded too, so a token sees the same keys in the call that writes them as in later ones.
+rounded to f16 as they are stored, the new tokens' own keys too, so a token sees the same keys
+in the call that writes them as in later ones. Attention's two MatMuls (QK^T, PV) run in f16
+whatever the cache's dtype; its mask and softmax in f32.
 
 The caller keeps the cache (on the device) and writes new_k/new_v into it at `positions`; which
 cache slots a token may see is the mask's business, so one graph serves every position, and a
 cache rolled back to an earlier length needs no clearing. Projections run in float16 (weights
-dequantized to fp16, activations cast to fp16 around each MatMul: the NPU's cube unit); norms,
-RoPE, softmax and residuals stay float32 (ATC's mixed precision must keep them so, see
+dequantized to fp16, activations cast to fp16 around each MatMul: the NPU's cube unit), as do
+attention's MatMuls; norms, RoPE, softmax and residuals stay float32 (ATC's mixed precision must keep them so, see
 prima.backends.acl.atc). Opset 17, which ATC's ONNX parser accepts.
 """
 
@@ -195,11 +196,12 @@ def _block(
     cos, sin = _rope_angles(b, pos_f, p.inv_freq)
     q = _rope(b, cfg, q, cos, sin)
     k = _rope(b, cfg, k, cos, sin)
-    # Stored in the cache's dtype; attention sees past and new keys as the cache holds them.
+    # Stored in the cache's dtype; attention sees past and new keys as the cache holds them, in
+    # float16 for its MatMuls.
     new_k = b.op("Cast", [k], to=kv_type)
     new_v = b.op("Cast", [v], to=kv_type)
-    keys = b.op("Concat", [_as_f32(b, past[0], kv_type), _as_f32(b, new_k, kv_type)], axis=0)
-    values = b.op("Concat", [_as_f32(b, past[1], kv_type), _as_f32(b, new_v, kv_type)], axis=0)
+    keys = _as_f16(b, b.op("Concat", [past[0], new_k], axis=0), kv_type)
+    values = _as_f16(b, b.op("Concat", [past[1], new_v], axis=0), kv_type)
     attn = _attention(b, cfg, q, keys, values, mask)
     attn = _project(b, lw.attn_output, attn, None)
     if p.post_attention_norm.size:
@@ -228,8 +230,8 @@ def _project(b: _Builder, w: QTensor, x: str, bias: np.ndarray | None) -> str:
     return y
 
 
-def _as_f32(b: _Builder, x: str, dtype: int) -> str:
-    return x if dtype == TensorProto.FLOAT else b.op("Cast", [x], to=TensorProto.FLOAT)
+def _as_f16(b: _Builder, x: str, dtype: int) -> str:
+    return x if dtype == TensorProto.FLOAT16 else b.op("Cast", [x], to=TensorProto.FLOAT16)
 
 
 def _rms_norm(b: _Builder, x: str, w: np.ndarray, eps: float) -> str:
@@ -274,17 +276,23 @@ def _rope(b: _Builder, cfg: ModelConfig, x: str, cos: str, sin: str, out: str | 
 
 
 def _attention(b: _Builder, cfg: ModelConfig, q: str, keys: str, values: str, mask: str) -> str:
-    """Grouped-query attention of q (n, H, hd) over keys, values (T, KVH, hd) with the additive
-    mask (n, T); returns (n, H * hd). Query heads are grouped under their KV head, as ops.attention."""
+    """Grouped-query attention of q (n, H, hd) f32 over keys, values (T, KVH, hd) f16 with the
+    additive mask (n, T) f32; returns (n, H * hd) f32. Query heads are grouped under their KV head,
+    as ops.attention. QK^T and PV are float16 MatMuls (the cube unit; both projects that run LLMs
+    on a 310B do so), q scaled before it is rounded so that scores stay small; the mask, softmax
+    and the output are float32."""
     kvh, group, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    q = b.op("Mul", [q, b.const(np.array(cfg.attn_scale, np.float32))])
     qg = b.op("Reshape", [q, b.const(np.array([0, kvh, group, hd], np.int64))])
-    qg = b.op("Transpose", [qg], perm=[1, 2, 0, 3])  # (KVH, G, n, hd)
+    qg = b.op("Cast", [b.op("Transpose", [qg], perm=[1, 2, 0, 3])], to=TensorProto.FLOAT16)  # (KVH, G, n, hd)
     kt = b.op("Unsqueeze", [b.op("Transpose", [keys], perm=[1, 2, 0]), b.const(np.array([1], np.int64))])
-    scores = b.op("MatMul", [qg, kt])  # (KVH, G, n, T)
-    scores = b.op("Add", [b.op("Mul", [scores, b.const(np.array(cfg.attn_scale, np.float32))]), mask])
-    probs = b.op("Softmax", [scores], axis=-1)
+    scores = b.op("Cast", [b.op("MatMul", [qg, kt])], to=TensorProto.FLOAT)  # (KVH, G, n, T)
+    probs = b.op("Softmax", [b.op("Add", [scores, mask])], axis=-1)
     vt = b.op("Unsqueeze", [b.op("Transpose", [values], perm=[1, 0, 2]), b.const(np.array([1], np.int64))])
-    out = b.op("Transpose", [b.op("MatMul", [probs, vt])], perm=[2, 0, 1, 3])  # (n, KVH, G, hd)
+    out16 = b.op("MatMul", [b.op("Cast", [probs], to=TensorProto.FLOAT16), vt])  # (KVH, G, n, hd)
+    out = b.op(
+        "Transpose", [b.op("Cast", [out16], to=TensorProto.FLOAT)], perm=[2, 0, 1, 3]
+    )  # (n, KVH, G, hd)
     return b.op("Reshape", [out, b.const(np.array([0, cfg.n_heads * hd], np.int64))])
 
 

@@ -15,6 +15,8 @@ source in docs/backends.md ("What prima relies on"), so that breaking one fails 
 - aclrtGetMemInfo answers an HBM query from DDR (the Atlas 200I/500 A2 class, the 310B's) and,
   for a device that shares the host's memory (`shared_host`), from the host's memory;
 - acl.util.numpy_to_ptr fails under numpy 2 (CANN's pyACL is built against numpy 1.x);
+- onnxruntime runs a compiled model with its float16 roundings, as the device's float16
+  MatMuls would (with_fp16_rounding; its CPU provider alone would skip them);
 - acl.mdl.execute holds the GIL until the device is done (with `device_seconds` set, no other
   Python thread runs meanwhile); acl.mdl.execute_async queues the run on a stream, whose outputs
   exist once acl.rt.synchronize_stream returns, and that call waits with the GIL released.
@@ -386,7 +388,10 @@ class FakeAcl:
         weight_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
         if self.used_bytes + weight_bytes > self.memory_bytes:
             return 0, RT_MEMORY_ALLOCATION
-        session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+        graph = onnx.load(str(onnx_path), load_external_data=False)
+        rounded = onnx_path.with_name(onnx_path.stem + ".fake-fp16.onnx")  # beside its weights file
+        onnx.save_model(with_fp16_rounding(graph), rounded)
+        session = ort.InferenceSession(str(rounded), providers=["CPUExecutionProvider"])
         shapes = {}
         for part in om["input_shape"].split(";"):
             name, dims = part.rsplit(":", 1)
@@ -398,7 +403,7 @@ class FakeAcl:
         # aclmdlGetOutputNameByIndex, ONNX model built by ATC: "<op name>:<edge index>:<output name>".
         producers = {
             out: f"{node.name}:{edge}:{out}"
-            for node in onnx.load(str(onnx_path), load_external_data=False).graph.node
+            for node in graph.graph.node
             for edge, out in enumerate(node.output)
         }
         outputs = [o.name for o in session.get_outputs()]
@@ -646,6 +651,72 @@ class FakeAcl:
 
     def _nbytes(self, model: _Model, name: str, gear: list[int]) -> int:
         return int(np.prod(self._shapes(model, gear)[name])) * np.dtype(model.dtypes[name]).itemsize
+
+
+def with_fp16_rounding(model: Any) -> Any:
+    """`model` with its float16 roundings made explicit, so that onnxruntime computes as a device
+    with float16 MatMuls does. Its CPU provider has no float16 MatMul on x86: it casts the inputs
+    to float32 and drops the Cast pairs this leaves (f32 -> f16 -> f32), so without this the
+    activations would never be rounded and a graph's fp16 arithmetic would go untested. Each
+    float32 -> float16 Cast is preceded, and each float16 MatMul's Cast back to float32 followed,
+    by a rounding to float16 written in float32 ops: round to an 11-bit significand (Veltkamp's
+    split, exact for normal halves), infinity past 65504; halves' subnormals are not modelled."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output)
+    }
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    producer = {out: node.op_type for node in model.graph.node for out in node.output}
+    consts = [
+        helper.make_tensor("fp16_split", TensorProto.FLOAT, [], [8193.0]),  # 2^13 + 1
+        helper.make_tensor("fp16_max", TensorProto.FLOAT, [], [65504.0]),
+        helper.make_tensor("fp16_inf", TensorProto.FLOAT, [], [float("inf")]),
+    ]
+    nodes: list[Any] = []
+    done: set[str] = set()
+
+    def rounded(x: str, out: str) -> None:
+        c, d, r, a, big, r_inf = (f"{out}.fp16_{k}" for k in ("c", "d", "r", "a", "big", "inf"))
+        nodes.extend(
+            [
+                helper.make_node("Mul", [x, "fp16_split"], [c]),
+                helper.make_node("Sub", [c, x], [d]),
+                helper.make_node("Sub", [c, d], [r]),
+                helper.make_node("Abs", [r], [a]),
+                helper.make_node("Greater", [a, "fp16_max"], [big]),
+                helper.make_node("Mul", [r, "fp16_inf"], [r_inf]),
+                helper.make_node("Where", [big, r_inf, r], [out]),
+            ]
+        )
+
+    for node in model.graph.node:
+        to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+        source = node.input[0] if node.input else ""
+        if to == TensorProto.FLOAT16 and types.get(source) == TensorProto.FLOAT:
+            if f"{source}.fp16" not in done:  # a tensor cast for several MatMuls is rounded once
+                rounded(source, f"{source}.fp16")
+                done.add(f"{source}.fp16")
+            node.input[0] = f"{source}.fp16"
+            nodes.append(node)
+        elif (
+            to == TensorProto.FLOAT
+            and types.get(source) == TensorProto.FLOAT16
+            and producer.get(source) == "MatMul"
+        ):
+            out = node.output[0]
+            node.output[0] = f"{out}.unrounded"
+            nodes.append(node)
+            rounded(node.output[0], out)
+        else:
+            nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(consts)
+    return model
 
 
 class _Namespace:

@@ -172,7 +172,7 @@ def test_a_standin_is_loaded_only_when_it_says_what_it_is(monkeypatch: pytest.Mo
 def test_a_float16_kv_cache_takes_half_the_device_memory_within_the_tolerance(cann: FakeAcl) -> None:
     """The device KV cache in float16 (the default) against float32: half the bytes, and the
     prompt's logits within the backend's stated tolerance of llama.cpp's either way (measured
-    on the tiny models: <= 0.025 for both)."""
+    on the tiny models, the stand-in rounding as float16 MatMuls do: <= 0.036 for both)."""
     prompt = load_tiny_oracle("tiny-qwen3")["prompts"][1]
     ids = np.array(prompt["prompt_token_ids"])
     want = prompt["f32"]["logits"]

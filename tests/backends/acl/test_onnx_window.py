@@ -1,6 +1,7 @@
-"""The ONNX graph of a window (prima.backends.acl.onnx_window), run in onnxruntime on the CPU,
-against the CPU backend in exact mode: the same hidden states within float16 arithmetic
-(relative error <= 2e-3 of the largest value, cosine >= 0.9999), through a prefill and a decode
+"""The ONNX graph of a window (prima.backends.acl.onnx_window), run in onnxruntime on the CPU
+with its float16 roundings made explicit (fake_acl.with_fp16_rounding), against the CPU backend
+in exact mode: the same hidden states within float16 arithmetic
+(error <= 3e-3 of the largest value, cosine >= 0.9999), through a prefill and a decode
 step that reads the keys and values the prefill wrote back into the cache, kept in float16 (the
 default) or float32."""
 
@@ -20,6 +21,8 @@ from tests.tiny_qwen import TINY_TAGS
 ort = pytest.importorskip("onnxruntime")
 onnx_window = pytest.importorskip("prima.backends.acl.onnx_window")
 
+from tests.backends.acl.fake_acl import with_fp16_rounding  # noqa: E402
+
 CTX = 32
 PROMPT = np.array([1, 50, 300, 7, 9, 11])
 NEXT = np.array([42])
@@ -32,7 +35,8 @@ class OrtWindow:
         self.cfg = weights.config
         self.spec = onnx_window.window_graph(self.cfg, layers, CTX)
         model = onnx_window.export_window(weights, layers, CTX, kv_dtype)
-        self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        rounded = with_fp16_rounding(model)  # as the device rounds (the CPU provider would not)
+        self.session = ort.InferenceSession(rounded.SerializeToString(), providers=["CPUExecutionProvider"])
         self.past = {n: np.zeros(self.spec.shape(n, 0), kv_dtype) for n in ("past_k", "past_v")}
 
     def run(self, hidden: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -51,8 +55,11 @@ class OrtWindow:
 
 
 def assert_close_fp16(got: np.ndarray, want: np.ndarray) -> None:
+    """Within what six layers of float16 MatMuls give: projections and attention's scores and
+    weighted values each rounded to 11 significant bits (a score of 16 moves by up to 2^-7, which
+    shifts its probability by ~0.8%); measured up to 2.0e-3 of the largest value on Gemma 3."""
     err = float(np.abs(got - want).max())
-    assert err <= 2e-3 * float(np.abs(want).max()), err
+    assert err <= 3e-3 * float(np.abs(want).max()), err
     cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
     assert cos >= 0.9999, cos
 
@@ -98,3 +105,46 @@ def test_every_window_of_the_test_models_matches_the_cpu_backend(
         weights = open_model(path).weights
         n = weights.config.n_layers
         check_windows(weights, [range(i, min(i + 6, n)) for i in range(0, n, 6)])
+
+
+def test_every_matmul_of_a_window_runs_in_float16() -> None:
+    """The NPU's cube unit works in float16, and both projects that run LLMs on a 310B keep
+    attention's QK^T and PV there too: no MatMul of a window (projections or attention) may take
+    float32, which --precision_mode=must_keep_origin_dtype would keep as float32."""
+    import onnx
+
+    weights = open_model(tiny_model_path(TINY_TAGS[0])).weights
+    model = onnx.shape_inference.infer_shapes(onnx_window.export_window(weights, range(2), CTX, "float32"))
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.value_info, *model.graph.input)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    matmuls = [node for node in model.graph.node if node.op_type == "MatMul"]
+    assert len(matmuls) >= 2 * 7  # q, k, v, o, gate, up, down and QK^T, PV per layer
+    for node in matmuls:
+        assert {types[i] for i in node.input} == {onnx.TensorProto.FLOAT16}, node.name
+
+
+def test_the_stand_in_rounds_as_float16_matmuls_do() -> None:
+    """with_fp16_rounding makes onnxruntime's CPU provider (which computes a float16 MatMul in
+    float32 and keeps no rounding) give what float16 inputs and a float16 result give."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["a"], ["a16"], to=TensorProto.FLOAT16),
+            helper.make_node("Cast", ["b"], ["b16"], to=TensorProto.FLOAT16),
+            helper.make_node("MatMul", ["a16", "b16"], ["c16"]),
+            helper.make_node("Cast", ["c16"], ["c"], to=TensorProto.FLOAT),
+        ],
+        "mm",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 4]) for n in "ab"],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [4, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((4, 4)).astype(np.float32) * 3 for _ in range(2))
+    rounded = with_fp16_rounding(onnx.ModelProto.FromString(model.SerializeToString()))
+    session = ort.InferenceSession(rounded.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(["c"], {"a": a, "b": b})[0]
+    a16, b16 = a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got, (a16 @ b16).astype(np.float16).astype(np.float32))
