@@ -150,6 +150,10 @@ class CompilingBackend(Protocol):
         """From now on load_window refuses a window that is not compiled."""
         ...
 
+    def ready_windows(self) -> tuple[range, ...]:
+        """The windows known to load without compiling (compiled, or found compiled), in order."""
+        ...
+
 
 def host_backend(backend: Backend) -> Backend:
     """The backend that computes on the host CPU: an accelerator's `host`, else `backend` itself."""

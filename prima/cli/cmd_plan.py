@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from prima.model.files import open_model
 from prima.model.gguf_file import GGUFFile
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.plan import Plan
-from prima.scheduler import halda
+from prima.scheduler.compiled_windows import solve_on_compiled
 from prima.scheduler.cost_model import (
     device_time_ms,
     pinned_layers,
@@ -86,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     if args.devices:
         devices, file_model = load_cluster_file(args.devices)
         model = _with_draft(_model_profile(args.model, file_model, args.ctx), args.draft_model)
-        plan = halda.solve(devices, model, max_rounds=args.max_rounds)
+        plan, notes = solve_on_compiled(devices, model, max_rounds=args.max_rounds)
+        for note in notes:
+            print(f"prima: {note}", file=sys.stderr)
     else:
         devices, model, plan = _plan_running(args)
     if args.save:

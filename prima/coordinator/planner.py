@@ -14,7 +14,7 @@ from prima.engine.speculative import DraftConfig
 from prima.net.client import NodeClient
 from prima.net.codec import NodeProfile
 from prima.plan import Plan
-from prima.scheduler import halda
+from prima.scheduler.compiled_windows import solve_on_compiled
 from prima.scheduler.cost_model import device_cost
 from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.transfer import TransferEstimate, estimate_transfers
@@ -104,7 +104,10 @@ def plan_ring(
         log.info("%s read one disk: what they stream from it shares its bandwidth", ", ".join(names))
     if on_progress:
         on_progress(len(ring), len(ring), "solving")
-    plan = halda.solve(devices, model, max_rounds=options.max_rounds, epoch=epoch)
+    # An NPU runs only the windows it compiled before serving: a plan naming others is re-made.
+    plan, notes = solve_on_compiled(devices, model, max_rounds=options.max_rounds, epoch=epoch)
+    for note in notes:
+        log.warning("%s", note)
     transfers = estimate_transfers(devices, model, plan)
     log.info("plan epoch %d: %s", epoch, transfers.describe())
     return ClusterView(tuple(devices), plan, transfers)

@@ -21,7 +21,7 @@ from typing import cast
 
 import numpy as np
 
-from prima.backends.base import AcceleratorBackend, KVState
+from prima.backends.base import AcceleratorBackend, CompilingBackend, KVState
 from prima.forward.loader import LoadedModel
 from prima.forward.placement import Piece
 from prima.model.byte_ranges import held_layers, holds_head_tensors
@@ -219,7 +219,13 @@ def node_profile(
     accel = found.profile.accelerator if backend.accelerator else None  # none without its backend
     if accel is not None:
         free, _ = cast(AcceleratorBackend, backend).device_memory()
-        accel = dataclasses.replace(accel, memory_available_bytes=free)
+        # Also read now: the windows it can run without compiling (a plan may name only those).
+        ready = (
+            tuple((w.start, w.stop) for w in backend.ready_windows())
+            if isinstance(backend, CompilingBackend)
+            else None
+        )
+        accel = dataclasses.replace(accel, memory_available_bytes=free, compiled_windows=ready)
     device = dataclasses.replace(
         found.profile,
         ram_total_bytes=limit.total,

@@ -31,13 +31,21 @@ ACTIVATION_ELEMENT_BYTES = 4
 @dataclass(frozen=True)
 class AcceleratorProfile:
     """A GPU or NPU beside the CPU. `shares_ram` is true for unified memory (Apple Metal, the
-    Ascend NPU of an OrangePi): its layers then also count against the device's RAM."""
+    Ascend NPU of an OrangePi): its layers then also count against the device's RAM.
+    `compiled_windows` lists the layer ranges [start, end) it can run now, for an accelerator
+    that runs only windows compiled ahead (an NPU: ATC takes minutes, a daemon never compiles
+    inside a request); None when it runs any window."""
 
     kind: str
     memory_available_bytes: int
     flops: Mapping[str, float] = field(default_factory=dict, hash=False)
     mem_bandwidth_bytes_per_s: float = 0.0
     shares_ram: bool = False
+    compiled_windows: tuple[tuple[int, int], ...] | None = None
+
+    def runs(self, layers: range) -> bool:
+        """Whether it can run `layers` as one window now."""
+        return self.compiled_windows is None or (layers.start, layers.stop) in self.compiled_windows
 
 
 @dataclass(frozen=True)
@@ -348,6 +356,7 @@ def _accel_to_dict(a: AcceleratorProfile) -> dict[str, Any]:
         "flops": dict(a.flops),
         "mem_bandwidth_bytes_per_s": a.mem_bandwidth_bytes_per_s,
         "shares_ram": a.shares_ram,
+        "compiled_windows": None if a.compiled_windows is None else [list(w) for w in a.compiled_windows],
     }
 
 
@@ -359,6 +368,7 @@ def _accel_from_dict(raw: Mapping[str, Any]) -> AcceleratorProfile:
         flops=r.flops("flops"),
         mem_bandwidth_bytes_per_s=r.number("mem_bandwidth_bytes_per_s", 0.0),
         shares_ram=bool(raw.get("shares_ram", False)),
+        compiled_windows=r.windows("compiled_windows"),
     )
 
 
@@ -422,6 +432,22 @@ class _Fields:
         ):
             raise InputError(f"{self.what}: {name} must be a list of layer indices >= 0 or null")
         return tuple(sorted(set(value)))
+
+    def windows(self, name: str) -> tuple[tuple[int, int], ...] | None:
+        """A list of layer ranges [start, end) with start < end, or null (absent: null)."""
+        value = self._get(name, None)
+        if value is None:
+            return None
+        ok = isinstance(value, list) and all(
+            isinstance(w, list)
+            and len(w) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in w)
+            and 0 <= w[0] < w[1]
+            for w in value
+        )
+        if not ok:
+            raise InputError(f"{self.what}: {name} must be a list of [start, end] layer ranges or null")
+        return tuple(sorted({(w[0], w[1]) for w in value}))
 
     def flops(self, name: str) -> dict[str, float]:
         value = self._get(name, {})

@@ -185,3 +185,5 @@ def test_the_npu_node_reports_its_accelerator(mixed_ring: LocalRing) -> None:
     assert npu.accelerator.kind == "acl"
     assert 0 < npu.accelerator.memory_available_bytes <= 1 << 30
     assert npu.accelerator.flops["F32"] > 0
+    # the windows it compiled before serving, which alone a plan may give its NPU
+    assert set(npu.accelerator.compiled_windows or ()) == {(0, 1), (2, 3), (0, 2)}

@@ -156,6 +156,7 @@ class AclBackend:
         self.progress = progress
         self.fingerprint = weights.gguf.fingerprint()
         self.compiles_on_load = True  # until serve_compiled_only()
+        self._ready: dict[range, None] = {}  # windows seen compiled, for the profile (ready_windows)
         # Embeddings, output head, the profiler's matmul, and the layers a plan leaves on the CPU.
         self.host = CpuBackend(weights, threads=threads, mode=host_mode)
         self.runtime = open_runtime(device_id, acl)
@@ -183,6 +184,7 @@ class AclBackend:
         self.weights.validate(layers)
         art = self._artifacts(layers)
         atc.compile_window(self.weights, art, layers, self.ctx, self.progress)
+        self._ready[layers] = None
         return art
 
     def serve_compiled_only(self) -> None:
@@ -193,7 +195,17 @@ class AclBackend:
 
     def compiled(self, layers: range) -> bool:
         """Whether `layers` load without running ATC (their offline model is in the cache)."""
-        return self._artifacts(layers).om.is_file()
+        found = self._artifacts(layers).om.is_file()
+        if found:
+            self._ready[layers] = None
+        return found
+
+    def ready_windows(self) -> tuple[range, ...]:
+        """The windows this backend compiled or found compiled, which a coordinator may plan
+        on its NPU (reported in the node's profile)."""
+        return tuple(
+            sorted((w for w in list(self._ready) if self.compiled(w)), key=lambda w: (w.start, w.stop))
+        )
 
     def _artifacts(self, layers: range) -> atc.WindowArtifacts:
         return atc.artifacts(

@@ -66,7 +66,9 @@ def test_the_profile_never_runs_atc(
                 loaded, "npu0", "f" * 16, budget_bytes=None, cache_dir=tmp_path / "profiles", refresh=refresh
             )
 
-        assert profile().device.accelerator is not None  # timed on the compiled window
+        accel = profile().device.accelerator
+        assert accel is not None  # timed on the compiled window
+        assert accel.compiled_windows == ((0, 1),)  # what a plan may give its NPU
         assert _atc_runs(log) == 1
         # The window gone from the acl cache (e.g. a CANN upgrade): the profile reports the node
         # as CPU-only and says how to compile, and still runs no ATC.
@@ -95,6 +97,7 @@ def test_a_serving_backend_refuses_a_window_not_compiled_without_running_atc(
         assert lines == ["compiling NPU window 1/1: layers 0-1 (ATC)"]  # 0-1 cached at start
         runs = _atc_runs(log)
         backend = loaded.model.backend
+        assert backend.ready_windows() == (range(0, 1), range(0, 2))  # reported in its profile
         backend.release_window(backend.load_window(range(0, 2)))
         with pytest.raises(WindowNotCompiledError, match=r"prima npu compile .*--window 1-3 --npu-ctx 64"):
             backend.load_window(range(1, 3))
