@@ -94,6 +94,11 @@ class Backend(Protocol):
         """Hidden states (n, d_model) -> logits (n, vocab) float32 (final norm + output head)."""
         ...
 
+    def output_norm(self, hidden: np.ndarray) -> np.ndarray:
+        """Hidden states (n, d_model) -> the final norm's output (n, d_model), the output head's
+        input (what embeddings are pooled from)."""
+        ...
+
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T (float32), in the mode this backend runs: what the profiler times per
         weight format (prima.scheduler.kernel_bench) so that plans use this backend's speed."""

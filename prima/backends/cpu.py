@@ -206,6 +206,9 @@ class CpuBackend:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return reference.output_logits(self.weights, self.ops, hidden)
 
+    def output_norm(self, hidden: np.ndarray) -> np.ndarray:
+        return reference.final_norm(self.weights, hidden)
+
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         return self.ops.matmul(w, x)
 

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from prima.backends.base import Backend, KVState, SessionBatching, WindowHandle, host_backend
-from prima.backends.reference import final_norm
 from prima.forward.placement import Piece, SplitKV
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
@@ -99,7 +98,7 @@ class Transformer:
     def output_norm(self, h: np.ndarray) -> np.ndarray:
         """Hidden states (n, d) -> the final norm's output (n, d), the output head's input; on
         the host, as it is cheap and every backend's head starts with it."""
-        return final_norm(self.weights, h)
+        return host_backend(self.backend).output_norm(h)
 
     def new_cache(self, n_ctx: int, layers: range | None = None) -> KVState:
         return self.backend.new_kv(n_ctx, layers if layers is not None else range(self.config.n_layers))

@@ -311,6 +311,9 @@ class AclBackend:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.host.logits(hidden)
 
+    def output_norm(self, hidden: np.ndarray) -> np.ndarray:
+        return self.host.output_norm(hidden)
+
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """The host CPU's matmul: the profiler's kernel table is the CPU's; the NPU is profiled
         by timing a window (prima.backends.acl.profile)."""
