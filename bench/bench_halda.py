@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from prima.scheduler import halda
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile, ModelProfile
 
 GiB = 1 << 30
 

@@ -28,8 +28,8 @@ from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.plan import even_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token
-from prima.scheduler.profile import ModelProfile
 from prima.scheduler.profile_cache import CACHE_ENV
+from prima.scheduler.profile_schema import ModelProfile
 
 PROMPT = "The capital of France is"
 N_CTX = 512

@@ -34,7 +34,7 @@ from prima.engine.local import LocalEngine
 from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.forward.placement import Piece
-from prima.forward.transformer import Transformer
+from prima.forward.windowed_model import WindowedModel
 from prima.net.client import NodeClient, Relay
 from prima.net.codec import Activation
 from prima.net.link_client import LinkRelay, open_link
@@ -68,7 +68,7 @@ class SingleEngine:
         self._proc.join(30)
 
 
-class TimedLayers(Transformer):
+class TimedLayers(WindowedModel):
     """The model, with the time its decode steps spend in the layers added up (as a ring's
     nodes time their hops), so that the ring's extra time splits into slower layers and the
     ring's own cost."""

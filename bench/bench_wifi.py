@@ -32,8 +32,8 @@ from prima.forward.loader import load_model
 from prima.net.link_shaper import LinkShape, shaped_daemons
 from prima.plan import even_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token
-from prima.scheduler.profile import DeviceProfile, ModelProfile
 from prima.scheduler.profile_cache import CACHE_ENV
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 PROMPT = "The capital of France is"
 NODES = 3

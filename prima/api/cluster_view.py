@@ -23,8 +23,8 @@ from prima.errors import NodeError, ProtocolError
 from prima.net.codec import PROTOCOL_VERSION, HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, Window, plan_from_window_sizes
 from prima.scheduler.cost_model import device_time, ring_costs
-from prima.scheduler.profile import DeviceProfile, ModelProfile
-from prima.scheduler.profiler import os_class, usable_ram_bytes
+from prima.scheduler.device_probe import os_class, usable_ram_bytes
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from prima.weights.window import LayerWindows, Residency, resident_bytes, window_spans
 
 if TYPE_CHECKING:

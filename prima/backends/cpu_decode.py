@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prima.kernels import drivers, fused_ops, ops
+from prima.kernels import drivers, ops_compiled
+from prima.kernels import ops_reference as ops
 from prima.kernels.decode_layer import decode_layer
 from prima.kernels.quants import F16_TABLE
 from prima.kernels.tensor import QTensor
@@ -90,7 +91,7 @@ class FusedBlock:
             t,
             positions,
             self.inv_freq,
-            fused_ops.is_neox(cfg.rope_type),
+            ops_compiled.is_neox(cfg.rope_type),
             cfg.n_heads,
             cfg.n_kv_heads,
             cfg.head_dim,

@@ -18,16 +18,16 @@ from typing import Protocol
 
 import numpy as np
 
-from prima.kernels import ops
+from prima.kernels import ops_reference as ops
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
 from prima.model.weights import LayerWeights, ModelWeights
 from prima.weights.kv_cache import KVCache
 
 try:
-    from prima.kernels import fused_ops as glue
+    from prima.kernels import ops_compiled as glue
 except ImportError:  # no numba on this device: the same glue in numpy (slow, but it runs)
-    from prima.kernels import glue_numpy as glue  # type: ignore[no-redef]
+    from prima.kernels import ops_numpy as glue  # type: ignore[no-redef]
 
 
 class Ops(Protocol):

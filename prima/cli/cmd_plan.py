@@ -33,7 +33,7 @@ from prima.scheduler.cost_model import (
     stream_buffer_layers,
     streams,
 )
-from prima.scheduler.profile import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
 from prima.scheduler.transfer import estimate_transfers
 
 _GIB = float(1 << 30)

@@ -9,9 +9,9 @@ import math
 
 from prima.cli.progress import StepBar
 from prima.model.registry import resolve_model
+from prima.scheduler.device_probe import profile_device
 from prima.scheduler.kernel_bench import kernel_flops
-from prima.scheduler.profile import DeviceProfile
-from prima.scheduler.profiler import profile_device
+from prima.scheduler.profile_schema import DeviceProfile
 
 _GIB = float(1 << 30)
 

@@ -16,7 +16,7 @@ from prima.engine.prompt import chat_prompt_ids, prompt_ids
 from prima.engine.sampling import SamplerConfig
 from prima.errors import InputError
 from prima.model.chat_template import model_chat_template, read_chat_template
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 
 if TYPE_CHECKING:
     from prima.coordinator.ring import Ring

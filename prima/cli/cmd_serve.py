@@ -35,7 +35,7 @@ from prima.cli.stop_signals import StopSignals, add_shutdown_timeout_arg
 from prima.coordinator.session import Session
 from prima.errors import InputError
 from prima.net.credentials import is_loopback
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 
 DEFAULT_PARALLEL = 4
 

@@ -41,7 +41,7 @@ from prima.net.client import GenerateStream, NodeClient
 from prima.net.codec import NodeStatus, WireDType
 from prima.net.liveness import Liveness, probe_nodes, wait_for
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
-from prima.scheduler.profile import DeviceProfile
+from prima.scheduler.profile_schema import DeviceProfile
 
 from .head_draft import fall_back
 from .loopback_only import usable_addresses

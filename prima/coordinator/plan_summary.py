@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from prima.plan import Plan
 from prima.scheduler.cost_model import DeviceCost, pinned_layers, ram_layers, ring_costs, streams
 from prima.scheduler.halda import DropCause, drop_cause
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 MiB = float(1 << 20)
 

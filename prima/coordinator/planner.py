@@ -16,7 +16,7 @@ from prima.net.codec import NodeProfile
 from prima.plan import Plan
 from prima.scheduler.compiled_windows import solve_on_compiled
 from prima.scheduler.cost_model import device_cost
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from prima.scheduler.transfer import TransferEstimate, estimate_transfers
 
 from .head_draft import head_draft_problem

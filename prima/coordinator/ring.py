@@ -14,7 +14,7 @@ from prima.net import revocation
 from prima.net.client import NodeClient
 from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 from .file_source import FileSource
 from .loopback_only import FORM_A_CLUSTER, usable_addresses

@@ -361,7 +361,7 @@ def connect_ring(
     line which node computes which layers and why any daemon left out is idle. `skip_untrusted`
     leaves out nodes that cannot prove cluster membership (discovered addresses: adverts are hints)."""
     from prima.net.codec import WireDType
-    from prima.scheduler.profile import ModelProfile
+    from prima.scheduler.profile_schema import ModelProfile
 
     from .plan_summary import describe_plan
     from .ring import Ring
@@ -397,7 +397,7 @@ def halda_options(options: SessionOptions, loaded: ModelFiles, *, pick_head: boo
     """How Halda plans the ring, or None when windows or rounds plan it by hand. With a draft
     model file the head's memory holds that model too, and a node that has it heads a ring
     whose head Halda picks."""
-    from prima.scheduler.profile import ModelProfile
+    from prima.scheduler.profile_schema import ModelProfile
 
     from .planner import HaldaOptions
 

@@ -24,7 +24,7 @@ from prima.engine.draft_model import DraftModel
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent, forward_ids, sample_tokens
 from prima.engine.local import DEFAULT_UBATCH
 from prima.errors import GenerationCancelled, InputError, NodeError, ProtocolError
-from prima.forward.transformer import Transformer
+from prima.forward.windowed_model import WindowedModel
 from prima.net.codec import Activation
 from prima.net.liveness import Liveness, probe_nodes, wait_for
 from prima.net.run_ahead import stop_requested, waiting
@@ -66,7 +66,9 @@ class RingEngine:
     LocalEngine it says which tokens the ring's caches hold (`held_tokens`), so a kept session
     (prima.daemon.kept_sessions) can serve the next request that starts with them."""
 
-    def __init__(self, model: Transformer, link: RingLink, n_ctx: int, ubatch: int = DEFAULT_UBATCH) -> None:
+    def __init__(
+        self, model: WindowedModel, link: RingLink, n_ctx: int, ubatch: int = DEFAULT_UBATCH
+    ) -> None:
         if n_ctx <= 0:
             raise InputError(f"context size must be positive, got {n_ctx}")
         if ubatch <= 0:
@@ -161,7 +163,7 @@ class HeadHost(Protocol):
     """What the head reads from the runtime that owns it."""
 
     node_id: str
-    model: Transformer
+    model: WindowedModel
 
     def need_layout(self) -> Layout: ...
 

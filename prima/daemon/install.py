@@ -15,7 +15,7 @@ from prima.net.status import StaleEpochError
 from prima.plan import Plan, Window
 from prima.weights.window import LayerWindows
 
-from .profile import window_budget
+from .node_profile import window_budget
 from .state import Layout
 
 

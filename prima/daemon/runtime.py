@@ -33,7 +33,7 @@ from .fetching import PlanFetch, WindowFetcher
 from .head import Head
 from .install import build_layout, check_plan
 from .kept_sessions import DEFAULT_IDLE_S
-from .profile import node_profile
+from .node_profile import node_profile
 from .sessions import Sessions, end_sessions
 from .state import Layout, NodeSession, OwnHop
 from .threads import use_threads

@@ -11,7 +11,7 @@ import threading
 
 from prima import metrics
 from prima.errors import InputError, NodeError, PrimaError, ProtocolError
-from prima.forward.transformer import Transformer
+from prima.forward.windowed_model import WindowedModel
 from prima.net import limits
 from prima.net.limits import DaemonLimits, shown
 from prima.net.status import (
@@ -30,7 +30,7 @@ class Sessions:
     """The sessions of one daemon by id, opened against its current layout and `bounds`. After
     `stop_taking_work` it opens none (nor takes a plan: `check_not_stopping`)."""
 
-    def __init__(self, model: Transformer, node_id: str, bounds: DaemonLimits) -> None:
+    def __init__(self, model: WindowedModel, node_id: str, bounds: DaemonLimits) -> None:
         self.model = model
         self.node_id = node_id  # for messages; primad names its node once it has a port
         self.bounds = bounds

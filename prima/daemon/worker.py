@@ -27,7 +27,7 @@ from prometheus_client import Counter
 
 from prima import metrics
 from prima.errors import NodeError, PrimaError
-from prima.forward.transformer import Transformer
+from prima.forward.windowed_model import WindowedModel
 from prima.net.client import Relay
 from prima.net.codec import Activation
 from prima.net.limits import DaemonLimits, WorkBounds
@@ -51,7 +51,7 @@ class WorkerHost(Protocol):
     """What the worker reads from the runtime that owns it: the current plan and sessions."""
 
     node_id: str
-    model: Transformer
+    model: WindowedModel
 
     @property
     def layout(self) -> Layout | None: ...

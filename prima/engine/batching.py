@@ -7,7 +7,7 @@ gets a turn runs every step on the list at that moment as one batch (LocalEngine
 row each) and hands each thread its logits; a thread whose step an earlier turn already ran
 returns at once. Prompts still run one per turn, between batches. Attention is the only per-
 session part of a block (prima.backends.reference.block_sessions), and a pass carries at most
-`Transformer.decode_batch_rows` steps (the CPU's fused per-row kernels take up to 4 rows; more
+`WindowedModel.decode_batch_rows` steps (the CPU's fused per-row kernels take up to 4 rows; more
 would go through the int8 GEMM or BLAS in another summation order), so each session's logits
 have exactly the bits it would get alone.
 """

@@ -27,10 +27,10 @@ from prima.engine.prefix import choose_held
 from prima.engine.speculative import Drafter, DraftSource
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
-from prima.forward.transformer import Transformer
+from prima.forward.windowed_model import WindowedModel
 from prima.plan import Window
 from prima.scheduler.memory import read_memory_limit
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 from prima.weights.window import PAGE, LayerWindows, Span, resident_bytes
 
 log = logging.getLogger("prima.engine")
@@ -46,7 +46,7 @@ class LocalEngine:
 
     def __init__(
         self,
-        model: Transformer,
+        model: WindowedModel,
         n_ctx: int,
         ubatch: int = DEFAULT_UBATCH,
         streamer: LayerWindows | None = None,

@@ -27,7 +27,7 @@ from prima.errors import PrimaError
 from prima.kernels import compile_cache
 
 if TYPE_CHECKING:
-    from prima.scheduler.profile import ModelProfile
+    from prima.scheduler.profile_schema import ModelProfile
 
 log = logging.getLogger("prima.engine")
 
@@ -152,7 +152,7 @@ def exercise(model: str | os.PathLike[str], on_progress: OnProgress | None = Non
     from prima.engine.local import LocalEngine
     from prima.forward.loader import load_model
     from prima.scheduler.kernel_bench import kernel_flops
-    from prima.scheduler.profile import ModelProfile
+    from prima.scheduler.profile_schema import ModelProfile
 
     modes = ("q8", "exact")
     loaded = load_model(model, mode=modes[0], download=False)
@@ -191,7 +191,7 @@ def _plan(model: ModelProfile) -> None:
     coordinator's first plan loads the search from the cache instead of compiling it (~10 s)."""
     from prima.errors import PlanError
     from prima.scheduler import halda
-    from prima.scheduler.profile import DeviceProfile
+    from prima.scheduler.profile_schema import DeviceProfile
 
     whole = max(model.n_layers * model.layer_bytes, 1)
     flops = dict.fromkeys({"F32", *model.layer_flops, *model.output_flops}, 1e10)
@@ -220,13 +220,13 @@ def _other_activations() -> None:
     MiB of RSS compiling GELU)."""
     import numpy as np
 
-    from prima.kernels import fused_ops
+    from prima.kernels import ops_compiled
 
-    for rows in (1, fused_ops.PARALLEL_MIN_ROWS):
+    for rows in (1, ops_compiled.PARALLEL_MIN_ROWS):
         gate_up = np.zeros((rows, 8), dtype=np.float32)
         for activation in ("gelu", "silu"):
-            fused_ops.glu(gate_up, 4, activation)
-            fused_ops.glu_in_place(gate_up.copy(), 4, activation)
+            ops_compiled.glu(gate_up, 4, activation)
+            ops_compiled.glu_in_place(gate_up.copy(), 4, activation)
     # float16 weights at decode (read-only, as mapped from a GGUF)
     from prima.kernels import drivers
 

@@ -1,4 +1,4 @@
-"""Open a model for compute: its files (prima.model.files) and a Transformer on a backend."""
+"""Open a model for compute: its files (prima.model.files) and a WindowedModel on a backend."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prima import heap
 from prima.backends import get_backend
-from prima.forward.transformer import Transformer
+from prima.forward.windowed_model import WindowedModel
 from prima.kernels import jit_memory
 from prima.model.files import ModelFiles, open_model
 
@@ -17,7 +17,7 @@ log = logging.getLogger("prima.forward")
 
 @dataclass
 class LoadedModel(ModelFiles):
-    model: Transformer
+    model: WindowedModel
 
 
 def load_model(
@@ -36,7 +36,7 @@ def load_model(
     compiled windows."""
     heap.one_arena()  # before compute threads start: see prima.heap (peak RSS)
     files = open_model(name_or_path, layers=layers, download=download)
-    model = Transformer(
+    model = WindowedModel(
         files.weights, get_backend(backend, files.weights, threads=threads, mode=mode, npu_ctx=npu_ctx)
     )
     # Before any weight page is read: see prima.kernels.jit_memory (peak RSS).

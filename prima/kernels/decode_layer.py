@@ -3,7 +3,7 @@
 At decode a block is a dozen small steps (norm, merged q/k/v, RoPE, cache write, attention,
 output projection, residual, gate/up, activation, down, residual); run from Python, each step's
 call and argument checks cost about as much as its arithmetic, ~50 us per block. Here the whole
-block is one numba function that calls the same kernels (prima.kernels.drivers, fused_ops)
+block is one numba function that calls the same kernels (prima.kernels.drivers, ops_compiled)
 directly, so Python is crossed once per block. The arithmetic, and so the result, is that of the
 reference block (prima.backends.reference), which prefill and other backends keep using; the
 CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlock).
@@ -16,7 +16,7 @@ CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlo
 their GGML type ids, `kv` the layer's cache as KVCache.kernel_arrays gives it
 (float32 keys, values, or halves), `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent);
 attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
-(fused_ops.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
+(ops_compiled.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from prima.kernels import drivers, fused_ops
+from prima.kernels import drivers, ops_compiled
 
 
 @njit(cache=True)
@@ -40,7 +40,7 @@ def _project(fmt, a, b, c, x, int8, lut):
 
 @njit(cache=True)
 def _project3(fa, fb, fc, a, b, c, x, int8, lut):
-    """x @ [A; B; C].T where consecutive weights of one format share a launch (Transformer's
+    """x @ [A; B; C].T where consecutive weights of one format share a launch (WindowedModel's
     grouping of q/k/v and gate/up: A|B|C, A|B + C, A + B|C, or three launches)."""
     n = x.shape[0]
     ra, rb = a.shape[0], b.shape[0]
@@ -87,9 +87,9 @@ def decode_layer(
     """Hidden states x (n, d) through one block; writes the tokens' keys and values into the
     cache rows at `positions`; t is the number of valid cache rows afterwards."""
     attn_norm, ffn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, post_attn, post_ffw = vecs
-    xn = fused_ops.rms_norm(x, attn_norm, eps)
+    xn = ops_compiled.rms_norm(x, attn_norm, eps)
     qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
-    q, k, v = fused_ops.qkv_rope_rows(
+    q, k, v = ops_compiled.qkv_rope_rows(
         qkv,
         n_heads,
         n_kv_heads,
@@ -105,18 +105,18 @@ def decode_layer(
         neox,
     )
     k32, v32, k16, v16 = kv
-    fused_ops.store_kv(k, v, k32, v32, k16, v16, positions)
+    ops_compiled.store_kv(k, v, k32, v32, k16, v16, positions)
     if q.shape[0] * t >= attn_parallel_min:
-        attn = fused_ops._attention_parallel(q, k32, v32, k16, v16, t, positions, attn_scale, window)
+        attn = ops_compiled._attention_parallel(q, k32, v32, k16, v16, t, positions, attn_scale, window)
     else:
-        attn = fused_ops._attention_serial(q, k32, v32, k16, v16, t, positions, attn_scale, window)
+        attn = ops_compiled._attention_serial(q, k32, v32, k16, v16, t, positions, attn_scale, window)
     o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
-    x, xn = fused_ops.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
+    x, xn = ops_compiled.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)
     if gelu:
-        act = fused_ops.gelu_mul(gate_up, ffn_dim, gelu_table)
+        act = ops_compiled.gelu_mul(gate_up, ffn_dim, gelu_table)
     else:
-        act = fused_ops.silu_mul(gate_up, ffn_dim)
+        act = ops_compiled.silu_mul(gate_up, ffn_dim)
     ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)
-    x, _ = fused_ops.residual_norm_rows(x, ffn, post_ffw, post_ffw[:0], eps)
+    x, _ = ops_compiled.residual_norm_rows(x, ffn, post_ffw, post_ffw[:0], eps)
     return x

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from prima.errors import ModelFileError, UnsupportedModelError
-from prima.kernels.ops import ROPE_NEOX, ROPE_NORM
+from prima.kernels.ops_reference import ROPE_NEOX, ROPE_NORM
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 MAX_DIM = 1 << 20  # layers, widths, heads: far above any model, small enough that products fit memory
 MAX_CONTEXT = 1 << 24
 
-# RoPE layouts: ROPE_NORM, ROPE_NEOX (prima.kernels.ops). GGUF llama models have q/k rows
+# RoPE layouts: ROPE_NORM, ROPE_NEOX (prima.kernels.ops_reference). GGUF llama models have q/k rows
 # permuted at conversion to use NORM.
 
 

@@ -25,7 +25,7 @@ from prima.errors import InputError, PlanError, ProtocolError
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
 from prima.plan import NodeAssignment, Plan, Window
-from prima.scheduler.profile import DeviceProfile
+from prima.scheduler.profile_schema import DeviceProfile
 from prima.weights.window import Residency
 
 PROTOCOL_VERSION = 4

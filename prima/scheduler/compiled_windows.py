@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from prima.plan import Plan
 from prima.scheduler import halda
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 
 def accelerator_windows(plan: Plan, node_id: str) -> list[range]:

@@ -42,7 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from prima.scheduler.profile import KV_ELEMENT_BYTES, AcceleratorProfile, DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import KV_ELEMENT_BYTES, AcceleratorProfile, DeviceProfile, ModelProfile
 
 FALLBACK_FORMAT = "F32"
 # The compiled gears of an NPU window take memory beside its fp16 weights: ATC builds a graph per

@@ -38,7 +38,7 @@ from prima.scheduler.cost_model import (
     ring_costs,
     ring_time_ms,
 )
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from prima.scheduler.window_search import Coefficients, search
 
 log = logging.getLogger("prima.scheduler")

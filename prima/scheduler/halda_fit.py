@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prima.scheduler.cost_model import DeviceCost, stream_buffer_layers
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 MiB = float(1 << 20)
 

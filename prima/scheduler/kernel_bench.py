@@ -25,7 +25,7 @@ from prima.kernels.matmul import matmul
 from prima.kernels.quants import SUPPORTED_QTYPES, row_bytes
 from prima.kernels.tensor import QTensor
 from prima.scheduler.cost_model import gemv_ms
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 # 1024 x 1024 weights: about a layer's GEMV in a small model (256 divides it, as K-quants need).
 BENCH_ROWS = 1024

@@ -22,8 +22,8 @@ import psutil
 
 from prima import paths
 from prima.errors import InputError
-from prima.scheduler.profile import DeviceProfile
-from prima.scheduler.profiler import usable_ram_bytes
+from prima.scheduler.device_probe import usable_ram_bytes
+from prima.scheduler.profile_schema import DeviceProfile
 
 log = logging.getLogger("prima.scheduler")
 

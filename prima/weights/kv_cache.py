@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from prima.errors import ContextFullError
-from prima.kernels.ops import cache_forms
+from prima.kernels.ops_reference import cache_forms
 from prima.model.config import ModelConfig
 
 

@@ -18,7 +18,7 @@ from prima.errors import NodeError
 from prima.net.codec import PROTOCOL_VERSION, HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token, ring_costs
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from prima.weights.window import Residency
 
 MiB = 1 << 20

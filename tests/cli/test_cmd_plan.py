@@ -12,7 +12,7 @@ from prima.cli import cmd_plan
 from prima.cli.engine_options import DEFAULT_CTX
 from prima.cli.main import main
 from prima.model.gguf_file import GGUFFile
-from prima.scheduler.profile import DeviceProfile, devices_to_json, draft_resident_bytes
+from prima.scheduler.profile_schema import DeviceProfile, devices_to_json, draft_resident_bytes
 from tests.scheduler.conftest import make_device, make_model
 
 

@@ -18,7 +18,7 @@ import pytest
 from prima.cli.main import main
 from prima.kernels import compile_cache
 from prima.model.files import open_model
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 from tests.conftest import load_tiny_oracle, run_python, tiny_model_path
 
 PROMPT = "The capital of France is"

@@ -36,7 +36,7 @@ KILL_AFTER_PIECES = 5
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 120.0
-F32_TOLERANCE = 1e-3  # tests/forward/test_transformer.py's bound for SmolLM2's float32 logits
+F32_TOLERANCE = 1e-3  # tests/forward/test_windowed_model.py's bound for SmolLM2's float32 logits
 
 
 class KillingTerminal(io.StringIO):

@@ -32,7 +32,7 @@ from prima.forward.loader import load_model
 from prima.model.gguf_file import GGUFFile
 from prima.net.client import NodeClient
 from prima.net.discovery import AdvertWatch
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 
 from .conftest import N_CTX, UBATCH, start_ring
 
@@ -42,7 +42,7 @@ BUDGET = "28M"  # 7 layers of 3.8 MiB each
 PLANNED_CTX = 8192  # KV cache Halda plans for: 16 MiB per layer leaves no room to stream more
 MAX_TOKENS = 64
 SEEDED = SamplerConfig(temperature=0.8, seed=11)
-F32_TOLERANCE = 2e-2  # tests/forward/test_transformer.py's bound for Gemma's float32 logits
+F32_TOLERANCE = 2e-2  # tests/forward/test_windowed_model.py's bound for Gemma's float32 logits
 CONNECT_TIMEOUT_S = 60.0
 ADVERT_WAIT_S = 20.0  # each daemon measures its profile once, on busy cores
 

@@ -15,7 +15,7 @@ from prima.errors import PrimaError
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 
 pytestmark = pytest.mark.slow
 

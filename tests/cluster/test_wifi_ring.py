@@ -17,7 +17,7 @@ from prima.coordinator.ring import Ring
 from prima.engine.prompt import prompt_ids
 from prima.forward.loader import load_model
 from prima.net.link_shaper import LinkShape, shaped_daemons
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 
 from .conftest import N_CTX, reference_tokens, ring_tokens, start_ring
 

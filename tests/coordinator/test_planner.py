@@ -12,7 +12,7 @@ import pytest
 from prima.coordinator.planner import HaldaOptions, budgeted_device, plan_ring, ring_order
 from prima.net.codec import NodeProfile
 from prima.scheduler.cost_model import device_cost, ram_layers, streams
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from tests.scheduler.conftest import make_device, make_model
 
 MiB = 1 << 20

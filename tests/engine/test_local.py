@@ -16,7 +16,7 @@ from prima.errors import ContextFullError, InputError
 from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import load_oracle, load_tiny_oracle, tiny_model_path
 
-# The tolerance tests/forward/test_transformer.py holds one pass to (measured here: ~2e-5).
+# The tolerance tests/forward/test_windowed_model.py holds one pass to (measured here: ~2e-5).
 F32_TOLERANCE = 1e-3
 
 

@@ -15,8 +15,9 @@ from numba import njit
 
 from prima.forward.loader import LoadedModel, load_model
 from prima.kernels import decode_layer as dl
-from prima.kernels import fused_ops, lanes, ops
+from prima.kernels import lanes, ops_compiled
 from prima.kernels import matmul as mm
+from prima.kernels import ops_reference as ops
 from prima.kernels.quants import F16_TABLE
 
 from .weights import random_qtensor
@@ -118,7 +119,7 @@ def test_gelu_mul_matches_the_table_gelu() -> None:
     gate_up = (rng.standard_normal((2, 64)) * 6).astype(np.float32)
     gate_up[0, :4] = [-10.0, 10.0, -30.0, 30.0]
     expected = ops.gelu(gate_up[:, :32]) * gate_up[:, 32:]
-    np.testing.assert_array_equal(fused_ops.gelu_mul(gate_up, 32, ops.gelu_fp16_table()), expected)
+    np.testing.assert_array_equal(ops_compiled.gelu_mul(gate_up, 32, ops.gelu_fp16_table()), expected)
 
 
 @pytest.mark.parametrize("int8", [True, False])
@@ -148,14 +149,14 @@ def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
 def test_fused_block_with_a_long_context_uses_parallel_attention_and_agrees(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past fused_ops.attention_parallel_min keys the block's attention runs in parallel; still
+    """Past ops_compiled.attention_parallel_min keys the block's attention runs in parallel; still
     the step-by-step path's bits."""
-    from prima.kernels import fused_ops
+    from prima.kernels import ops_compiled
 
     loaded = _load(smollm2_path, "q8")
     model = loaded.model
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # spinning workers: the lower threshold
-    n_prompt = fused_ops.ATTENTION_PARALLEL_MIN_SPINNING + 8
+    n_prompt = ops_compiled.ATTENTION_PARALLEL_MIN_SPINNING + 8
     ids = np.arange(100, 100 + n_prompt + 2)
     results = []
     n = model.config.n_layers

@@ -15,7 +15,7 @@ from prima.errors import InputError
 from prima.forward.loader import load_model
 from prima.model.gguf_file import GGUFFile
 from prima.model.synth import SynthSpec, spec_for_size, write_synth_model
-from prima.scheduler.profile import ModelProfile
+from prima.scheduler.profile_schema import ModelProfile
 from tests.llama_reference import require_llama_cpp
 
 SMALL = {"n_layers": 3, "d_model": 128, "ffn": 256, "n_heads": 4, "n_kv_heads": 2}

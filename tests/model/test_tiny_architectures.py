@@ -19,7 +19,7 @@ from prima.model.config import SUPPORTED_ARCHITECTURES
 from tests.llama_reference import GGML_TYPE_F16, GGML_TYPE_F32, LlamaF32
 from tests.tiny_models import write_tiny_model
 
-# The same F32 weights on both sides, and (unlike the real Gemma 3, see test_transformer) random
+# The same F32 weights on both sides, and (unlike the real Gemma 3, see test_windowed_model) random
 # weights keep Gemma's fp16 GELU table from amplifying rounding: measured |d| ~1e-5 for all four.
 TOLERANCE = 1e-3
 # q8 mode keeps K and V in halves and rounds queries and softmax weights to halves before they

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import load_oracle, load_tiny_oracle, tiny_model_path
-from tests.forward.test_transformer import F32_TOLERANCE
+from tests.forward.test_windowed_model import F32_TOLERANCE
 from tests.no_numba import env_without_numba
 
 # Run in a child process: numba is made unimportable there before prima is imported.

@@ -14,7 +14,7 @@ from prima.net.codec import Activation, WireDType
 from prima.net.proto import prima_pb2 as pb
 from prima.net.status import PayloadTooLargeError
 from prima.plan import plan_from_window_sizes
-from prima.scheduler.profile import DeviceProfile
+from prima.scheduler.profile_schema import DeviceProfile
 
 
 def _hidden(n: int = 5, d: int = 64, seed: int = 0) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile, ModelProfile
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -11,7 +11,7 @@ import pytest
 from prima.errors import InputError
 from prima.scheduler import halda
 from prima.scheduler.compiled_windows import accelerator_windows, missing_windows, solve_on_compiled
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile
+from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile
 from tests.scheduler.conftest import GiB, make_device, make_model
 
 N_LAYERS = 12

@@ -15,7 +15,7 @@ from prima.scheduler.cost_model import (
     predict_ms_per_token,
     ring_costs,
 )
-from prima.scheduler.profile import AcceleratorProfile
+from prima.scheduler.profile_schema import AcceleratorProfile
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -137,7 +137,7 @@ def test_cost_model_devices_on_one_disk_share_its_bandwidth(make_device, make_mo
 
 
 def test_shared_disk_survives_the_profile_json(make_device):
-    from prima.scheduler.profile import DeviceProfile
+    from prima.scheduler.profile_schema import DeviceProfile
 
     d = dataclasses.replace(make_device("a"), shared_disk="boot/259:0")
     assert DeviceProfile.from_dict(d.to_dict()) == d

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prima.model.gguf_file import GGUFFile
 from prima.scheduler import halda
-from prima.scheduler.profile import KV_ELEMENT_BYTES, DeviceProfile, ModelProfile, draft_resident_bytes
+from prima.scheduler.profile_schema import KV_ELEMENT_BYTES, DeviceProfile, ModelProfile, draft_resident_bytes
 
 from .conftest import GiB, MiB
 

@@ -16,7 +16,7 @@ from prima.scheduler.cost_model import (
     ring_costs,
     streams,
 )
-from prima.scheduler.profile import AcceleratorProfile
+from prima.scheduler.profile_schema import AcceleratorProfile
 from tests.scheduler.conftest import MiB, make_device, make_model
 from tests.scheduler.halda_oracle import brute_force
 

@@ -12,7 +12,7 @@ from prima.errors import PlanError
 from prima.scheduler import halda
 from prima.scheduler.cost_model import ring_costs
 from prima.scheduler.halda_fit import closest_fit
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 from .conftest import MiB, make_device, make_model
 

@@ -6,8 +6,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from prima.scheduler.profile import DeviceProfile
 from prima.scheduler.profile_cache import PROBE_VERSION, cache_path, load_or_measure
+from prima.scheduler.profile_schema import DeviceProfile
 
 FP = "ab" * 32
 

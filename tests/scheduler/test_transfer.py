@@ -10,7 +10,7 @@ import pytest
 
 from prima.cli.main import main
 from prima.plan import plan_from_window_sizes
-from prima.scheduler.profile import devices_to_json
+from prima.scheduler.profile_schema import devices_to_json
 from prima.scheduler.transfer import estimate_transfers
 
 MiB = 1 << 20

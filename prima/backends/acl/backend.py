@@ -37,7 +37,7 @@ from prima.weights.kv_cache import WrittenPositions
 log = logging.getLogger("prima.backends")
 
 DEFAULT_CTX = 512  # cache slots a compiled window has; sessions may use up to this many
-# The window a daemon's profile times (prima.daemon.profile.PROFILE_LAYERS), compiled when the
+# The window a daemon's profile times (prima.daemon.node_profile.PROFILE_LAYERS), compiled when the
 # backend is made so that the profile never runs ATC inside a request.
 PROFILE_WINDOW = range(0, 1)
 

@@ -37,7 +37,7 @@ import numpy as np
 from prima.backends.acl.runtime import AclError
 from prima.backends.reference import BlockParams
 from prima.kernels import matmul as kernels
-from prima.kernels.ops import ROPE_NEOX
+from prima.kernels.ops_reference import ROPE_NEOX
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights

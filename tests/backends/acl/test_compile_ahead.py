@@ -14,14 +14,14 @@ import pytest
 
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
-from prima.daemon import profile as node_profile
+from prima.daemon import node_profile
 from prima.engine.ahead_of_time import compile_ahead
 from prima.engine.generate import GenerateRequest
 from prima.engine.sampling import SamplerConfig
 from prima.errors import PrimaError
 from prima.forward.loader import load_model
 from prima.plan import plan_from_window_sizes
-from prima.scheduler import profiler
+from prima.scheduler import device_probe
 from prima.scheduler.profile_cache import CACHE_ENV as PROFILE_CACHE_ENV
 from tests.conftest import load_tiny_oracle, tiny_model_path
 from tests.fake_time import FakeTime
@@ -38,7 +38,7 @@ from tests.backends.acl.fake_acl import (
 
 TAG = "tiny-qwen3"
 N_LAYERS = 4
-SMALL = profiler.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
+SMALL = device_probe.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
 
 
 def _atc_runs(log: Path) -> int:
@@ -55,7 +55,7 @@ def test_the_profile_never_runs_atc(
     monkeypatch.setattr(node_profile, "time_one_layer", lambda loaded: 5.0)
     monkeypatch.setattr(node_profile, "time_output_head", lambda loaded: 1.0)
     monkeypatch.setattr(
-        node_profile, "profile_device", functools.partial(profiler.profile_device, sizes=SMALL)
+        node_profile, "profile_device", functools.partial(device_probe.profile_device, sizes=SMALL)
     )
     with fake_cann(tmp_path):
         loaded = load_model(tiny_model_path("tiny-qwen3"), backend="acl", mode="exact", npu_ctx=64)

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from prima.daemon import install
-from prima.daemon import profile as node_profile
+from prima.daemon import install, node_profile
 from prima.forward.loader import LoadedModel, load_model
 from prima.net.codec import WireDType
 from prima.plan import plan_from_window_sizes
 from prima.scheduler.cost_model import device_cost
 from prima.scheduler.memory import MemoryLimit
-from prima.scheduler.profile import AcceleratorProfile, ModelProfile
+from prima.scheduler.profile_schema import AcceleratorProfile, ModelProfile
 from tests.conftest import tiny_model_path
 from tests.scheduler.conftest import make_device
 

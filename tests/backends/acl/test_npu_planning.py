@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prima.scheduler.cost_model import NPU_GEAR_OVERHEAD, device_cost, device_time
 from prima.scheduler.halda import solve
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile
+from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile
 from tests.scheduler.conftest import GiB, make_device, make_model
 
 N_LAYERS = 12

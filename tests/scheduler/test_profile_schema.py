@@ -11,7 +11,7 @@ import pytest
 
 from prima.errors import InputError
 from prima.model.gguf_file import GGUFFile
-from prima.scheduler.profile import (
+from prima.scheduler.profile_schema import (
     AcceleratorProfile,
     DeviceProfile,
     ModelProfile,

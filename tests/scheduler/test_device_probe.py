@@ -18,14 +18,14 @@ import pytest
 
 from prima.model.gguf_file import GGUFFile
 from prima.net import codec
-from prima.scheduler import profiler
-from prima.scheduler.profile import OS_CLASSES, DeviceProfile, ModelProfile
+from prima.scheduler import device_probe
 from prima.scheduler.profile_cache import load_or_measure
+from prima.scheduler.profile_schema import OS_CLASSES, DeviceProfile, ModelProfile
 from prima.weights.window import READAHEAD_CHUNK, Span, mapped_resident_bytes
 from tests.fake_time import FakeTime
 
 MiB = 1 << 20
-SMALL = profiler.ProbeSizes(mem_bytes=MiB, disk_bytes=MiB, gemv_rows=64, gemv_cols=64, repeats=2)
+SMALL = device_probe.ProbeSizes(mem_bytes=MiB, disk_bytes=MiB, gemv_rows=64, gemv_cols=64, repeats=2)
 # Readings alternate start, end: timed intervals of 3, 1 and 2 ms (the best is 1 ms).
 THREE_TIMINGS_S = [0.0, 3e-3, 0.0, 1e-3, 0.0, 2e-3]
 _FADVISE = os.posix_fadvise
@@ -34,7 +34,7 @@ _FADVISE = os.posix_fadvise
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     fake = FakeTime(1.0)
-    monkeypatch.setattr(profiler, "time", fake)
+    monkeypatch.setattr(device_probe, "time", fake)
     return fake
 
 
@@ -79,13 +79,13 @@ def write_on_disk(path: Path, data: bytes) -> None:
 def test_mem_bandwidth_is_the_bytes_moved_over_the_best_copy(clock: FakeTime) -> None:
     clock.steps_s = THREE_TIMINGS_S
     # Whole float64 elements are copied (the 5 extra bytes are not); each is read and written.
-    assert profiler.measure_mem_bandwidth(MiB + 5, repeats=3) == pytest.approx(2 * MiB / 1e-3)
+    assert device_probe.measure_mem_bandwidth(MiB + 5, repeats=3) == pytest.approx(2 * MiB / 1e-3)
     assert clock.readings == 6
 
 
 def test_gemv_flops_is_the_work_over_the_best_product(clock: FakeTime) -> None:
     clock.steps_s = THREE_TIMINGS_S
-    assert profiler.numpy_gemv_flops(32, 48, repeats=3) == pytest.approx(2 * 32 * 48 / 1e-3)
+    assert device_probe.numpy_gemv_flops(32, 48, repeats=3) == pytest.approx(2 * 32 * 48 / 1e-3)
 
 
 def readahead(calls: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -102,7 +102,7 @@ def test_disk_read_is_the_bytes_streamed_from_the_file_over_the_time(
     path = tmp_path / "blob"
     write_on_disk(path, b"\x01" * (3 * MiB + 7))
     pieces = -(-read // MiB)
-    rate = profiler.measure_disk_read(path, n_bytes, piece_bytes=MiB, max_seconds=10.0)
+    rate = device_probe.measure_disk_read(path, n_bytes, piece_bytes=MiB, max_seconds=10.0)
     assert rate == pytest.approx(read / pieces)
     assert fadvised[0] == (0, read, os.POSIX_FADV_DONTNEED)
     chunks = readahead(fadvised)
@@ -118,7 +118,7 @@ def test_disk_read_stops_after_max_seconds(
     path = tmp_path / "blob"
     write_on_disk(path, b"\x01" * (5 * MiB))
     # 1 s per piece: the third piece ends past 2.5 s, and the probe stops there.
-    assert profiler.measure_disk_read(path, 5 * MiB, piece_bytes=MiB, max_seconds=2.5) == pytest.approx(
+    assert device_probe.measure_disk_read(path, 5 * MiB, piece_bytes=MiB, max_seconds=2.5) == pytest.approx(
         3 * MiB / 3.0
     )
     assert sum(n for _, n in readahead(fadvised)) == 3 * MiB
@@ -128,7 +128,7 @@ def test_disk_read_runs_the_load_beside_the_reads(tmp_path: Path, clock: FakeTim
     path = tmp_path / "blob"
     write_on_disk(path, b"\x01" * MiB)
     runs: list[int] = []
-    profiler.measure_disk_read(path, MiB, load=lambda: runs.append(1))
+    device_probe.measure_disk_read(path, MiB, load=lambda: runs.append(1))
     assert runs  # it had started before the first read
 
 
@@ -141,7 +141,7 @@ def test_disk_read_skips_what_another_mapping_keeps_cached(
     write_on_disk(path, b"\x01" * (4 * MiB))
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as other:
         assert sum(other[i] for i in range(0, 2 * MiB, mmap.PAGESIZE)) == 2 * MiB // mmap.PAGESIZE
-        rate = profiler.measure_disk_read(path, 4 * MiB, piece_bytes=MiB, max_seconds=10.0)
+        rate = device_probe.measure_disk_read(path, 4 * MiB, piece_bytes=MiB, max_seconds=10.0)
         chunks = readahead(fadvised)
     assert rate == pytest.approx(MiB / 1.0)  # 1 s a piece, 1 MiB each
     assert chunks[0][0] == 2 * MiB  # the first two pieces were cached for the other mapping
@@ -156,7 +156,7 @@ def test_disk_read_of_a_file_cached_for_others_reads_a_scratch_file(
     scratch = tmp_path / "scratch"
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as other:
         assert sum(other[i] for i in range(0, 2 * MiB, mmap.PAGESIZE)) == 2 * MiB // mmap.PAGESIZE
-        profiler.measure_disk_read(path, 2 * MiB, piece_bytes=MiB, scratch_dir=scratch)
+        device_probe.measure_disk_read(path, 2 * MiB, piece_bytes=MiB, scratch_dir=scratch)
     assert fadvised[0] == (0, 2 * MiB, os.POSIX_FADV_DONTNEED)  # the model file, to no avail
     assert fadvised[1][2] == os.POSIX_FADV_DONTNEED  # then the scratch file's
     assert list(scratch.iterdir()) == []
@@ -168,7 +168,7 @@ def test_disk_read_without_a_path_reads_a_scratch_file_it_removes(
 ) -> None:
     """The scratch file holds whole MiB (at least one); the probe reads what it asked for of it."""
     scratch = tmp_path / "scratch"
-    assert profiler.measure_disk_read(None, n_bytes, scratch_dir=scratch) == pytest.approx(read / 1.0)
+    assert device_probe.measure_disk_read(None, n_bytes, scratch_dir=scratch) == pytest.approx(read / 1.0)
     assert fadvised[0] == (0, read, os.POSIX_FADV_DONTNEED)
     assert list(scratch.iterdir()) == []
 
@@ -181,16 +181,16 @@ def test_disk_read_of_a_sparse_file_reads_a_scratch_file(
     with open(path, "wb") as fh:
         fh.truncate(8 * MiB)
     scratch = tmp_path / "scratch"
-    profiler.measure_disk_read(path, 3 * MiB + 100, scratch_dir=scratch)
+    device_probe.measure_disk_read(path, 3 * MiB + 100, scratch_dir=scratch)
     # The scratch file holds whole MiB: 3 of them, not the 3 MiB + 100 the sparse file has.
     assert fadvised[0] == (0, 3 * MiB, os.POSIX_FADV_DONTNEED)
     assert list(scratch.iterdir()) == []
 
 
 def test_os_class_names_android_though_it_reports_linux(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert profiler.os_class() in OS_CLASSES
+    assert device_probe.os_class() in OS_CLASSES
     monkeypatch.setenv("ANDROID_ROOT", "/system")
-    assert profiler.os_class() == "android"
+    assert device_probe.os_class() == "android"
 
 
 def test_profile_is_made_of_the_probes_at_the_given_sizes(tmp_path: Path, clock: FakeTime) -> None:
@@ -201,15 +201,15 @@ def test_profile_is_made_of_the_probes_at_the_given_sizes(tmp_path: Path, clock:
         calls.append(fmt)
         return 1e9
 
-    dev = profiler.profile_device(
+    dev = device_probe.profile_device(
         "me", "127.0.0.1:7070", kernel_bench=bench, sizes=SMALL, net_latency_ms=2.0, scratch_dir=tmp_path
     )
-    assert (dev.node_id, dev.address, dev.os) == ("me", "127.0.0.1:7070", profiler.os_class())
+    assert (dev.node_id, dev.address, dev.os) == ("me", "127.0.0.1:7070", device_probe.os_class())
     assert dev.disk_read_bytes_per_s == pytest.approx(SMALL.disk_bytes / 1e-3)
     assert dev.mem_bandwidth_bytes_per_s == pytest.approx(2 * SMALL.mem_bytes / 1e-3)
     assert dev.cpu_flops == {"F32": 1e9}
     assert calls == ["F32"]
-    assert dev.ram_total_bytes == profiler.usable_ram_bytes()[0]  # the host's or its cgroup's
+    assert dev.ram_total_bytes == device_probe.usable_ram_bytes()[0]  # the host's or its cgroup's
     assert 0 < dev.ram_available_bytes <= dev.ram_total_bytes
     assert 0 <= dev.swap_free_bytes <= dev.swap_total_bytes
     assert dev.net_latency_ms == 2.0
@@ -219,7 +219,7 @@ def test_profile_is_made_of_the_probes_at_the_given_sizes(tmp_path: Path, clock:
 def test_profile_round_trips_through_json_the_cache_and_the_wire(tmp_path: Path) -> None:
     """A real measurement (infinite bandwidth included) survives every way a profile travels:
     its JSON, the profile cache on disk, and the Profile RPC's codec."""
-    dev = profiler.profile_device("me", "127.0.0.1:7070", sizes=SMALL, scratch_dir=tmp_path)
+    dev = device_probe.profile_device("me", "127.0.0.1:7070", sizes=SMALL, scratch_dir=tmp_path)
     assert DeviceProfile.from_dict(json.loads(json.dumps(dev.to_dict()))) == dev
     wire = codec.node_profile_from_proto(codec.node_profile_to_proto(codec.NodeProfile(dev, 1 << 30, 5.0)))
     assert wire == codec.NodeProfile(dev, 1 << 30, 5.0)
@@ -247,7 +247,7 @@ def test_profile_measures_the_model_file_and_its_formats(
         return 3e9
 
     steps: list[tuple[int, int, str]] = []
-    dev = profiler.profile_device(
+    dev = device_probe.profile_device(
         "me", model_path=path, kernel_bench=bench, sizes=SMALL, on_progress=lambda *s: steps.append(s)
     )
     with GGUFFile(path) as f:
@@ -273,11 +273,11 @@ def test_profile_default_gemv_stands_in_for_every_format(
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
     clock.steps_s = [1e-3]
-    dev = profiler.profile_device("me", model_path=path, sizes=SMALL)
+    dev = device_probe.profile_device("me", model_path=path, sizes=SMALL)
     gemv = 2 * SMALL.gemv_rows * SMALL.gemv_cols / 1e-3
     assert dev.cpu_flops == pytest.approx({"F32": gemv, "F16": gemv})
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "F16"])
 def test_profiler_measure_formats_always_includes_f32(fmt):
-    assert set(profiler.measure_formats([fmt], lambda f: 2e9)) == {"F32", fmt}
+    assert set(device_probe.measure_formats([fmt], lambda f: 2e9)) == {"F32", fmt}

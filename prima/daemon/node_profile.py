@@ -1,4 +1,4 @@
-"""A daemon measuring itself for the scheduler: the generic probes (prima.scheduler.profiler) on
+"""A daemon measuring itself for the scheduler: the generic probes (prima.scheduler.device_probe) on
 prima's own kernels, then one real layer timed on this node's model, to which the kernel speeds
 are calibrated (cached per model file); and the memory it may use, read fresh each time.
 
@@ -30,12 +30,12 @@ from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
 from prima.scheduler.cost_model import npu_layer_bytes
+from prima.scheduler.device_probe import profile_device
 from prima.scheduler.disk_sharing import shared_disk_key
 from prima.scheduler.kernel_bench import calibrate_to_layer, kernel_flops
 from prima.scheduler.memory import MemoryLimit, read_memory_limit
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
 from prima.scheduler.profile_cache import load_or_measure
-from prima.scheduler.profiler import profile_device
+from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile, ModelProfile
 from prima.weights.window import PAGE, Span, resident_bytes
 
 log = logging.getLogger("prima.daemon")

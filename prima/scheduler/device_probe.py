@@ -31,7 +31,7 @@ import psutil
 from prima import paths
 from prima.model.gguf_file import GGUFFile
 from prima.scheduler.memory import read_memory_limit
-from prima.scheduler.profile import AcceleratorProfile, DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile, ModelProfile
 from prima.weights.window import PAGE, Span, mapped_resident_bytes, read_span
 
 log = logging.getLogger("prima.scheduler")

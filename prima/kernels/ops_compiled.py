@@ -1,7 +1,7 @@
 """The per-layer glue of the forward pass as numba kernels: each replaces a chain of numpy calls
 whose dispatch overhead, at decode (one token), costs more than the arithmetic.
 
-Each mirrors a float32 reference in prima.kernels.ops (the tests compare them); reductions may
+Each mirrors a float32 reference in prima.kernels.ops_reference (the tests compare them); reductions may
 be summed in another order, so results agree to float32 rounding, not bit for bit. Optional
 weights are passed as empty arrays so that one compiled variant serves every architecture.
 """
@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import carray, get_num_threads, njit, prange
 
-from prima.kernels import ops
+from prima.kernels import ops_reference as ops
 from prima.kernels.lanes import (
     as_float32,
     exp_f32,
@@ -25,7 +25,7 @@ from prima.kernels.lanes import (
     stack_f32,
 )
 from prima.kernels.matmul import prefill_map
-from prima.kernels.ops import ROPE_NEOX
+from prima.kernels.ops_reference import ROPE_NEOX
 from prima.kernels.thread_env import workers_spin
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below

@@ -1,12 +1,13 @@
-"""The numba layer glue (prima.kernels.fused_ops) against the numpy references in ops."""
+"""The numba layer glue (prima.kernels.ops_compiled) against the numpy references in ops."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from prima.kernels import fused_ops, ops
 from prima.kernels import matmul as mm
+from prima.kernels import ops_compiled
+from prima.kernels import ops_reference as ops
 from prima.model.config import ROPE_NEOX, ROPE_NORM
 
 RNG = np.random.default_rng(7)
@@ -23,52 +24,54 @@ def _f16(*shape: int) -> np.ndarray:
 
 def test_rms_norm_matches_reference() -> None:
     x, w = _f32(3, 64), _f32(64)
-    np.testing.assert_allclose(fused_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        ops_compiled.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("post", [True, False])
 def test_residual_norm_matches_reference(post: bool) -> None:
     x, y, pw, nw = _f32(2, 32), _f32(2, 32), _f32(32), _f32(32)
-    h, hn = fused_ops.residual_norm(x, y, pw if post else fused_ops.NONE, nw, 1e-6)
+    h, hn = ops_compiled.residual_norm(x, y, pw if post else ops_compiled.NONE, nw, 1e-6)
     want = x + (ops.rms_norm(y, pw, 1e-6) if post else y)
     np.testing.assert_allclose(h, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(hn, ops.rms_norm(want, nw, 1e-6), rtol=1e-5, atol=1e-5)
-    _, none = fused_ops.residual_norm(x, y, fused_ops.NONE, fused_ops.NONE, 1e-6)
+    _, none = ops_compiled.residual_norm(x, y, ops_compiled.NONE, ops_compiled.NONE, 1e-6)
     assert none.shape == (0, 32)
 
 
 def test_prefill_rows_on_threads_have_decode_bits() -> None:
     """From PARALLEL_MIN_ROWS rows the row-wise glue runs over the threads: each row's bits are
     those of the one-thread loop the decode block runs."""
-    n, heads, kv_heads, hd = fused_ops.PARALLEL_MIN_ROWS + 3, 4, 2, 16
+    n, heads, kv_heads, hd = ops_compiled.PARALLEL_MIN_ROWS + 3, 4, 2, 16
     x, y, pw, nw = _f32(n, 32), _f32(n, 32), _f32(32), _f32(32)
     for got, want in zip(
-        fused_ops.residual_norm(x, y, pw, nw, 1e-6),
-        fused_ops.residual_norm_rows(x, y, pw, nw, 1e-6),
+        ops_compiled.residual_norm(x, y, pw, nw, 1e-6),
+        ops_compiled.residual_norm_rows(x, y, pw, nw, 1e-6),
         strict=True,
     ):
         np.testing.assert_array_equal(got, want)
     args = (
         _f32(n, (heads + 2 * kv_heads) * hd), heads, kv_heads, hd, _f32(heads * hd), _f32(kv_heads * hd),
-        _f32(kv_heads * hd), _f32(hd), _f32(hd), 1e-6, np.arange(3, 3 + n), fused_ops.rope_inv_freq(hd, 1e4), True,
+        _f32(kv_heads * hd), _f32(hd), _f32(hd), 1e-6, np.arange(3, 3 + n), ops_compiled.rope_inv_freq(hd, 1e4), True,
     )  # fmt: skip
-    for got, want in zip(fused_ops.qkv_rope(*args), fused_ops.qkv_rope_rows(*args), strict=True):
+    for got, want in zip(ops_compiled.qkv_rope(*args), ops_compiled.qkv_rope_rows(*args), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("rope_type", [ROPE_NORM, ROPE_NEOX])
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("n", [3, fused_ops.PARALLEL_MIN_ROWS])
+@pytest.mark.parametrize("n", [3, ops_compiled.PARALLEL_MIN_ROWS])
 def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool, n: int) -> None:
     heads, kv_heads, hd = 4, 2, 16
     qkv = _f32(n, (heads + 2 * kv_heads) * hd)
     qb, kb, vb = _f32(heads * hd), _f32(kv_heads * hd), _f32(kv_heads * hd)
-    qn, kn = (_f32(hd), _f32(hd)) if qk_norm else (fused_ops.NONE, fused_ops.NONE)
+    qn, kn = (_f32(hd), _f32(hd)) if qk_norm else (ops_compiled.NONE, ops_compiled.NONE)
     positions = np.arange(5, 5 + n)
     base = 10000.0
-    q, k, v = fused_ops.qkv_rope(
+    q, k, v = ops_compiled.qkv_rope(
         qkv, heads, kv_heads, hd, qb, kb, vb, qn, kn, 1e-6, positions,
-        fused_ops.rope_inv_freq(hd, base), fused_ops.is_neox(rope_type),
+        ops_compiled.rope_inv_freq(hd, base), ops_compiled.is_neox(rope_type),
     )  # fmt: skip
     rq = (qkv[:, : heads * hd] + qb).reshape(n, heads, hd)
     rk = (qkv[:, heads * hd : (heads + kv_heads) * hd] + kb).reshape(n, kv_heads, hd)
@@ -89,12 +92,12 @@ def test_attention_matches_reference(
     window: int, parallel_min: int, hd: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Heads in parallel or not, head dims of whole score-lane blocks, a tail, or both."""
-    monkeypatch.setattr(fused_ops, "attention_parallel_min", lambda threads: parallel_min)
+    monkeypatch.setattr(ops_compiled, "attention_parallel_min", lambda threads: parallel_min)
     t, heads, kv_heads = 9, 4, 2
     kc, vc = _f16(t, kv_heads, hd), _f16(t, kv_heads, hd)
     positions = np.array([6, 7, 8])
     q = _f32(3, heads, hd)
-    got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
+    got = ops_compiled.attention(q, kc, vc, t, positions, 0.25, window)
     want = ops.attention(
         q, kc.astype(np.float32), vc.astype(np.float32), positions, 0.25, window, halves=True
     )
@@ -112,10 +115,10 @@ def test_prefill_attention_equals_per_pair_kernel(
     t, heads, kv_heads, hd = 29, 4, 2, 16
     kc, vc = _f16(32, kv_heads, hd), _f16(32, kv_heads, hd)  # rows past t must not be read
     kc[t:] = np.nan
-    positions = np.arange(t - fused_ops.ATTENTION_BATCHED_MIN_ROWS - 2, t)
+    positions = np.arange(t - ops_compiled.ATTENTION_BATCHED_MIN_ROWS - 2, t)
     q = _f32(positions.size, heads, hd)
-    got = fused_ops.attention(q, kc, vc, t, positions, 0.25, window)
-    want = fused_ops._attention_serial(q, *ops.cache_forms(kc, vc), t, positions, 0.25, window)
+    got = ops_compiled.attention(q, kc, vc, t, positions, 0.25, window)
+    want = ops_compiled._attention_serial(q, *ops.cache_forms(kc, vc), t, positions, 0.25, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -126,56 +129,59 @@ def test_attention_reads_a_float32_cache_as_well() -> None:
     kc, vc, q = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd), _f32(2, heads, hd)
     positions = np.array([7, 8])
     np.testing.assert_allclose(
-        fused_ops.attention(q, kc, vc, t, positions, 0.25, 0),
+        ops_compiled.attention(q, kc, vc, t, positions, 0.25, 0),
         ops.attention(q, kc, vc, positions, 0.25, 0),
         rtol=1e-5,
         atol=1e-5,
     )
     with pytest.raises(TypeError, match="float16 or float32"):
-        fused_ops.attention(q, kc.astype(np.float64), vc, t, positions, 0.25, 0)
+        ops_compiled.attention(q, kc.astype(np.float64), vc, t, positions, 0.25, 0)
 
 
 def test_store_half_rounds_as_numpy() -> None:
     x = _f32(3, 40) * 100
     out = np.zeros((3, 40), dtype=np.uint16)
-    fused_ops.store_half(x, out)
+    ops_compiled.store_half(x, out)
     np.testing.assert_array_equal(out.view(np.float16), x.astype(np.float16))
 
 
 def test_decode_attention_goes_parallel_only_where_a_launch_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     """One thread never launches; sleeping workers (woken through the kernel) need far more keys
     than spinning ones."""
-    assert fused_ops.attention_parallel_min(1) == fused_ops.NEVER
+    assert ops_compiled.attention_parallel_min(1) == ops_compiled.NEVER
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    sleeping = fused_ops.attention_parallel_min(2)
+    sleeping = ops_compiled.attention_parallel_min(2)
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    spinning = fused_ops.attention_parallel_min(2)
+    spinning = ops_compiled.attention_parallel_min(2)
     assert (sleeping, spinning) == (
-        fused_ops.ATTENTION_PARALLEL_MIN_SLEEPING,
-        fused_ops.ATTENTION_PARALLEL_MIN_SPINNING,
+        ops_compiled.ATTENTION_PARALLEL_MIN_SLEEPING,
+        ops_compiled.ATTENTION_PARALLEL_MIN_SPINNING,
     )
     assert spinning < sleeping
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
-@pytest.mark.parametrize("rows", [2, fused_ops.PARALLEL_MIN_ROWS + 3])
+@pytest.mark.parametrize("rows", [2, ops_compiled.PARALLEL_MIN_ROWS + 3])
 def test_glu_in_place_gives_glus_bits_in_gate_ups_memory(rows: int, activation: str) -> None:
     """Prefill's rows: the activation lands in gate_up's own memory (no second array), packed
     row after row; decode's few rows take the allocating path. Either way glu's bits."""
     gate_up = _f32(rows, 96) * 4
-    want = fused_ops.glu(gate_up, 48, activation)
-    got = fused_ops.glu_in_place(gate_up, 48, activation)
+    want = ops_compiled.glu(gate_up, 48, activation)
+    got = ops_compiled.glu_in_place(gate_up, 48, activation)
     np.testing.assert_array_equal(got, want)
-    assert np.shares_memory(got, gate_up) == (rows >= fused_ops.PARALLEL_MIN_ROWS)
+    assert np.shares_memory(got, gate_up) == (rows >= ops_compiled.PARALLEL_MIN_ROWS)
 
 
-@pytest.mark.parametrize("rows", [2, fused_ops.PARALLEL_MIN_ROWS + 3])
+@pytest.mark.parametrize("rows", [2, ops_compiled.PARALLEL_MIN_ROWS + 3])
 def test_glu_matches_reference(rows: int) -> None:
     """A decode's few rows on one thread, a prefill's over the threads: the same arithmetic."""
     gate_up = _f32(rows, 48)
     np.testing.assert_allclose(
-        fused_ops.glu(gate_up, 24, "silu"), ops.silu(gate_up[:, :24]) * gate_up[:, 24:], rtol=1e-6, atol=1e-6
+        ops_compiled.glu(gate_up, 24, "silu"),
+        ops.silu(gate_up[:, :24]) * gate_up[:, 24:],
+        rtol=1e-6,
+        atol=1e-6,
     )
     np.testing.assert_array_equal(
-        fused_ops.glu(gate_up, 24, "gelu"), ops.gelu(gate_up[:, :24]) * gate_up[:, 24:]
+        ops_compiled.glu(gate_up, 24, "gelu"), ops.gelu(gate_up[:, :24]) * gate_up[:, 24:]
     )

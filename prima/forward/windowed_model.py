@@ -18,7 +18,7 @@ from prima.model.config import ModelConfig
 from prima.model.weights import ModelWeights
 
 
-class Transformer:
+class WindowedModel:
     """A decoder-only transformer over mmap'd GGUF weights, computed by `backend`."""
 
     def __init__(self, weights: ModelWeights, backend: Backend) -> None:

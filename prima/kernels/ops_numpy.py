@@ -1,16 +1,16 @@
-"""The per-layer glue of prima.kernels.fused_ops in numpy, for a device without numba.
+"""The per-layer glue of prima.kernels.ops_compiled in numpy, for a device without numba.
 
 Same functions, same arguments, same float32 arithmetic as the numba kernels (which are faster:
-at decode a numpy call costs more than the math); prima.forward.transformer uses this module only
-when fused_ops cannot be imported.
+at decode a numpy call costs more than the math); prima.forward.windowed_model uses this module only
+when ops_compiled cannot be imported.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from prima.kernels import ops
-from prima.kernels.ops import ROPE_NEOX
+from prima.kernels import ops_reference as ops
+from prima.kernels.ops_reference import ROPE_NEOX
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
 

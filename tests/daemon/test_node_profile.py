@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prima.daemon import profile as node_profile
+from prima.daemon import node_profile
 from prima.forward.loader import LoadedModel, load_model
 from prima.forward.placement import Piece
-from prima.scheduler import profiler
+from prima.scheduler import device_probe
 from prima.scheduler.cost_model import device_cost, gemv_ms
-from prima.scheduler.profile import DeviceProfile, ModelProfile
+from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from tests.conftest import tiny_model_path
 from tests.fake_time import FakeTime
 
 Measure = Callable[[Callable[[LoadedModel], float]], tuple[DeviceProfile, ModelProfile, dict[str, float]]]
-SMALL = profiler.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
+SMALL = device_probe.ProbeSizes(mem_bytes=1 << 20, disk_bytes=1 << 20, gemv_rows=64, gemv_cols=64, repeats=2)
 
 
 @functools.cache
@@ -126,7 +126,7 @@ def measured(monkeypatch: pytest.MonkeyPatch, smollm2_path: Path) -> Measure:
 
     monkeypatch.setattr(node_profile, "kernel_flops", kernel_flops)
     monkeypatch.setattr(
-        node_profile, "profile_device", functools.partial(profiler.profile_device, sizes=SMALL)
+        node_profile, "profile_device", functools.partial(device_probe.profile_device, sizes=SMALL)
     )
 
     def run(
@@ -189,7 +189,7 @@ def test_an_npu_node_profiles_its_accelerator(monkeypatch: pytest.MonkeyPatch, t
         monkeypatch.setattr(node_profile, "time_one_layer", lambda loaded: 5.0)
         monkeypatch.setattr(node_profile, "time_output_head", lambda loaded: 1.0)
         monkeypatch.setattr(
-            node_profile, "profile_device", functools.partial(profiler.profile_device, sizes=SMALL)
+            node_profile, "profile_device", functools.partial(device_probe.profile_device, sizes=SMALL)
         )
         before = fake.executions
         dev = node_profile.measure_node(loaded, "npu0")
