@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prima.errors import NodeError, ProtocolError
-from prima.net.codec import PROTOCOL_VERSION, HopTiming, NodeStatus
+from prima.net.codec import PROTOCOL_VERSION
+from prima.net.node_status import HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, Window, plan_from_window_sizes
 from prima.scheduler.cost_model import device_time, ring_costs
 from prima.scheduler.device_probe import os_class, usable_ram_bytes

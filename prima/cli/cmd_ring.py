@@ -28,8 +28,8 @@ from prima.errors import InputError, NodeError
 from prima.model.registry import DEFAULT_MODEL
 from prima.net import credentials
 from prima.net.client import NodeClient
-from prima.net.codec import NodeStatus
 from prima.net.credentials import ClusterCA
+from prima.net.node_status import NodeStatus
 
 log = logging.getLogger("prima.cli")
 

@@ -38,8 +38,9 @@ from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, PlanError, PrimaError
 from prima.net import discovery
 from prima.net.client import GenerateStream, NodeClient
-from prima.net.codec import NodeStatus, WireDType
+from prima.net.codec import WireDType
 from prima.net.liveness import Liveness, probe_nodes, wait_for
+from prima.net.node_status import NodeStatus
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile_schema import DeviceProfile
 

@@ -21,7 +21,7 @@ import dataclasses
 from prima.engine.generate import GenerateRequest
 from prima.engine.speculative import DraftConfig
 from prima.errors import InputError
-from prima.net.codec import NodeStatus
+from prima.net.node_status import NodeStatus
 
 FALLBACK_METHOD = "lookup"
 

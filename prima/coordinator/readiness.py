@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from prima.errors import NodeError
 from prima.net.client import NodeClient
-from prima.net.codec import FetchProgress, NodeStatus
+from prima.net.node_status import FetchProgress, NodeStatus
 from prima.plan import Plan
 
 log = logging.getLogger("prima.coordinator")

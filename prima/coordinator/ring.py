@@ -12,7 +12,8 @@ from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import NodeError, PlanError, UntrustedNodeError
 from prima.net import revocation
 from prima.net.client import NodeClient
-from prima.net.codec import PROTOCOL_VERSION, NodeStatus, WireDType
+from prima.net.codec import PROTOCOL_VERSION, WireDType
+from prima.net.node_status import NodeStatus
 from prima.plan import Plan, even_window_sizes, plan_from_window_sizes
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 

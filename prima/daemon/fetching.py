@@ -24,8 +24,8 @@ from prima.model.byte_ranges import Ranges, covers, intersect, needed_ranges, su
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient, Transport
-from prima.net.codec import FetchProgress
 from prima.net.fetch import FetchCancelled, FetchStats, fetch_into, get_manifest
+from prima.net.node_status import FetchProgress
 from prima.plan import Plan
 
 log = logging.getLogger("prima.daemon")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from prima.net.codec import HopTiming
+from prima.net.node_status import HopTiming
 
 
 class _Sums:

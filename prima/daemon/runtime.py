@@ -21,9 +21,10 @@ from prima.forward.loader import LoadedModel
 from prima.model.sparse import SparseFile
 from prima.net import limits
 from prima.net.client import Transport
-from prima.net.codec import PROTOCOL_VERSION, Activation, FetchProgress, NodeProfile, NodeStatus, WireDType
+from prima.net.codec import PROTOCOL_VERSION, Activation, NodeProfile, WireDType
 from prima.net.fetch import Manifest, manifest_of
 from prima.net.limits import DaemonLimits
+from prima.net.node_status import FetchProgress, NodeStatus
 from prima.net.status import NotReadyError, StaleEpochError
 from prima.plan import Plan
 from prima.weights.window import Residency

@@ -22,10 +22,11 @@ import grpc
 from prima.engine.generate import GenerateRequest, GenerationDone, TokenEvent
 from prima.errors import NodeError, ProtocolError, UntrustedNodeError
 from prima.kernels import compile_cache
-from prima.net import codec, credentials
-from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
+from prima.net import codec, credentials, node_status
+from prima.net.codec import Activation, NodeProfile, WireDType
 from prima.net.link_client import CONNECT_TIMEOUT_S as LINK_CONNECT_TIMEOUT_S
 from prima.net.link_client import LinkRelay, open_link
+from prima.net.node_status import NodeStatus
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.status import SHUTTING_DOWN
@@ -217,7 +218,9 @@ class NodeClient:
             raise NodeError(f"{doing} on node {self.name} at {self.address}: {exc}") from None
 
     def info(self, timeout_s: float | None = None) -> NodeStatus:
-        return codec.node_status_from_proto(self._call("Info", self.stub.Info, pb.InfoRequest(), timeout_s))
+        return node_status.node_status_from_proto(
+            self._call("Info", self.stub.Info, pb.InfoRequest(), timeout_s)
+        )
 
     def load_plan(
         self,
@@ -236,7 +239,7 @@ class NodeClient:
         )
         # Loading validates the node's layers and may start reading them: allow longer.
         reply = self._call("LoadPlan", self.stub.LoadPlan, req, self.timeout_s * 6)
-        return codec.node_status_from_proto(reply.info)
+        return node_status.node_status_from_proto(reply.info)
 
     def open_session(self, session_id: str, plan_epoch: int, n_ctx: int) -> None:
         req = pb.OpenSessionRequest(session_id=session_id, plan_epoch=plan_epoch, n_ctx=n_ctx)

@@ -16,10 +16,11 @@ import grpc
 from prima.engine.generate import GenerateRequest, TokenEvent
 from prima.errors import PrimaError, ProtocolError
 from prima.model.sparse import SparseFile
-from prima.net import codec, fetch
-from prima.net.codec import Activation, NodeProfile, NodeStatus, WireDType
+from prima.net import codec, fetch, node_status
+from prima.net.codec import Activation, NodeProfile, WireDType
 from prima.net.credentials import peer_name
 from prima.net.limits import CallerSlots, DaemonLimits, StreamBudget, consume_bounded
+from prima.net.node_status import NodeStatus
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.run_ahead import WAITING, RunAhead
@@ -133,7 +134,7 @@ class NodeServicer(FileServicer):
         self._relays = CallerSlots(self.limits.max_sessions, "Relay", self._streams)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
-        return codec.node_status_to_proto(self._guard(context, self.handler.info))
+        return node_status.node_status_to_proto(self._guard(context, self.handler.info))
 
     def LoadPlan(self, request: pb.LoadPlanRequest, context: grpc.ServicerContext) -> pb.LoadPlanReply:
         def load() -> NodeStatus:
@@ -154,7 +155,7 @@ class NodeServicer(FileServicer):
                 fetch_sources=tuple(request.fetch_sources),
             )
 
-        return pb.LoadPlanReply(info=codec.node_status_to_proto(self._guard(context, load, "LoadPlan")))
+        return pb.LoadPlanReply(info=node_status.node_status_to_proto(self._guard(context, load, "LoadPlan")))
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.Empty:
         h = self.handler

@@ -15,7 +15,8 @@ from prima.api.cluster_view import ClusterMonitor, ClusterReading, NodeReading, 
 from prima.coordinator.ring import Ring
 from prima.engine.generate import Timings
 from prima.errors import NodeError
-from prima.net.codec import PROTOCOL_VERSION, HopTiming, NodeStatus
+from prima.net.codec import PROTOCOL_VERSION
+from prima.net.node_status import HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
 from prima.scheduler.cost_model import predict_ms_per_token, ring_costs
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile

@@ -10,7 +10,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from prima.api.cluster_view import ClusterReading, NodeReading
 from prima.api.node_metrics import NodeMetricsCollector
-from prima.net.codec import HopTiming, NodeStatus
+from prima.net.node_status import HopTiming, NodeStatus
 from prima.plan import plan_from_window_sizes
 from prima.weights.window import Residency
 

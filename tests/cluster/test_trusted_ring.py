@@ -22,9 +22,10 @@ from prima.engine.sampling import SamplerConfig
 from prima.forward.loader import load_model
 from prima.net import discovery
 from prima.net.client import NodeClient
-from prima.net.codec import NodeProfile, NodeStatus
+from prima.net.codec import NodeProfile
 from prima.net.credentials import ClusterCA
 from prima.net.node_adverts import NodeAdvert
+from prima.net.node_status import NodeStatus
 from prima.net.server import start_server
 from tests.net.hostile_adverts import hostile_adverts
 

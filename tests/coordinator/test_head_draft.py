@@ -9,7 +9,7 @@ from prima.coordinator.head_draft import check_head_drafts, fall_back, head_draf
 from prima.engine.generate import GenerateRequest
 from prima.engine.speculative import DraftConfig
 from prima.errors import InputError
-from prima.net.codec import NodeStatus
+from prima.net.node_status import NodeStatus
 
 OURS = "a" * 64
 OTHER = "b" * 64

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prima.daemon.hop_times import HopTimes, HopTimesCollector
-from prima.net.codec import HopTiming
+from prima.net.node_status import HopTiming
 
 
 def test_a_new_plan_starts_the_sums_over_but_not_the_totals() -> None:
