@@ -26,16 +26,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prima import metrics
 from prima.api.embeddings import embeddings_response, parse_embeddings_request
-from prima.api.openai_schema import (
-    GenerationRequest,
-    ModelNotFoundError,
-    RequestError,
-    Usage,
+from prima.api.openai_responses import (
     completion_response,
     error_body,
     models_response,
     stream_chunk,
     usage_chunk,
+)
+from prima.api.openai_schema import (
+    GenerationRequest,
+    ModelNotFoundError,
+    RequestError,
+    Usage,
 )
 from prima.api.routes import (
     API_KEY_ENV,

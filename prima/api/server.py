@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prima.api.cluster_view import ClusterMonitor
 from prima.api.http_handler import ApiHandler
 from prima.api.node_metrics import NodeMetricsCollector
-from prima.api.openai_schema import (
+from prima.api.openai_responses import (
     error_body,
 )
 from prima.api.routes import API_KEY_ENV
