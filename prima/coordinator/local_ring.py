@@ -96,10 +96,7 @@ class LocalRing:
         # node's file, as their formats may differ.
         for path in dict.fromkeys(models or [model]):
             ensure_compiled(path)
-        env = dict(os.environ)
-        for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
-            env[var] = str(threads)
-        env[INTERFACES_ENV] = "127.0.0.1"
+        env = _daemon_env(threads)
         # The kernel signals a child when the *thread* that forked it ends: only the main
         # thread's lifetime is the process's.
         tie = not detach and threading.current_thread() is threading.main_thread()
@@ -181,6 +178,15 @@ def _spawn(
         start_new_session=detach,
         preexec_fn=preexec,
     )
+
+
+def _daemon_env(threads: int) -> dict[str, str]:
+    """This process's environment for a local daemon: its share of the cores, mDNS on loopback."""
+    env = dict(os.environ)
+    for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
+        env[var] = str(threads)
+    env[INTERFACES_ENV] = "127.0.0.1"
+    return env
 
 
 def _primad_command(
