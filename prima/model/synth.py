@@ -21,6 +21,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from prima.errors import InputError
+from prima.kernels.formats.layouts import LAYOUTS
 
 # Block formats we can synthesize: (scale bytes as f16 pairs) d [, m] then packed quants.
 _SYNTH_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
@@ -105,23 +106,20 @@ def _random_tensor(rng: np.random.Generator, shape: tuple[int, int], qtype: str)
     if qtype in ("F32", "F16"):
         data = rng.standard_normal(shape, dtype=np.float32) * _SCALE
         return data.astype(np.float16) if qtype == "F16" else data
-    qt = GGMLQuantizationType[qtype]
-    block, size = GGML_QUANT_SIZES[qt]
-    n_blocks = rows * cols // block
-    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    scales = np.empty((n_blocks, 2), dtype=np.float16)
-    if qtype == "Q8_0":
-        # d: int8 quants in [-128, 127] times d.
-        scales[:, 0] = _SCALE / 64
-        raw[:, :2] = scales[:, :1].view(np.uint8)
-    elif qtype == "Q4_0":
-        scales[:, 0] = _SCALE / 4  # (q - 8) * d
-        raw[:, :2] = scales[:, :1].view(np.uint8)
-    else:  # Q4_1: q * d + m, centred on zero
-        scales[:, 0] = _SCALE / 4
-        scales[:, 1] = -8 * _SCALE / 4
-        raw[:, :4] = scales.view(np.uint8)
-    return raw.reshape(rows, cols // block * size)
+    layout = LAYOUTS[GGMLQuantizationType[qtype]]
+    n_blocks = rows * cols // layout.elements
+    raw = rng.integers(0, 256, (n_blocks, layout.nbytes), dtype=np.uint8)
+    # Scales that keep the weights near _SCALE: Q8_0 is q * d with q in [-128, 127]; Q4_0
+    # (q - 8) * d; Q4_1 q * d + m, centred on zero by its min.
+    fields = {
+        "Q8_0": {"d": _SCALE / 64},
+        "Q4_0": {"d": _SCALE / 4},
+        "Q4_1": {"d": _SCALE / 4, "m": -2 * _SCALE},
+    }
+    for name, value in fields[qtype].items():
+        at = layout.offset(name)
+        raw[:, at : at + 2] = np.full((n_blocks, 1), value, np.float16).view(np.uint8)
+    return raw.reshape(rows, cols // layout.elements * layout.nbytes)
 
 
 _TOKENIZER_SKIP = ("tokenizer.ggml.add_space_prefix",)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q2_K, scales=16, qs=64, d=F16, dmin=F16)
+LAYOUT = layouts.Q2_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 SCALES, QS, D, DMIN = (LAYOUT.offset(f) for f in ("scales", "qs", "d", "dmin"))
 

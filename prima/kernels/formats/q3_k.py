@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q3_K, hmask=32, qs=64, scales=12, d=F16)
+LAYOUT = layouts.Q3_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 HMASK, QS, SCALES, D = (LAYOUT.offset(f) for f in ("hmask", "qs", "scales", "d"))
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.int8_dots import affine_rows, dot_nib16, f16_at, half_at, legacy_rows
 from prima.kernels.lanes import NATIVE_HALF, half, lane_sum, nibbles, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q4_1, d=F16, m=F16, qs=16)
+LAYOUT = layouts.Q4_1
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 HALF = QK // 2
 D, M, QS = LAYOUT.offset("d"), LAYOUT.offset("m"), LAYOUT.offset("qs")

@@ -8,12 +8,11 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, f16_at, half_at, hsum, zero_lanes
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q4_K, d=F16, dmin=F16, scales=12, qs=128)
+LAYOUT = layouts.Q4_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 D, DMIN, SCALES, QS = (LAYOUT.offset(f) for f in ("d", "dmin", "scales", "qs"))
 XB = QK // QK8  # activation blocks per super-block

@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, legacy_rows, u32_at
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32, u32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q5_0, d=F16, qh=4, qs=16)
+LAYOUT = layouts.Q5_0
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 HALF = QK // 2
 D, QH, QS = LAYOUT.offset("d"), LAYOUT.offset("qh"), LAYOUT.offset("qs")

@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.formats.q4_k import scale_min
 from prima.kernels.int8_dots import f16_at
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q5_K, d=F16, dmin=F16, scales=12, qh=32, qs=128)
+LAYOUT = layouts.Q5_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 D, DMIN, SCALES, QH, QS = (LAYOUT.offset(f) for f in ("d", "dmin", "scales", "qh", "qs"))
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.int8_dots import QK8, dot_q6x32, f16_at, half_at, hsum, zero_lanes
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q6_K, ql=128, qh=64, scales=16, d=F16)
+LAYOUT = layouts.Q6_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 QL, QH, SCALES, D = (LAYOUT.offset(f) for f in ("ql", "qh", "scales", "d"))
 XB = QK // QK8  # activation blocks per super-block

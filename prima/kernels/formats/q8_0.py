@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from prima.ggml_constants import GGMLQuantizationType
-from prima.kernels.formats import F16, Layout, QuantFormat
+from prima.kernels.formats import QuantFormat, layouts
 from prima.kernels.int8_dots import dot_i8x32, f16_at, half_at, legacy_rows
 from prima.kernels.lanes import half, lane_sum, stack_f32
 
-LAYOUT = Layout.of(GGMLQuantizationType.Q8_0, d=F16, qs=32)
+LAYOUT = layouts.Q8_0
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 D, QS = LAYOUT.offset("d"), LAYOUT.offset("qs")
 
