@@ -42,13 +42,12 @@ log = logging.getLogger("prima.daemon")
 
 LAYER_STEPS = 10  # decode steps through the timed layers: the first warms up, the median of the rest counts
 # Time enough consecutive layers that their weights stream from RAM, as in a real forward pass:
-# with 48 MiB (two layers of the 1 GB bench model) an EPYC with 32 MiB of L3 timed 1.7 ms per
-# layer against 2.2 in a whole decode step, and Halda predicted a ring 24% too fast (#18).
+# layers that fit the last-level cache time faster than they run in a decode step, and Halda
+# then predicts a ring too fast (docs/performance.md, "What the numbers rest on").
 TIMED_BYTES = 128 << 20
 # A ring member idles while the others compute, and its first launches after idling are slower
-# (workers asleep, a VM's idle vCPU descheduled): 4 layers of the 1 GB bench model took 1.6-2.1 ms
-# each back to back and 2.2-3.0 ms after 50 ms idle, as in its ring (2.4-2.5). Each timed step
-# starts after this idle time.
+# (workers asleep, an idle vCPU descheduled), so each timed step starts after this idle time, as
+# its steps in a ring do.
 IDLE_BEFORE_STEP_S = 0.05
 PROFILE_LAYERS = range(0, 1)  # the accelerator's timed window (prima.backends.acl's PROFILE_WINDOW)
 

@@ -27,8 +27,8 @@ class Piece:
 def split_window(window: range, accel_layers: int, *, per_layer: bool = False) -> tuple[Piece, ...]:
     """`window`'s pieces in compute order: its first `accel_layers` layers on the accelerator,
     the rest on the host, as one piece or (`per_layer`, a streaming node) one per layer.
-    Remembered: a node asks at every hop of every token, and new Pieces cost a core just woken
-    tens of microseconds (AMD EPYC Zen 4 VM)."""
+    Remembered: a node asks at every hop of every token, and new objects cost a core just woken
+    from idle more than the lookup does."""
     n = max(0, min(accel_layers, len(window)))
     pieces = [Piece(range(window.start, window.start + n), True)] if n else []
     rest = range(window.start + n, window.stop)

@@ -413,10 +413,9 @@ def store_kv(k, v, k32, v32, k16, v16, positions):
 
 
 # Decode attention runs its heads in parallel from this many (query row, key) pairs: below, a
-# launch costs more than it saves, and a launch costs what waking the workers costs. Measured on
-# the AMD EPYC (2 threads; SmolLM2's 9 heads of 64, Gemma's 4 of 256), serial / parallel us:
-# workers spinning 8.2 / 6.5 at 32 keys, 27.7 / 16.7 at 128 (Gemma 7.6 / 8.8, 24.6 / 16.9);
-# workers sleeping 30.8 / 53.5 at 128, 101.7 / 104.1 at 512.
+# launch costs more than it saves, and a launch costs what waking the workers costs, far more
+# when they sleep than when they spin (measured in docs/performance.md, "What the numbers rest
+# on").
 ATTENTION_PARALLEL_MIN_SPINNING = 48
 ATTENTION_PARALLEL_MIN_SLEEPING = 1024
 NEVER = 1 << 62
