@@ -282,6 +282,8 @@ class CompletionService:
                 tuple(sorted(tok.stop_ids)),
                 n_ctx=self.n_ctx,
                 draft=self.defaults.draft,
+                # A server's requests often continue each other (chats, a shared system prompt).
+                keep_session=True,
             )
             events = _watched(self.generator.generate(request), cancelled, lambda: self.closing)
             for event in stream_text(

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             shown.clear()
             try:
                 ids = chat_prompt_ids(loaded.gguf.metadata, tok, history, template)
-                request = session.request(ids, max_tokens=args.n_predict, sampler=sampler)
+                request = session.request(ids, max_tokens=args.n_predict, sampler=sampler, keep_session=True)
                 result = session.generate(
                     request, stop_strings=args.stop, decoder=tok.stream_decoder(), on_text=show
                 )

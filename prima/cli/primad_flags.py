@@ -13,7 +13,7 @@ from prima.cli.arg_types import (
 )
 from prima.cli.stop_signals import add_shutdown_timeout_arg
 from prima.daemon.fetch_source import DEFAULT_FETCH_WAIT_S
-from prima.daemon.kept_sessions import DEFAULT_IDLE_S
+from prima.daemon.kept_sessions import DEFAULT_IDLE_S, DEFAULT_KEPT_SESSIONS
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_RING_TIMEOUT_S
 from prima.model.registry import DEFAULT_MODEL
 from prima.net import credentials
@@ -141,10 +141,11 @@ def _add_compute_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-sessions",
         type=non_negative_int,
-        default=0,
-        help="as the ring's head, keep up to N ring sessions open after their generation, so a request "
-        "that continues one (a chat's next turn) sends only its new tokens round the ring; each holds "
-        "KV memory on every node (default 0: close each when it ends)",
+        default=DEFAULT_KEPT_SESSIONS,
+        help="as the ring's head, keep up to N ring sessions open after generations that ask for it "
+        "(prima chat, prima serve), so a request that continues one (a chat's next turn) sends only its "
+        "new tokens round the ring; each holds KV memory on every node until it is idle for "
+        f"--session-idle or a new session needs the room (default {DEFAULT_KEPT_SESSIONS}; 0: never)",
     )
     p.add_argument(
         "--session-idle",

@@ -114,8 +114,10 @@ class Session:
         max_tokens: int,
         sampler: SamplerConfig,
         want_prompt_logits: bool = False,
+        keep_session: bool = False,
     ) -> GenerateRequest:
-        """A request for this session's model and context, stopping at the model's stop ids."""
+        """A request for this session's model and context, stopping at the model's stop ids;
+        `keep_session` for one that a next request will continue (a chat turn)."""
         from prima.engine.generate import GenerateRequest
 
         return GenerateRequest(
@@ -126,6 +128,7 @@ class Session:
             n_ctx=self.n_ctx,
             want_prompt_logits=want_prompt_logits,
             draft=self.draft,
+            keep_session=keep_session,
         )
 
     def stream(

@@ -252,7 +252,10 @@ class Head:
                 if isinstance(event, GenerationDone):
                     # Free (or keep) the session before the coordinator hears the end: it may
                     # hang up then.
-                    self.kept.keep(engine)
+                    if request.keep_session:
+                        self.kept.keep(engine)
+                    else:
+                        engine.close()
                     closed = True
                 yield event
         finally:

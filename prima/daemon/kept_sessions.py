@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # head.py builds and uses KeptSessions, so RingEngine is impo
 log = logging.getLogger("prima.daemon")
 
 DEFAULT_IDLE_S = 300.0  # how long an unused kept session holds every node's KV memory
+DEFAULT_KEPT_SESSIONS = 4  # primad --keep-sessions: a few chats, each within the KV bounds
 
 
 @dataclass

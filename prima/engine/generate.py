@@ -134,7 +134,10 @@ class GenerateRequest:
     that draw, so the output equals the unbroken run's.
     `draft` turns on speculative decoding (the output is the same; only its speed changes).
     `want_hidden_states` runs the prompt only (max_tokens must be 0) and returns every prompt
-    token's final normed hidden state with the GenerationDone: the rows embeddings pool."""
+    token's final normed hidden state with the GenerationDone: the rows embeddings pool.
+    `keep_session` asks a ring's head to keep the session's KV on every node after a good end,
+    so that a request continuing it (a chat's next turn) sends only its new tokens; a one-shot
+    run leaves it off, and the session's memory is freed at once."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -146,6 +149,7 @@ class GenerateRequest:
     first_step: int = 0
     draft: DraftConfig = field(default_factory=DraftConfig)
     want_hidden_states: bool = False
+    keep_session: bool = False
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,7 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         draft_max=req.draft.max_tokens,
         want_hidden_states=req.want_hidden_states,
         draft_model=req.draft.model_fingerprint,
+        keep_session=req.keep_session,
     )
 
 
@@ -375,6 +376,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest, *, vocab_size: int) -> 
         first_step=msg.first_step,
         draft=DraftConfig(msg.draft or "none", msg.draft_max or DEFAULT_DRAFT_MAX, msg.draft_model),
         want_hidden_states=msg.want_hidden_states,
+        keep_session=msg.keep_session,
     )
 
 

@@ -38,6 +38,7 @@ def ring_request(
     *,
     ubatch: int = UBATCH,
     want_prompt_logits: bool = False,
+    keep_session: bool = False,
 ) -> GenerateRequest:
     """A greedy request with the tests' context and micro-batch size."""
     return GenerateRequest(
@@ -48,6 +49,7 @@ def ring_request(
         n_ctx=N_CTX,
         ubatch=ubatch,
         want_prompt_logits=want_prompt_logits,
+        keep_session=keep_session,
     )
 
 

@@ -40,7 +40,7 @@ def test_a_chat_on_a_ring_sends_only_each_turns_new_tokens(
         for question in ("Name a large planet.", "How far is it from the sun?", "And its moons?"):
             history.append({"role": "user", "content": question})
             ids = chat_prompt_ids(loaded.gguf.metadata, loaded.tokenizer, history)
-            events = list(ring.generate(ring_request(ids, REPLY_TOKENS, stop_ids=stops)))
+            events = list(ring.generate(ring_request(ids, REPLY_TOKENS, stop_ids=stops, keep_session=True)))
             done = events[-1]
             assert isinstance(done, GenerationDone)
             tokens = [int(t) for t in events[:-1]]

@@ -49,8 +49,13 @@ def chat() -> dict[str, Any]:
     return next(p for p in load_tiny_oracle("tiny-qwen2")["prompts"] if p["name"] == "chat_zh")
 
 
-def _run(generator: Any, prompt: list[int], max_tokens: int = 3) -> tuple[list[int], GenerationDone]:
-    request = GenerateRequest(tuple(prompt), max_tokens, n_ctx=N_CTX, want_prompt_logits=True)
+def _run(
+    generator: Any, prompt: list[int], max_tokens: int = 3, *, keep: bool = True
+) -> tuple[list[int], GenerationDone]:
+    """A request that asks for its session to be kept (as prima chat's turns do), or not."""
+    request = GenerateRequest(
+        tuple(prompt), max_tokens, n_ctx=N_CTX, want_prompt_logits=True, keep_session=keep
+    )
     events: list[TokenEvent] = list(generator.generate(request))
     done = events[-1]
     assert isinstance(done, GenerationDone)
@@ -102,7 +107,9 @@ def test_kept_sessions_are_bounded_and_close_when_idle(runtime: NodeRuntime, clo
     assert runtime.session_ids() == []
 
     # Three generations at once, each on its own session: when they end, two are kept.
-    requests = [GenerateRequest(tuple(range(s, s + 8)), 3, n_ctx=N_CTX) for s in (5, 50, 90)]
+    requests = [
+        GenerateRequest(tuple(range(s, s + 8)), 3, n_ctx=N_CTX, keep_session=True) for s in (5, 50, 90)
+    ]
     running = [iter(runtime.generate(r)) for r in requests]
     for events in running:
         next(events)
@@ -137,6 +144,19 @@ def test_a_new_plan_and_a_stop_end_the_kept_sessions(runtime: NodeRuntime, chat:
     assert len(runtime.session_ids()) == 1
     assert runtime.stop_taking_work() == []  # the kept one was idle: nothing to wait for
     assert runtime.session_ids() == []
+
+
+def test_a_request_that_does_not_ask_is_not_kept(
+    runtime: NodeRuntime, clock: FakeTime, chat: dict[str, Any]
+) -> None:
+    """A one-shot run (prima run) frees its session's memory on every node at once, and a
+    later request that continues it runs whole."""
+    clock.advance(IDLE_S)
+    runtime.head.kept.expire()
+    ids = chat["prompt_token_ids"]
+    tokens, _ = _run(runtime, ids[:20], keep=False)
+    assert runtime.session_ids() == []
+    assert _run(runtime, ids[:20] + tokens, keep=False)[1].cached_tokens == 0
 
 
 def test_without_keep_sessions_each_session_closes_with_its_generation(

@@ -254,7 +254,7 @@ class SamplerSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repeat_last_n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step", "draft", "draft_max", "want_hidden_states", "draft_model")
+    __slots__ = ("prompt_ids", "max_tokens", "sampler", "stop_ids", "n_ctx", "ubatch", "want_prompt_logits", "first_step", "draft", "draft_max", "want_hidden_states", "draft_model", "keep_session")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class GenerateRequest(_message.Message):
     DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     WANT_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SESSION_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampler: SamplerSettings
@@ -279,7 +280,8 @@ class GenerateRequest(_message.Message):
     draft_max: int
     want_hidden_states: bool
     draft_model: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ..., draft: _Optional[str] = ..., draft_max: _Optional[int] = ..., want_hidden_states: _Optional[bool] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    keep_session: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampler: _Optional[_Union[SamplerSettings, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., n_ctx: _Optional[int] = ..., ubatch: _Optional[int] = ..., want_prompt_logits: _Optional[bool] = ..., first_step: _Optional[int] = ..., draft: _Optional[str] = ..., draft_max: _Optional[int] = ..., want_hidden_states: _Optional[bool] = ..., draft_model: _Optional[str] = ..., keep_session: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token_id", "done", "stop_reason", "prompt_ms", "generate_ms", "prompt_logits", "draft_tokens", "accepted_tokens", "hidden_states", "cached_tokens")
