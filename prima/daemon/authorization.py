@@ -31,7 +31,8 @@ class PlanOwnership:
                 raise PermissionDeniedError(
                     f"plan epoch {self.plan.epoch} of node {node_id} belongs to coordinator "
                     f"{shown(self.owner)} and has {open_sessions} open session(s); only it may "
-                    "change the plan until they end"
+                    "change the plan until they end (a chat's kept session ends after the head's "
+                    "--session-idle seconds unused)"
                 )
             return
         if caller not in {n.node_id for n in self.plan.nodes}:
