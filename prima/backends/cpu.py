@@ -236,4 +236,4 @@ class CpuBackend:
             return None
         from prima.backends.cpu_decode import FusedBlock
 
-        return FusedBlock.build(params.weights, self.config, params.inv_freq, params.window)
+        return FusedBlock.build(params, self.config)

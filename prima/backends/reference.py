@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from prima.kernels import ops_reference as ops
+from prima.kernels.ops_reference import QkvSplit
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
 from prima.model.weights import LayerWeights, ModelWeights
@@ -68,24 +69,41 @@ class BlockParams:
     post_ffw_norm: np.ndarray
     inv_freq: np.ndarray  # (rope_dim / 2,) float64
     window: int  # 0: attends to the whole context
+    qkv: QkvSplit  # the q|k|v split, holding the vectors above
 
     @staticmethod
     def of(lw: LayerWeights, cfg: ModelConfig) -> BlockParams:
+        q_bias, k_bias, v_bias = _vec(lw.attn_q_bias), _vec(lw.attn_k_bias), _vec(lw.attn_v_bias)
+        q_norm, k_norm = _vec(lw.attn_q_norm), _vec(lw.attn_k_norm)
+        inv_freq = glue.rope_inv_freq(cfg.rope_dim, cfg.layer_rope_base(lw.index))
         return BlockParams(
             weights=lw,
             qkv_groups=_merge_groups((lw.attn_q, lw.attn_k, lw.attn_v)),
             gate_up_groups=_merge_groups((lw.ffn_gate, lw.ffn_up)),
             attn_norm=_vec(lw.attn_norm),
             ffn_norm=_vec(lw.ffn_norm),
-            q_bias=_vec(lw.attn_q_bias),
-            k_bias=_vec(lw.attn_k_bias),
-            v_bias=_vec(lw.attn_v_bias),
-            q_norm=_vec(lw.attn_q_norm),
-            k_norm=_vec(lw.attn_k_norm),
+            q_bias=q_bias,
+            k_bias=k_bias,
+            v_bias=v_bias,
+            q_norm=q_norm,
+            k_norm=k_norm,
             post_attention_norm=_vec(lw.post_attention_norm),
             post_ffw_norm=_vec(lw.post_ffw_norm),
-            inv_freq=glue.rope_inv_freq(cfg.rope_dim, cfg.layer_rope_base(lw.index)),
+            inv_freq=inv_freq,
             window=cfg.sliding_window if cfg.is_sliding(lw.index) else 0,
+            qkv=QkvSplit(
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                q_bias,
+                k_bias,
+                v_bias,
+                q_norm,
+                k_norm,
+                cfg.norm_eps,
+                inv_freq,
+                glue.is_neox(cfg.rope_type),
+            ),
         )
 
 
@@ -129,21 +147,7 @@ def block_sessions(
     xn = glue.rms_norm(x, p.attn_norm, eps)
     qkv = _project(ops_, p.qkv_groups, xn)  # (n, (H + 2 KVH) * hd)
     del xn
-    q, k, v = glue.qkv_rope(
-        qkv,
-        cfg.n_heads,
-        cfg.n_kv_heads,
-        cfg.head_dim,
-        p.q_bias,
-        p.k_bias,
-        p.v_bias,
-        p.q_norm,
-        p.k_norm,
-        eps,
-        positions,
-        p.inv_freq,
-        glue.is_neox(cfg.rope_type),
-    )
+    q, k, v = glue.qkv_rope(qkv, p.qkv, positions)
     del qkv
     parts = []
     start = 0

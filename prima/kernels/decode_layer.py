@@ -8,23 +8,39 @@ directly, so Python is crossed once per block. The arithmetic, and so the result
 reference block (prima.backends.reference), which prefill and other backends keep using; the
 CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlock).
 
-  decode_layer(x, ws, fmts, int8, lut, vecs, kv, t, positions, inv_freq, neox,
-               n_heads, n_kv_heads, head_dim, eps, attn_scale, window, ffn_dim, gelu, gelu_table,
-               attn_parallel_min)
+  decode_layer(x, layer, kv, t, positions, int8, lut, attn_parallel_min)
 
-`ws` holds the seven projections (q, k, v, output, gate, up, down) as raw uint8 rows, `fmts`
-their GGML type ids, `kv` the layer's cache as KVCache.kernel_arrays gives it
-(float32 keys, values, or halves), `vecs` the block's small vectors (cpu_decode.VECTORS; empty where absent);
-attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
+`layer` is the block's FusedLayer (below), `kv` the layer's cache as KVCache.kernel_arrays gives
+it (float32 keys, values, or halves); attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
 (ops_compiled.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from prima.kernels import drivers, ops_compiled
+from prima.kernels.ops_reference import QkvSplit
+
+
+class FusedLayer(NamedTuple):
+    """One block's constants as decode_layer takes them: `ws` the seven projections (q, k, v,
+    output, gate, up, down) as raw uint8 rows and `fmts` their GGML type ids; `norms` the
+    attention, FFN, post-attention and post-FFN norm weights (empty where absent); `qkv` the
+    q|k|v split; `gelu_table` ops_reference.gelu_fp16_table() for a GELU model, else empty."""
+
+    ws: tuple[np.ndarray, ...]
+    fmts: np.ndarray
+    norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    qkv: QkvSplit
+    attn_scale: float
+    window: int  # 0: attends to the whole context
+    ffn_dim: int
+    gelu: bool
+    gelu_table: np.ndarray
 
 
 @njit(cache=True)
@@ -61,62 +77,29 @@ def _project3(fa, fb, fc, a, b, c, x, int8, lut):
 
 
 @njit(cache=True)
-def decode_layer(
-    x,
-    ws,
-    fmts,
-    int8,
-    lut,
-    vecs,
-    kv,
-    t,
-    positions,
-    inv_freq,
-    neox,
-    n_heads,
-    n_kv_heads,
-    head_dim,
-    eps,
-    attn_scale,
-    window,
-    ffn_dim,
-    gelu,
-    gelu_table,
-    attn_parallel_min,
-):
+def decode_layer(x, layer, kv, t, positions, int8, lut, attn_parallel_min):
     """Hidden states x (n, d) through one block; writes the tokens' keys and values into the
     cache rows at `positions`; t is the number of valid cache rows afterwards."""
-    attn_norm, ffn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, post_attn, post_ffw = vecs
+    ws, fmts = layer.ws, layer.fmts
+    attn_norm, ffn_norm, post_attn, post_ffw = layer.norms
+    eps = layer.qkv.eps
     xn = ops_compiled.rms_norm(x, attn_norm, eps)
     qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
-    q, k, v = ops_compiled.qkv_rope_rows(
-        qkv,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        q_bias,
-        k_bias,
-        v_bias,
-        q_norm,
-        k_norm,
-        eps,
-        positions,
-        inv_freq,
-        neox,
-    )
+    q, k, v = ops_compiled.qkv_rope_rows(qkv, layer.qkv, positions)
     k32, v32, k16, v16 = kv
     ops_compiled.store_kv(k, v, k32, v32, k16, v16, positions)
+    scale, window = layer.attn_scale, layer.window
     if q.shape[0] * t >= attn_parallel_min:
-        attn = ops_compiled._attention_parallel(q, k32, v32, k16, v16, t, positions, attn_scale, window)
+        attn = ops_compiled._attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window)
     else:
-        attn = ops_compiled._attention_serial(q, k32, v32, k16, v16, t, positions, attn_scale, window)
+        attn = ops_compiled._attention_serial(q, k32, v32, k16, v16, t, positions, scale, window)
     o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
     x, xn = ops_compiled.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)
-    if gelu:
-        act = ops_compiled.gelu_mul(gate_up, ffn_dim, gelu_table)
+    if layer.gelu:
+        act = ops_compiled.gelu_mul(gate_up, layer.ffn_dim, layer.gelu_table)
     else:
-        act = ops_compiled.silu_mul(gate_up, ffn_dim)
+        act = ops_compiled.silu_mul(gate_up, layer.ffn_dim)
     ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)
     x, _ = ops_compiled.residual_norm_rows(x, ffn, post_ffw, post_ffw[:0], eps)
     return x

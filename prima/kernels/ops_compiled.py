@@ -25,7 +25,7 @@ from prima.kernels.lanes import (
     stack_f32,
 )
 from prima.kernels.matmul import prefill_map
-from prima.kernels.ops_reference import ROPE_NEOX
+from prima.kernels.ops_reference import ROPE_NEOX, QkvSplit
 from prima.kernels.thread_env import workers_spin
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
@@ -108,18 +108,8 @@ def residual_norm(
 @njit(cache=True, inline="always")
 def _qkv_row(
     qkv: np.ndarray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    q_bias: np.ndarray,
-    k_bias: np.ndarray,
-    v_bias: np.ndarray,
-    q_norm: np.ndarray,
-    k_norm: np.ndarray,
-    eps: float,
+    s: QkvSplit,
     positions: np.ndarray,
-    inv_freq: np.ndarray,
-    neox: bool,
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -128,162 +118,73 @@ def _qkv_row(
     i: int,
 ) -> None:
     """Row i of qkv_rope_rows into q, k, v (cos and sin: scratch of rope_dim / 2 floats)."""
-    half = inv_freq.shape[0]
+    n_heads, n_kv_heads, head_dim = s.n_heads, s.n_kv_heads, s.head_dim
+    half = s.inv_freq.shape[0]
     kv0 = n_heads * head_dim
     v0 = kv0 + n_kv_heads * head_dim
     for f in range(half):
-        angle = np.float64(positions[i]) * inv_freq[f]
+        angle = np.float64(positions[i]) * s.inv_freq[f]
         cos[f] = np.float32(math.cos(angle))
         sin[f] = np.float32(math.sin(angle))
     for h in range(n_heads + n_kv_heads):
         if h < n_heads:
             dst = q[i, h]
             src = qkv[i, h * head_dim : (h + 1) * head_dim]
-            bias, norm, b0 = q_bias, q_norm, h * head_dim
+            bias, norm, b0 = s.q_bias, s.q_norm, h * head_dim
         else:
             dst = k[i, h - n_heads]
             src = qkv[i, kv0 + (h - n_heads) * head_dim : kv0 + (h - n_heads + 1) * head_dim]
-            bias, norm, b0 = k_bias, k_norm, (h - n_heads) * head_dim
+            bias, norm, b0 = s.k_bias, s.k_norm, (h - n_heads) * head_dim
         for j in range(head_dim):
             dst[j] = src[j] + bias[b0 + j] if bias.size else src[j]
         if norm.size:
-            _norm_row(dst, norm, eps, dst)
-        _rope_row(dst, cos, sin, neox)
+            _norm_row(dst, norm, s.eps, dst)
+        _rope_row(dst, cos, sin, s.neox)
     for h in range(n_kv_heads):
         for j in range(head_dim):
             val = qkv[i, v0 + h * head_dim + j]
-            v[i, h, j] = val + v_bias[h * head_dim + j] if v_bias.size else val
+            v[i, h, j] = val + s.v_bias[h * head_dim + j] if s.v_bias.size else val
 
 
 @njit(cache=True)
 def qkv_rope_rows(
-    qkv: np.ndarray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    q_bias: np.ndarray,
-    k_bias: np.ndarray,
-    v_bias: np.ndarray,
-    q_norm: np.ndarray,
-    k_norm: np.ndarray,
-    eps: float,
-    positions: np.ndarray,
-    inv_freq: np.ndarray,
-    neox: bool,
+    qkv: np.ndarray, s: QkvSplit, positions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the merged projection qkv (n, (H + 2 KVH) hd) into q (n, H, hd), k, v (n, KVH, hd),
     add biases, apply the per-head QK norms, and rotate q and k by RoPE at `positions`."""
     n = qkv.shape[0]
-    q = np.empty((n, n_heads, head_dim), dtype=np.float32)
-    k = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
-    v = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
-    cos = np.empty(inv_freq.shape[0], dtype=np.float32)
-    sin = np.empty(inv_freq.shape[0], dtype=np.float32)
+    q = np.empty((n, s.n_heads, s.head_dim), dtype=np.float32)
+    k = np.empty((n, s.n_kv_heads, s.head_dim), dtype=np.float32)
+    v = np.empty((n, s.n_kv_heads, s.head_dim), dtype=np.float32)
+    cos = np.empty(s.inv_freq.shape[0], dtype=np.float32)
+    sin = np.empty(s.inv_freq.shape[0], dtype=np.float32)
     for i in range(n):
-        _qkv_row(
-            qkv,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            q_bias,
-            k_bias,
-            v_bias,
-            q_norm,
-            k_norm,
-            eps,
-            positions,
-            inv_freq,
-            neox,
-            q,
-            k,
-            v,
-            cos,
-            sin,
-            i,
-        )
+        _qkv_row(qkv, s, positions, q, k, v, cos, sin, i)
     return q, k, v
 
 
 @njit(parallel=True, cache=True)
 def _qkv_rope_parallel(
-    qkv: np.ndarray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    q_bias: np.ndarray,
-    k_bias: np.ndarray,
-    v_bias: np.ndarray,
-    q_norm: np.ndarray,
-    k_norm: np.ndarray,
-    eps: float,
-    positions: np.ndarray,
-    inv_freq: np.ndarray,
-    neox: bool,
+    qkv: np.ndarray, s: QkvSplit, positions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """qkv_rope_rows with rows split over the threads (the same bits)."""
     n = qkv.shape[0]
-    q = np.empty((n, n_heads, head_dim), dtype=np.float32)
-    k = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
-    v = np.empty((n, n_kv_heads, head_dim), dtype=np.float32)
+    q = np.empty((n, s.n_heads, s.head_dim), dtype=np.float32)
+    k = np.empty((n, s.n_kv_heads, s.head_dim), dtype=np.float32)
+    v = np.empty((n, s.n_kv_heads, s.head_dim), dtype=np.float32)
     for i in prange(n):
-        cos = np.empty(inv_freq.shape[0], dtype=np.float32)
-        sin = np.empty(inv_freq.shape[0], dtype=np.float32)
-        _qkv_row(
-            qkv,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            q_bias,
-            k_bias,
-            v_bias,
-            q_norm,
-            k_norm,
-            eps,
-            positions,
-            inv_freq,
-            neox,
-            q,
-            k,
-            v,
-            cos,
-            sin,
-            i,
-        )
+        cos = np.empty(s.inv_freq.shape[0], dtype=np.float32)
+        sin = np.empty(s.inv_freq.shape[0], dtype=np.float32)
+        _qkv_row(qkv, s, positions, q, k, v, cos, sin, i)
     return q, k, v
 
 
 def qkv_rope(
-    qkv: np.ndarray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    q_bias: np.ndarray,
-    k_bias: np.ndarray,
-    v_bias: np.ndarray,
-    q_norm: np.ndarray,
-    k_norm: np.ndarray,
-    eps: float,
-    positions: np.ndarray,
-    inv_freq: np.ndarray,
-    neox: bool,
+    qkv: np.ndarray, s: QkvSplit, positions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """qkv_rope_rows, its rows over the threads from PARALLEL_MIN_ROWS rows."""
     run = _qkv_rope_parallel if qkv.shape[0] >= PARALLEL_MIN_ROWS else qkv_rope_rows
-    return run(
-        qkv,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        q_bias,
-        k_bias,
-        v_bias,
-        q_norm,
-        k_norm,
-        eps,
-        positions,
-        inv_freq,
-        neox,
-    )
+    return run(qkv, s, positions)
 
 
 @njit(cache=True, inline="always")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from prima.kernels import ops_reference as ops
-from prima.kernels.ops_reference import ROPE_NEOX
+from prima.kernels.ops_reference import ROPE_NEOX, QkvSplit
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
 
@@ -30,38 +30,26 @@ def residual_norm(
 
 
 def qkv_rope(
-    qkv: np.ndarray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    q_bias: np.ndarray,
-    k_bias: np.ndarray,
-    v_bias: np.ndarray,
-    q_norm: np.ndarray,
-    k_norm: np.ndarray,
-    eps: float,
-    positions: np.ndarray,
-    inv_freq: np.ndarray,
-    neox: bool,
+    qkv: np.ndarray, s: QkvSplit, positions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split qkv (n, (H + 2 KVH) hd) into q (n, H, hd), k, v (n, KVH, hd); biases, QK norms, RoPE."""
     n = qkv.shape[0]
-    kv0 = n_heads * head_dim
-    v0 = kv0 + n_kv_heads * head_dim
+    kv0 = s.n_heads * s.head_dim
+    v0 = kv0 + s.n_kv_heads * s.head_dim
     parts = []
     for lo, hi, heads, bias in (
-        (0, kv0, n_heads, q_bias),
-        (kv0, v0, n_kv_heads, k_bias),
-        (v0, None, n_kv_heads, v_bias),
+        (0, kv0, s.n_heads, s.q_bias),
+        (kv0, v0, s.n_kv_heads, s.k_bias),
+        (v0, None, s.n_kv_heads, s.v_bias),
     ):
         part = qkv[:, lo:hi] + bias if bias.size else qkv[:, lo:hi]
-        parts.append(np.ascontiguousarray(part, dtype=np.float32).reshape(n, heads, head_dim))
+        parts.append(np.ascontiguousarray(part, dtype=np.float32).reshape(n, heads, s.head_dim))
     q, k, v = parts
-    if q_norm.size:
-        q = rms_norm(q, q_norm, eps)
-    if k_norm.size:
-        k = rms_norm(k, k_norm, eps)
-    return _rope(q, positions, inv_freq, neox), _rope(k, positions, inv_freq, neox), v
+    if s.q_norm.size:
+        q = rms_norm(q, s.q_norm, s.eps)
+    if s.k_norm.size:
+        k = rms_norm(k, s.k_norm, s.eps)
+    return _rope(q, positions, s.inv_freq, s.neox), _rope(k, positions, s.inv_freq, s.neox), v
 
 
 def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:

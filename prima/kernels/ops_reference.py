@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,6 +16,25 @@ import numpy as np
 # (x_i, x_{i+d/2}).
 ROPE_NORM = "norm"
 ROPE_NEOX = "neox"
+
+
+class QkvSplit(NamedTuple):
+    """How one layer turns its merged q|k|v projection into attention's q, k and v: the heads,
+    the biases and per-head QK norms (empty arrays where the model has none), and RoPE's
+    frequencies and layout. Built once per layer and passed whole to each op set's qkv_rope
+    (numba takes a NamedTuple as one argument)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    q_bias: np.ndarray
+    k_bias: np.ndarray
+    v_bias: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    eps: float
+    inv_freq: np.ndarray
+    neox: bool
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

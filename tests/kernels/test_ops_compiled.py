@@ -8,6 +8,7 @@ import pytest
 from prima.kernels import matmul as mm
 from prima.kernels import ops_compiled
 from prima.kernels import ops_reference as ops
+from prima.kernels.ops_reference import QkvSplit
 from prima.model.config import ROPE_NEOX, ROPE_NORM
 
 RNG = np.random.default_rng(7)
@@ -51,10 +52,11 @@ def test_prefill_rows_on_threads_have_decode_bits() -> None:
         strict=True,
     ):
         np.testing.assert_array_equal(got, want)
-    args = (
-        _f32(n, (heads + 2 * kv_heads) * hd), heads, kv_heads, hd, _f32(heads * hd), _f32(kv_heads * hd),
-        _f32(kv_heads * hd), _f32(hd), _f32(hd), 1e-6, np.arange(3, 3 + n), ops_compiled.rope_inv_freq(hd, 1e4), True,
+    split = QkvSplit(
+        heads, kv_heads, hd, _f32(heads * hd), _f32(kv_heads * hd), _f32(kv_heads * hd), _f32(hd), _f32(hd),
+        1e-6, ops_compiled.rope_inv_freq(hd, 1e4), True,
     )  # fmt: skip
+    args = (_f32(n, (heads + 2 * kv_heads) * hd), split, np.arange(3, 3 + n))
     for got, want in zip(ops_compiled.qkv_rope(*args), ops_compiled.qkv_rope_rows(*args), strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -69,10 +71,11 @@ def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool, n: int) -> No
     qn, kn = (_f32(hd), _f32(hd)) if qk_norm else (ops_compiled.NONE, ops_compiled.NONE)
     positions = np.arange(5, 5 + n)
     base = 10000.0
-    q, k, v = ops_compiled.qkv_rope(
-        qkv, heads, kv_heads, hd, qb, kb, vb, qn, kn, 1e-6, positions,
-        ops_compiled.rope_inv_freq(hd, base), ops_compiled.is_neox(rope_type),
+    split = QkvSplit(
+        heads, kv_heads, hd, qb, kb, vb, qn, kn, 1e-6, ops_compiled.rope_inv_freq(hd, base),
+        ops_compiled.is_neox(rope_type),
     )  # fmt: skip
+    q, k, v = ops_compiled.qkv_rope(qkv, split, positions)
     rq = (qkv[:, : heads * hd] + qb).reshape(n, heads, hd)
     rk = (qkv[:, heads * hd : (heads + kv_heads) * hd] + kb).reshape(n, kv_heads, hd)
     rv = (qkv[:, (heads + kv_heads) * hd :] + vb).reshape(n, kv_heads, hd)
