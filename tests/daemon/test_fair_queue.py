@@ -75,3 +75,15 @@ def test_streaming_groups_take_one_sessions_run_at_a_hop_and_leave_the_rest() ->
     # a2 joins a1's group; a4 does not: a3, at another hop, comes before it in a's order.
     assert taken == [Item("a", 2)]
     assert list(pending) == [Item("b", 1), Item("a", 3, hop_index=1), Item("a", 4), Item("c", 1)]
+
+
+def test_the_rest_of_a_batch_put_back_goes_after_the_other_sessions_but_first_in_its_own() -> None:
+    q: FairQueue[Item] = FairQueue()
+    for name, n in [("flood", 2), ("chat", 1), ("other", 1)]:
+        q.put(Item(name, n))
+    assert q.others_waiting("flood")
+    assert not FairQueue().others_waiting("flood")
+    q.put_first(Item("flood", 1))  # the rest of flood's batch 1, which gave up its turn
+    assert _drain(q) == ["chat1", "other1", "flood1", "flood2"]
+    q.put(Item("flood", 3))
+    assert not q.others_waiting("flood")
