@@ -96,7 +96,9 @@ def generation_beside_flood(stub: pb_grpc.NodeStub, tokens: int) -> tuple[list[i
     alone = generate(stub)
     solo_s = time.perf_counter() - t0
     # The flood's session may queue two of its batches (its context's worth).
-    stub.OpenSession(pb.OpenSessionRequest(session_id="flood", plan_epoch=1, n_ctx=2 * tokens), timeout=CALL_S)
+    stub.OpenSession(
+        pb.OpenSessionRequest(session_id="flood", plan_epoch=1, n_ctx=2 * tokens), timeout=CALL_S
+    )
     stop = threading.Event()
     refused: list[int] = []
     flooder = threading.Thread(target=_flood, args=(stub, tokens, stop, refused))
