@@ -64,11 +64,25 @@ class _Arrivals(queue.SimpleQueue):  # type: ignore[type-arg]
         super().put(item, block, timeout)
 
 
+@pytest.fixture(params=["resident", "streaming"])
+def either_runtime(request: pytest.FixtureRequest, tiny_daemon_model: LoadedModel) -> Iterator[NodeRuntime]:
+    """A solo daemon holding its layers, or streaming them from disk under a budget of half of
+    them (its compute thread then groups each session's batches at a hop)."""
+    layer_bytes = sum(t.n_bytes for t in tiny_daemon_model.gguf.tensors.values() if t.name.startswith("blk."))
+    budget = 0 if request.param == "resident" else layer_bytes // 2  # two of its four layers
+    runtime = NodeRuntime(tiny_daemon_model, "solo", budget_bytes=budget, threads=1)
+    runtime.load_plan(solo_plan(), "solo", WireDType.F32)
+    assert runtime.need_layout().windows.limited == (request.param == "streaming")
+    yield runtime
+    runtime.shutdown()
+
+
 def test_a_long_micro_batch_lets_another_sessions_step_through_between_its_layers(
-    solo_runtime: NodeRuntime,
+    either_runtime: NodeRuntime,
 ) -> None:
     """A member's long batch gives up the compute thread after each layer while another session
     waits; computed layer by layer, its rows keep the bits of the whole window in one call."""
+    solo_runtime = either_runtime
     order: list[str] = []
     for name in ("flood", "chat"):
         _results(solo_runtime, name)
