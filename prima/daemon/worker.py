@@ -198,11 +198,19 @@ class Worker:
             self.fail(part.session_id, f"node {self.host.node_id}: {exc}", type(exc).__name__)
         except ValueError as exc:  # a cache write with a gap: the session's batches were lost
             self.fail(part.session_id, f"node {self.host.node_id} could not compute: {exc}", "cache_gap")
-        metrics.NODE_COMPUTE.observe(time.perf_counter() - t0)
+        part.spent_s += time.perf_counter() - t0
         if done:
+            metrics.NODE_COMPUTE.observe(part.spent_s)
             self._finished(part.n_items)
         elif pending:
-            _insert_before_session(pending, part)
+            # Streaming: the queue is served through `pending`; gather the rest of it there too,
+            # so every session waiting, not only those already taken, goes before this one.
+            while True:
+                try:
+                    pending.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            _behind_others(pending, part)
         else:
             self._work.put_first(part)
 
@@ -352,6 +360,7 @@ class _Partial:
     session: NodeSession
     n_items: int
     steps: Iterator[None]
+    spent_s: float = 0.0  # computing so far, its waits for other sessions' turns left out
 
 
 def _tokens(group: list[Activation]) -> int:
@@ -362,14 +371,13 @@ def _others_pending(pending: collections.deque[Activation | _Partial | None], se
     return any(item is not None and item.session_id != session_id for item in pending)
 
 
-def _insert_before_session(pending: collections.deque[Activation | _Partial | None], part: _Partial) -> None:
-    """Put `part` in `pending` ahead of its session's first item there (its order is kept), or
-    last if it has none."""
-    for i, item in enumerate(pending):
-        if item is not None and item.session_id == part.session_id:
-            pending.insert(i, part)
-            return
-    pending.append(part)
+def _behind_others(pending: collections.deque[Activation | _Partial | None], part: _Partial) -> None:
+    """Put `part` in `pending` after every other session's items and before its own session's
+    (whose order is kept): the others take their turn before it computes on."""
+    own = [item for item in pending if item is not None and item.session_id == part.session_id]
+    others = [item for item in pending if item is None or item.session_id != part.session_id]
+    pending.clear()
+    pending.extend([*others, part, *own])
 
 
 def _log_window(window: Window, group: list[Activation], before: StreamStats, now: StreamStats) -> None:

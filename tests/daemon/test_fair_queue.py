@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from prima.daemon.fair_queue import FairQueue
-from prima.daemon.worker import _same_hop_run
+from prima.daemon.worker import _behind_others, _Partial, _same_hop_run
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,12 @@ def test_the_rest_of_a_batch_put_back_goes_after_the_other_sessions_but_first_in
     assert _drain(q) == ["chat1", "other1", "flood1", "flood2"]
     q.put(Item("flood", 3))
     assert not q.others_waiting("flood")
+
+
+def test_the_rest_of_a_long_batch_waits_behind_the_other_sessions_and_ahead_of_its_own() -> None:
+    """A streaming node serves its queue through `pending`: a batch that gave way goes after
+    every other session's items there, and before its own session's later ones."""
+    part = _Partial("a", None, None, 1, iter(()))  # type: ignore[arg-type]
+    pending: collections.deque = collections.deque([Item("a", 2), Item("b", 1), Item("a", 3), Item("c", 1)])
+    _behind_others(pending, part)
+    assert list(pending) == [Item("b", 1), Item("c", 1), part, Item("a", 2), Item("a", 3)]
