@@ -6,6 +6,7 @@ prints what it measured."""
 from __future__ import annotations
 
 import argparse
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from prima.net import codec
+from prima.net import codec, link_wire
 from prima.net.codec import Activation
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
@@ -110,6 +111,55 @@ def flood(
     return codes
 
 
+def link_flood(
+    port: int, frames: list[list[bytes]], threads: int, connections: int, deadline_s: float
+) -> list[str]:
+    """The same on the activation link (plaintext, as the daemon's is): each of `threads` threads
+    opens up to `connections` connections in turn, each sending MAGIC and then each of `frames`
+    kinds in turn, and reading what comes back; the first line of every error frame."""
+    answers: list[str] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + deadline_s
+
+    def send(first: int) -> None:
+        for i in range(connections):
+            if time.monotonic() > deadline:
+                return
+            with socket.create_connection(("127.0.0.1", port), timeout=CALL_S) as sock:
+                try:
+                    sock.sendall(link_wire.MAGIC)
+                    for f in frames[(first + i) % len(frames)]:
+                        sock.sendall(f)
+                    sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass  # refused part-way: the daemon closed the link after its error frame
+                reply = _read_all(sock)
+            kind = (
+                reply[link_wire.HEADER.size : link_wire.HEADER.size + 40]
+                .split(b"\n")[0]
+                .decode(errors="replace")
+            )
+            with lock:
+                answers.append(kind or "closed")
+
+    senders = [threading.Thread(target=send, args=(t,)) for t in range(threads)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(timeout=deadline_s + CALL_S)
+    return answers
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    try:
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+    except OSError:
+        pass
+    return b"".join(chunks)
+
+
 def run(
     stub: pb_grpc.NodeStub,
     pid: int,
@@ -136,6 +186,42 @@ def run(
             side.join(timeout=CALL_S * 4)
     stub.CloseSession(pb.CloseSessionRequest(session_id="flood"), timeout=CALL_S)
     return watch, codes, before_kib
+
+
+def run_link(
+    stub: pb_grpc.NodeStub,
+    pid: int,
+    epoch: int,
+    message_bytes: int,
+    threads: int,
+    connections: int,
+    deadline_s: float,
+    beside: Callable[[], object] | None = None,
+) -> tuple[Watch, list[str], int]:
+    """`run` on the daemon's activation link: connections sending one frame of `message_bytes`
+    (zeros: refused from its header if over the cap, else as unparseable), and connections
+    sending the longest batches the daemon takes."""
+    port = stub.Info(pb.InfoRequest(), timeout=CALL_S).link_port
+    stub.OpenSession(
+        pb.OpenSessionRequest(session_id="flood", plan_epoch=epoch, n_ctx=FLOOD_CTX), timeout=CALL_S
+    )
+    valid = link_wire.activation_frame(
+        Activation("flood", epoch, 0, np.arange(512), np.zeros((512, D_MODEL), np.float32))
+    )
+    frames = [
+        [link_wire.HEADER.pack(message_bytes, link_wire.ACTIVATION) + bytes(message_bytes)],
+        [valid] * 4,
+    ]
+    before_kib = status(pid)["VmRSS"]
+    with Watch(pid) as watch:
+        side = threading.Thread(target=beside) if beside is not None else None
+        if side is not None:
+            side.start()
+        answers = link_flood(port, frames, threads, connections, deadline_s)
+        if side is not None:
+            side.join(timeout=CALL_S * 4)
+    stub.CloseSession(pb.CloseSessionRequest(session_id="flood"), timeout=CALL_S)
+    return watch, answers, before_kib
 
 
 def _main() -> None:
