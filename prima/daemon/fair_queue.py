@@ -40,6 +40,21 @@ class FairQueue(Generic[T]):
             self._size += 1
             self._cv.notify()
 
+    def put_first(self, item: T) -> None:
+        """Queue `item` ahead of its session's others (the rest of a micro-batch that gave up
+        its turn part-way); its session takes its next turn after every other waiting one."""
+        with self._cv:
+            items = self._sessions.pop(item.session_id, collections.deque())
+            items.appendleft(item)
+            self._sessions[item.session_id] = items
+            self._size += 1
+            self._cv.notify()
+
+    def others_waiting(self, session_id: str) -> bool:
+        """Whether a session other than `session_id` has an item queued."""
+        with self._cv:
+            return any(sid != session_id for sid in self._sessions)
+
     def stop(self) -> None:
         with self._cv:
             self._stopping = True

@@ -6,7 +6,8 @@ or layer by layer while the node streams weights from disk (prima.forward.placem
 Activations of every session go through one work queue and one thread, so a session's
 micro-batches reach each layer in the order they were sent and its KV caches are written front
 to back; the queue serves sessions in turn (prima.daemon.fair_queue), so one session's burst
-does not hold up the others' steps. RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
+does not hold up the others' steps, and a long micro-batch gives way between its layers to
+other sessions' waiting work (SLICE_MIN_TOKENS). RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
 decode step (or a speculative check of a few tokens) that finds the compute thread idle and
 nothing queued is computed in the thread it arrived on, the link's reader or the head's
 generation: handing it over would wake the compute thread, a sizeable part of a decode hop
@@ -21,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 from prometheus_client import Counter
@@ -45,6 +47,13 @@ log = logging.getLogger("prima.daemon")
 # steps and speculative checks, which take milliseconds. Prompt micro-batches always queue, so a
 # link's reader keeps reading while they compute.
 INLINE_MAX_TOKENS = 8
+
+# A micro-batch of more tokens than this is computed one layer at a time, and gives up the
+# compute thread between layers while another session has work queued: a decode step of another
+# session then waits for one layer of a long batch, not all of them. Rows are never split: a
+# slice of rows rounds differently from the whole batch (BLAS and the int8 GEMM tile by row
+# count), while layer by layer gives the same bits (Backend.windows_bit_identical).
+SLICE_MIN_TOKENS = INLINE_MAX_TOKENS
 
 
 class WorkerHost(Protocol):
@@ -71,7 +80,7 @@ class Worker:
         # itself, from a window it just computed, are not: they already held a place.
         self.queued = WorkBounds(bounds or DaemonLimits())
         self._admitted: set[int] = set()
-        self._work: FairQueue[Activation] = FairQueue()
+        self._work: FairQueue[Activation | _Partial] = FairQueue()
         # Activations queued, held or being computed by the compute thread, and whether another
         # thread is computing one inline: a caller computes inline only when both are zero, and
         # the compute thread waits for an inline computation to end, so a session's activations
@@ -135,11 +144,15 @@ class Worker:
     # -- computing -----------------------------------------------------------------------------
     def _loop(self) -> None:
         use_threads(self.threads)
-        pending: collections.deque[Activation | None] = collections.deque()
+        pending: collections.deque[Activation | _Partial | None] = collections.deque()
         while True:
-            act = pending.popleft() if pending else self._work.get()
-            if act is None:
+            item = pending.popleft() if pending else self._work.get()
+            if item is None:
                 return
+            if isinstance(item, _Partial):
+                self._advance(item, pending)
+                continue
+            act = item
             self._taken(act)
             group = [act]
             layout = self.host.layout
@@ -155,35 +168,77 @@ class Worker:
                     group.append(later)
                     self._taken(later)
             metrics.NODE_QUEUE_DEPTH.set(self._work.qsize() + len(pending))
-            with self._order:
-                while self._inline:
-                    self._order.wait()
-            try:
-                session = self.host.find_session(act.session_id)
-                if layout is None or session is None or act.plan_epoch != layout.plan.epoch:
-                    # The plan changed or the session ended while it queued.
-                    log.debug("dropping activation of closed session %s", act.session_id)
-                else:
-                    self._run(group, layout, session)
-            finally:
-                with self._order:
-                    self._unfinished -= len(group)
+            session = self.host.find_session(act.session_id)
+            if layout is None or session is None or act.plan_epoch != layout.plan.epoch:
+                # The plan changed or the session ended while it queued.
+                log.debug("dropping activation of closed session %s", act.session_id)
+                self._finished(len(group))
+                continue
+            steps = self._compute(group, layout, session, sliced=_tokens(group) > SLICE_MIN_TOKENS)
+            self._advance(_Partial(act.session_id, layout, session, len(group), steps), pending)
+
+    def _advance(self, part: _Partial, pending: collections.deque[Activation | _Partial | None]) -> None:
+        """Compute `part` on, layer after layer, until it is done or another session has work
+        waiting; then queue the rest behind that work, ahead of its own session's later batches."""
+        with self._order:
+            while self._inline:
+                self._order.wait()
+        if self.host.layout is not part.layout or self.host.find_session(part.session_id) is not part.session:
+            log.debug("dropping the rest of a micro-batch of closed session %s", part.session_id)
+            part.steps.close()
+            self._finished(part.n_items)
+            return
+        t0 = time.perf_counter()
+        done = True
+        try:
+            for _ in part.steps:
+                if self._work.others_waiting(part.session_id) or _others_pending(pending, part.session_id):
+                    done = False
+                    break
+        except PrimaError as exc:
+            self.fail(part.session_id, f"node {self.host.node_id}: {exc}", type(exc).__name__)
+        except ValueError as exc:  # a cache write with a gap: the session's batches were lost
+            self.fail(part.session_id, f"node {self.host.node_id} could not compute: {exc}", "cache_gap")
+        part.spent_s += time.perf_counter() - t0
+        if done:
+            metrics.NODE_COMPUTE.observe(part.spent_s)
+            self._finished(part.n_items)
+        elif pending:
+            # Streaming: the queue is served through `pending`; gather the rest of it there too,
+            # so every session waiting, not only those already taken, goes before this one.
+            while True:
+                try:
+                    pending.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            _behind_others(pending, part)
+        else:
+            self._work.put_first(part)
+
+    def _finished(self, n_items: int) -> None:
+        with self._order:
+            self._unfinished -= n_items
 
     def _run(self, group: list[Activation], layout: Layout, session: NodeSession) -> None:
-        """_compute, timed, with its failures reported to the session's head."""
+        """_compute in one go, timed, with its failures reported to the session's head."""
         act = group[0]
         try:
             t0 = time.perf_counter()
-            self._compute(group, layout, session)
+            for _ in self._compute(group, layout, session, sliced=False):
+                pass
             metrics.NODE_COMPUTE.observe(time.perf_counter() - t0)
         except PrimaError as exc:
             self.fail(act.session_id, f"node {self.host.node_id}: {exc}", type(exc).__name__)
         except ValueError as exc:  # a cache write with a gap: the session's batches were lost
             self.fail(act.session_id, f"node {self.host.node_id} could not compute: {exc}", "cache_gap")
 
-    def _compute(self, group: list[Activation], layout: Layout, session: NodeSession) -> None:
+    def _compute(
+        self, group: list[Activation], layout: Layout, session: NodeSession, *, sliced: bool
+    ) -> Iterator[None]:
         """Run micro-batches of one session, all at the same hop, through this node's consecutive
         hops, piece by piece (each piece for every micro-batch in order), then route each on.
+        `sliced`: the host's layers one at a time, yielding after each, so the caller may let
+        other sessions' work run between them.
 
         What the next node does not wait for (the hop timings, debug logs) comes after the
         send: on a ring every step crosses every hop, and a woken core runs each line slowly."""
@@ -194,6 +249,7 @@ class Worker:
         windows = layout.windows
         model = self.host.model
         cache = session.cache
+        per_layer = windows.limited or (sliced and model.host.windows_bit_identical)
         debug = log.isEnabledFor(logging.DEBUG)
         spent_ms: list[float] = []
         while h < len(hops) and hops[h].node_index == layout.me:
@@ -202,7 +258,7 @@ class Worker:
             t0 = time.perf_counter()
             # The accelerator's layers in one call; the host's in one call, or layer by layer
             # while streaming, so compute on one overlaps the prefetch thread reading the next.
-            for piece in layout.pieces(range(window.start, window.end), per_layer=windows.limited):
+            for piece in layout.pieces(range(window.start, window.end), per_layer=per_layer):
                 read = not piece.on_accel
                 if read:
                     windows.before_layers(piece.layers)
@@ -210,6 +266,8 @@ class Worker:
                     hidden[i] = model.run(piece, hidden[i], a.positions, cache)
                 if read:
                     windows.after_layers(piece.layers)
+                if sliced:
+                    yield
             spent_ms.append((time.perf_counter() - t0) * 1000)
             if before is not None:
                 _log_window(window, group, before, windows.stats)
@@ -293,6 +351,36 @@ class Worker:
                 log.warning("could not tell the head about it: %s", exc)
 
 
+@dataclasses.dataclass
+class _Partial:
+    """A session's micro-batches part-way through this node's layers, waiting for their turn:
+    the rest of their computation (`steps`) and the plan and session it was started under."""
+
+    session_id: str
+    layout: Layout
+    session: NodeSession
+    n_items: int
+    steps: Iterator[None]
+    spent_s: float = 0.0  # computing so far, its waits for other sessions' turns left out
+
+
+def _tokens(group: list[Activation]) -> int:
+    return sum(len(a.positions) for a in group)
+
+
+def _others_pending(pending: collections.deque[Activation | _Partial | None], session_id: str) -> bool:
+    return any(item is not None and item.session_id != session_id for item in pending)
+
+
+def _behind_others(pending: collections.deque[Activation | _Partial | None], part: _Partial) -> None:
+    """Put `part` in `pending` after every other session's items and before its own session's
+    (whose order is kept): the others take their turn before it computes on."""
+    own = [item for item in pending if item is not None and item.session_id == part.session_id]
+    others = [item for item in pending if item is None or item.session_id != part.session_id]
+    pending.clear()
+    pending.extend([*others, part, *own])
+
+
 def _log_window(window: Window, group: list[Activation], before: StreamStats, now: StreamStats) -> None:
     log.debug(
         "window %s (%d tokens): compute %.1f ms, waited %.1f ms for reads; prefetch read %.1f MiB in %.1f ms",
@@ -305,15 +393,18 @@ def _log_window(window: Window, group: list[Activation], before: StreamStats, no
     )
 
 
-def _same_hop_run(pending: collections.deque[Activation | None], act: Activation) -> list[Activation]:
+def _same_hop_run(
+    pending: collections.deque[Activation | _Partial | None], act: Activation
+) -> list[Activation]:
     """Take from `pending` the micro-batches of `act`'s session that follow it at the same hop,
-    up to the first of that session at another hop (its order is kept); other sessions' stay."""
+    up to the first of that session at another hop or part-way computed (its order is kept);
+    other sessions' stay."""
     taken: list[Activation] = []
-    kept: collections.deque[Activation | None] = collections.deque()
+    kept: collections.deque[Activation | _Partial | None] = collections.deque()
     blocked = False
     for item in pending:
         if not blocked and item is not None and item.session_id == act.session_id:
-            if _same_hop(item, act):
+            if not isinstance(item, _Partial) and _same_hop(item, act):
                 taken.append(item)
                 continue
             blocked = True
@@ -323,9 +414,5 @@ def _same_hop_run(pending: collections.deque[Activation | None], act: Activation
     return taken
 
 
-def _same_hop(a: Activation | None, b: Activation) -> bool:
-    return a is not None and (a.session_id, a.plan_epoch, a.hop_index) == (
-        b.session_id,
-        b.plan_epoch,
-        b.hop_index,
-    )
+def _same_hop(a: Activation, b: Activation) -> bool:
+    return (a.session_id, a.plan_epoch, a.hop_index) == (b.session_id, b.plan_epoch, b.hop_index)

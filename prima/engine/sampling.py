@@ -96,11 +96,17 @@ class Sampler:
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
-    """Make recently seen tokens less likely (divide positive logits, multiply negative ones)."""
+    """Make recently seen tokens less likely (divide positive logits, multiply negative ones).
+    Kept finite: a penalty of 1e-310 or 1e308 overflows float32, and infinite logits would make
+    the probabilities NaN; the largest float32 keeps such a token first (or last)."""
     out = logits.copy()
     seen = np.unique(np.asarray(recent, dtype=np.int64))
     vals = out[seen]
-    out[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    # In float32, as llama.cpp; an overflow (or a penalty that is 0 or inf in float32) is clipped.
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        penalized = np.where(vals > 0, vals / penalty, vals * penalty)
+    big = np.finfo(np.float32).max
+    out[seen] = np.clip(penalized, -big, big)
     return out
 
 

@@ -28,6 +28,20 @@ MAX_ADDRESS_BYTES = 255
 # otherwise push the epoch to 2**64-1 and leave no newer one for anyone.
 MAX_EPOCH_STEP = 1 << 20
 MAX_EPOCH = 1 << 53
+# The smallest cap on a message a daemon receives: room for a Generate request's prompt (at most
+# 5 bytes a token: 800k tokens) and the 1 MiB Ping that measures a link's bandwidth.
+MIN_RECEIVED_MESSAGE_BYTES = 4 << 20
+# An activation's bytes beyond its hidden states: its other fields, and framing.
+ACTIVATION_OVERHEAD_BYTES = 64 << 10
+
+
+def received_message_bytes(d_model: int, max_batch_tokens: int) -> int:
+    """The largest message a daemon of this model needs to receive: a micro-batch of
+    `max_batch_tokens` rows of float32 hidden states (the widest wire type) with their positions
+    (varints of at most 10 bytes), or MIN_RECEIVED_MESSAGE_BYTES. gRPC refuses a bigger one from
+    its length prefix, before the bytes are gathered, so a refused message costs nothing."""
+    activation = max_batch_tokens * (d_model * 4 + 10) + ACTIVATION_OVERHEAD_BYTES
+    return max(MIN_RECEIVED_MESSAGE_BYTES, activation)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from prima.net import link_tls, link_wire
 from prima.net.admission import Admission
 from prima.net.codec import Activation
 from prima.net.credentials import Identity, cert_name
-from prima.net.limits import DaemonLimits
+from prima.net.limits import DaemonLimits, received_message_bytes
 from prima.net.link_socket import read_exactly_from, shut
 from prima.net.revocation import RevocationList
 from prima.net.status import StreamTimeoutError, status_details, status_for
@@ -68,11 +68,15 @@ class LinkServer:
         identity: Identity | None,
         limits: DaemonLimits | None = None,
         revoked: RevocationList | None = None,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int | None = None,
     ) -> None:
+        """`max_message_bytes`: the largest frame read (default: what the handler's model needs,
+        limits.received_message_bytes)."""
         self.handler = handler
         self.limits = limits or DaemonLimits()
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes or min(
+            64 << 20, received_message_bytes(handler.d_model, handler.max_batch_tokens)
+        )
         self._tls = link_tls.server_context(identity) if identity is not None else None
         self._admission = Admission(revoked)
         self._listener = socket.create_server((host.strip("[]"), port), family=_family(host), backlog=64)

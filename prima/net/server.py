@@ -11,7 +11,7 @@ from prima.errors import NodeError
 from prima.net.admission import Admission
 from prima.net.client import MAX_MESSAGE_BYTES
 from prima.net.credentials import Identity, server_credentials
-from prima.net.limits import DaemonLimits
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES, DaemonLimits, received_message_bytes
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.revocation import RevocationList
 from prima.net.servicer import FileHolder, FileServicer, NodeHandler, NodeServicer
@@ -28,12 +28,14 @@ def start_server(
     handler: NodeHandler,
     host: str = "127.0.0.1",
     port: int = 0,
-    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_message_bytes: int | None = None,
     identity: Identity | None = None,
     limits: DaemonLimits | None = None,
     revoked: RevocationList | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Serve `handler`; return the running server and the port it bound. With `identity`, over
+    """Serve `handler`; return the running server and the port it bound. Messages it receives
+    are capped at `max_message_bytes` (default: what the handler's model needs,
+    limits.received_message_bytes); those it sends at MAX_MESSAGE_BYTES. With `identity`, over
     mutual TLS: a caller without a certificate from the cluster's CA fails the handshake and
     never reaches a handler, and one whose certificate is in `revoked` gets UNAUTHENTICATED.
     Without, plaintext (primad allows that on loopback only)."""
@@ -42,6 +44,10 @@ def start_server(
         raise NodeError(
             f"{bounds.max_streams} streams at once would leave fewer than {CONTROL_THREADS} of the server's "
             f"{MAX_WORKERS} threads for control calls; allow at most {MAX_WORKERS - CONTROL_THREADS}"
+        )
+    if max_message_bytes is None:
+        max_message_bytes = min(
+            MAX_MESSAGE_BYTES, received_message_bytes(handler.d_model, handler.max_batch_tokens)
         )
     return _serve(NodeServicer(handler, bounds), host, port, max_message_bytes, identity, revoked)
 
@@ -55,22 +61,22 @@ def start_file_server(
 ) -> tuple[grpc.Server, int]:
     """Serve only the bytes of `holder`'s model file (Manifest, FetchRanges), as a coordinator
     does for the nodes of its ring that lack them; mutual TLS as in `start_server`."""
-    return _serve(FileServicer(holder), host, port, MAX_MESSAGE_BYTES, identity, revoked)
+    return _serve(FileServicer(holder), host, port, MIN_RECEIVED_MESSAGE_BYTES, identity, revoked)
 
 
 def _serve(
     servicer: FileServicer,
     host: str,
     port: int,
-    max_message_bytes: int,
+    max_received_bytes: int,
     identity: Identity | None,
     revoked: RevocationList | None,
 ) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="primad-rpc"),
         options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_received_bytes),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

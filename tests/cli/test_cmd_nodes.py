@@ -15,6 +15,7 @@ import pytest
 from prima.cli.main import main
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.node_adverts import NodeAdvert
 from prima.net.server import start_server
 from tests.net.hostile_adverts import hostile_adverts
@@ -36,7 +37,9 @@ def ring(tmp_path: Path) -> Iterator[dict[str, int]]:
         ("rogue", None),
         ("stranger", ClusterCA.create("other").issue("stranger")),
     ]:
-        server, ports[name] = start_server(object(), LOOPBACK, 0, identity=identity)  # type: ignore[arg-type]
+        server, ports[name] = start_server(
+            object(), LOOPBACK, 0, MIN_RECEIVED_MESSAGE_BYTES, identity=identity
+        )  # type: ignore[arg-type]
         servers.append(server)
     service_type = f"_pn{secrets.token_hex(3)}._tcp.local."
     adverts = tuple(NodeAdvert(n, LOOPBACK, p, FP, holds_full_file=n == "rogue") for n, p in ports.items())

@@ -22,6 +22,7 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient
 from prima.net.discovery import Advertiser
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.node_adverts import NodeAdvert
 from prima.net.server import start_server
 
@@ -112,7 +113,7 @@ def test_a_node_skips_a_rogue_holder_and_waits_for_the_real_one(
     logs = tmp_path / "logs"
     with GGUFFile(smollm2_path) as gguf:
         fingerprint = gguf.fingerprint()
-    rogue, rogue_port = start_server(object(), "127.0.0.1", 0)  # type: ignore[arg-type]  # plaintext
+    rogue, rogue_port = start_server(object(), "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES)  # type: ignore[arg-type]  # plaintext
     advert = NodeAdvert("a-rogue", "127.0.0.1", rogue_port, fingerprint, "m", holds_full_file=True)
     with Advertiser(advert, interfaces="127.0.0.1"), ThreadPoolExecutor(1) as pool:
         starting = pool.submit(

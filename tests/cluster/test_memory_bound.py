@@ -7,7 +7,7 @@ The bound on what the attack may add to the resident set (VmHWM after - VmRSS be
   KV caches (--max-kv-mib)
   + activations queued for the compute thread (max_queued_tokens x d_model x 4 bytes)
   + each call in flight: its message three times (gRPC's buffer, the bytes handed to Python,
-    the parsed message), at most 64 MiB each
+    the parsed message), each at most the daemon's receive cap (limits.received_message_bytes)
   + working memory (WORKING_MIB: sampling, gRPC and Python allocations).
 """
 
@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 from prima.coordinator.local_ring import LocalRing
+from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS
 from prima.engine.sampling import SamplerConfig
 from prima.net import codec
 from prima.net.client import MAX_MESSAGE_BYTES
 from prima.net.codec import Activation
-from prima.net.limits import DaemonLimits
+from prima.net.limits import DaemonLimits, received_message_bytes
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.plan import plan_from_window_sizes
@@ -37,10 +38,11 @@ MAX_KV_MIB = 64
 D_MODEL = 576  # smollm2-135m
 CALLS_IN_FLIGHT = 2  # the attacker below sends from two threads at a time
 WORKING_MIB = 128
+RECEIVED = received_message_bytes(D_MODEL, DEFAULT_MAX_BATCH_TOKENS)
 BOUND_BYTES = (
     (MAX_KV_MIB << 20)
     + DaemonLimits.max_queued_tokens * D_MODEL * 4
-    + CALLS_IN_FLIGHT * 3 * MAX_MESSAGE_BYTES
+    + CALLS_IN_FLIGHT * 3 * RECEIVED
     + (WORKING_MIB << 20)
 )
 PROMPT = [1, 504, 3458, 282, 4649, 314]
@@ -105,8 +107,9 @@ def _attack(stub: pb_grpc.NodeStub, epoch: int) -> list[grpc.StatusCode]:
     stub.OpenSession(pb.OpenSessionRequest(session_id="flood", plan_epoch=epoch, n_ctx=64), timeout=CALL_S)
     flood = [_activation("flood", epoch, 1) for _ in range(64)]
     oversized = [
-        _activation("flood", epoch, 1, MAX_MESSAGE_BYTES + (1 << 20)),  # over the message cap
-        _activation("flood", epoch, 1, MAX_MESSAGE_BYTES - (1 << 20)),  # under it, wrong for its shape
+        _activation("flood", epoch, 1, MAX_MESSAGE_BYTES + (1 << 20)),  # over any message cap
+        _activation("flood", epoch, 1, MAX_MESSAGE_BYTES - (1 << 20)),  # over the receive cap
+        _activation("flood", epoch, 1, RECEIVED - (64 << 10)),  # under it, wrong for its shape
         _activation("flood", epoch, 16_000),  # more tokens than a batch may hold
     ]
     lock = threading.Lock()

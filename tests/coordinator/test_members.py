@@ -18,6 +18,7 @@ from prima.errors import PlanError
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA
 from prima.net.discovery import Advertiser
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.node_adverts import NodeAdvert, rank_hosts
 from prima.net.server import start_server
 from tests.net.hostile_adverts import hostile_adverts
@@ -38,7 +39,7 @@ def cluster(tmp_path: Path) -> Iterator[ClusterCA]:
 
 
 def _serve(identity: credentials.Identity) -> tuple[grpc.Server, int]:
-    return start_server(object(), LOOPBACK, 0, identity=identity)  # type: ignore[arg-type]
+    return start_server(object(), LOOPBACK, 0, MIN_RECEIVED_MESSAGE_BYTES, identity=identity)  # type: ignore[arg-type]
 
 
 def test_rogue_adverts_neither_end_the_search_nor_count(cluster: ClusterCA) -> None:
@@ -73,7 +74,7 @@ def test_members_are_found_whatever_else_is_advertised(cluster: ClusterCA) -> No
     adverts (two claiming the members' ids) and a plaintext rogue advertising the whole file:
     each of five searches finds both members, and the rogue is marked as no member."""
     servers = [_serve(cluster.issue(f"node{i}")) for i in range(2)]
-    rogue, rogue_port = start_server(object(), LOOPBACK, 0)  # type: ignore[arg-type]  # plaintext
+    rogue, rogue_port = start_server(object(), LOOPBACK, 0, MIN_RECEIVED_MESSAGE_BYTES)  # type: ignore[arg-type]  # plaintext
     genuine = tuple(NodeAdvert(f"node{i}", LOOPBACK, port, FP) for i, (_, port) in enumerate(servers))
     rogue_advert = NodeAdvert("rogue", LOOPBACK, rogue_port, FP, holds_full_file=True)
     service_type = discovery.resolve_service_type()
@@ -110,7 +111,9 @@ def test_adverts_for_another_model_are_left_out(cluster: ClusterCA) -> None:
 def test_every_address_an_advert_lists_is_tried(cluster: ClusterCA) -> None:
     """A daemon listed at two addresses, the first a dead end from here (another interface):
     the second proves membership and is the one kept."""
-    server, port = start_server(object(), "127.0.0.2", 0, identity=cluster.issue("node0"))  # type: ignore[arg-type]
+    server, port = start_server(
+        object(), "127.0.0.2", 0, MIN_RECEIVED_MESSAGE_BYTES, identity=cluster.issue("node0")
+    )  # type: ignore[arg-type]
     dead, live = f"{LOOPBACK}:{port}", f"127.0.0.2:{port}"
     laptop = cluster.issue("laptop")
     try:

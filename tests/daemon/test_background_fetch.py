@@ -23,6 +23,7 @@ from prima.model.sparse import SparseFile
 from prima.net import fetch
 from prima.net.client import NodeClient
 from prima.net.fetch import Manifest, bootstrap, manifest_of
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.proto import prima_pb2 as pb
 from prima.net.server import start_server
 from prima.net.status import NotReadyError
@@ -67,7 +68,7 @@ def holder(model: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Gated
         return real(store, r)
 
     monkeypatch.setattr(fetch, "piece_message", gated)
-    server, port = start_server(h, "127.0.0.1", 0)  # type: ignore[arg-type]
+    server, port = start_server(h, "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES)  # type: ignore[arg-type]
     yield h, f"127.0.0.1:{port}"
     h.gate.set()
     server.stop(grace=None)

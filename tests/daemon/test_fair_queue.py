@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from prima.daemon.fair_queue import FairQueue
-from prima.daemon.worker import _same_hop_run
+from prima.daemon.worker import _behind_others, _Partial, _same_hop_run
 
 
 @dataclass(frozen=True)
@@ -75,3 +75,24 @@ def test_streaming_groups_take_one_sessions_run_at_a_hop_and_leave_the_rest() ->
     # a2 joins a1's group; a4 does not: a3, at another hop, comes before it in a's order.
     assert taken == [Item("a", 2)]
     assert list(pending) == [Item("b", 1), Item("a", 3, hop_index=1), Item("a", 4), Item("c", 1)]
+
+
+def test_the_rest_of_a_batch_put_back_goes_after_the_other_sessions_but_first_in_its_own() -> None:
+    q: FairQueue[Item] = FairQueue()
+    for name, n in [("flood", 2), ("chat", 1), ("other", 1)]:
+        q.put(Item(name, n))
+    assert q.others_waiting("flood")
+    assert not FairQueue().others_waiting("flood")
+    q.put_first(Item("flood", 1))  # the rest of flood's batch 1, which gave up its turn
+    assert _drain(q) == ["chat1", "other1", "flood1", "flood2"]
+    q.put(Item("flood", 3))
+    assert not q.others_waiting("flood")
+
+
+def test_the_rest_of_a_long_batch_waits_behind_the_other_sessions_and_ahead_of_its_own() -> None:
+    """A streaming node serves its queue through `pending`: a batch that gave way goes after
+    every other session's items there, and before its own session's later ones."""
+    part = _Partial("a", None, None, 1, iter(()))  # type: ignore[arg-type]
+    pending: collections.deque = collections.deque([Item("a", 2), Item("b", 1), Item("a", 3), Item("c", 1)])
+    _behind_others(pending, part)
+    assert list(pending) == [Item("b", 1), Item("c", 1), part, Item("a", 2), Item("a", 3)]

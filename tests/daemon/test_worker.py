@@ -19,7 +19,7 @@ from prima.forward.loader import LoadedModel
 from prima.net.codec import Activation, WireDType
 from prima.net.limits import DaemonLimits
 from prima.net.status import PayloadTooLargeError
-from tests.daemon.conftest import embedded, solo_plan
+from tests.daemon.conftest import N_LAYERS, embedded, solo_plan
 
 WAIT_S = 60.0  # for the compute thread to hand a result back, not a timing
 
@@ -51,6 +51,61 @@ def test_a_micro_batch_goes_through_every_layer_and_back(solo_runtime: NodeRunti
     assert back.hidden.shape[0] == n_tokens
     logits = solo_runtime.model.output_logits(back.hidden[-1:])[0]
     np.testing.assert_array_equal(logits, _one_pass_logits(solo_runtime, ids))
+
+
+class _Arrivals(queue.SimpleQueue):  # type: ignore[type-arg]
+    """A head's results queue that also notes, in one list shared by sessions, who came back."""
+
+    def __init__(self, name: str, order: list[str]) -> None:
+        self.name, self.order = name, order
+
+    def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+        self.order.append(self.name)
+        super().put(item, block, timeout)
+
+
+@pytest.fixture(params=["resident", "streaming"])
+def either_runtime(request: pytest.FixtureRequest, tiny_daemon_model: LoadedModel) -> Iterator[NodeRuntime]:
+    """A solo daemon holding its layers, or streaming them from disk under a budget of half of
+    them (its compute thread then groups each session's batches at a hop)."""
+    layer_bytes = sum(t.n_bytes for t in tiny_daemon_model.gguf.tensors.values() if t.name.startswith("blk."))
+    budget = 0 if request.param == "resident" else layer_bytes // 2  # two of its four layers
+    runtime = NodeRuntime(tiny_daemon_model, "solo", budget_bytes=budget, threads=1)
+    runtime.load_plan(solo_plan(), "solo", WireDType.F32)
+    assert runtime.need_layout().windows.limited == (request.param == "streaming")
+    yield runtime
+    runtime.shutdown()
+
+
+def test_a_long_micro_batch_lets_another_sessions_step_through_between_its_layers(
+    either_runtime: NodeRuntime,
+) -> None:
+    """A member's long batch gives up the compute thread after each layer while another session
+    waits; computed layer by layer, its rows keep the bits of the whole window in one call."""
+    solo_runtime = either_runtime
+    order: list[str] = []
+    for name in ("flood", "chat"):
+        _results(solo_runtime, name)
+        solo_runtime.need_session(name).results = _Arrivals(name, order)  # type: ignore[assignment]
+    flood_ids = list(range(3, 3 + 30))
+    layout = solo_runtime.need_layout()
+    worker = solo_runtime.worker
+    with worker._order:  # the compute thread stops before its first layer until both have queued
+        worker.submit(embedded(solo_runtime, "flood", flood_ids), layout, solo_runtime.need_session("flood"))
+        worker.submit(embedded(solo_runtime, "chat", [5]), layout, solo_runtime.need_session("chat"))
+    flood = solo_runtime.need_session("flood").results.get(timeout=WAIT_S)  # type: ignore[union-attr]
+    chat = solo_runtime.need_session("chat").results.get(timeout=WAIT_S)  # type: ignore[union-attr]
+    assert order == ["chat", "flood"]  # the step did not wait for the flood's four layers
+    assert isinstance(flood, Activation)
+    assert isinstance(chat, Activation)
+    model = solo_runtime.model
+    whole = model.forward_layers(
+        model.embed(np.asarray(flood_ids)), np.arange(30), 0, N_LAYERS, model.new_cache(32)
+    )
+    np.testing.assert_array_equal(flood.hidden, whole)
+    np.testing.assert_array_equal(
+        model.output_logits(chat.hidden[-1:])[0], _one_pass_logits(solo_runtime, [5])
+    )
 
 
 def test_decode_steps_are_timed_per_hop(solo_runtime: NodeRuntime) -> None:

@@ -73,6 +73,26 @@ def test_a_vanishing_temperature_samples_the_best_token(temperature: float) -> N
     assert [sampler.sample(logits) for _ in range(5)] == [1] * 5
 
 
+@pytest.mark.parametrize(
+    ("penalty", "logits", "expected"),
+    [
+        (1e-310, [0.5, 3.0, -2.0], 0),  # seen 0.5 / 1e-310 overflows float32: the top token
+        (1e308, [-0.5, -3.0, -2.0], 0),  # every token seen: -0.5 * 1e308 stays the least negative
+    ],
+)
+def test_an_extreme_repeat_penalty_never_makes_probabilities_nan(
+    penalty: float, logits: list[float], expected: int
+) -> None:
+    """A repeat penalty whose division or product overflows float32 once gave infinite logits,
+    then NaN probabilities ("Probabilities contain NaN", UNKNOWN on the daemon): found by the
+    member fuzz (tests/net/member_fuzz.py)."""
+    history = [0] if penalty < 1 else [0, 1, 2]
+    config = SamplerConfig(temperature=0.5, repeat_penalty=penalty, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    out = apply_repeat_penalty(np.array(logits, dtype=np.float32), history, penalty)
+    assert np.isfinite(out).all()
+    assert Sampler(config).sample(np.array(logits, dtype=np.float32), history) == expected
+
+
 def test_sampler_resumed_at_step_n_draws_what_the_unbroken_run_draws() -> None:
     """A generation resumed after a failover starts its sampler at the tokens already sampled."""
     logits = np.linspace(0, 1, 50).astype(np.float32)

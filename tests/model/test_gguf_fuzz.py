@@ -11,9 +11,6 @@ puts its bytes back afterwards, so no model is copied per case."""
 from __future__ import annotations
 
 import math
-import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,83 +21,10 @@ from prima.errors import PrimaError
 from prima.model.gguf_file import GGUFFile
 from prima.model.weights import ModelWeights
 from tests.conftest import run_python
+from tests.model.gguf_corruptions import Corruption, Layout, apply, corruptions, layout_of, restore_sparse
 
 SEED = 12
 CASES = {"smollm2": 240, "gemma3": 60}  # gemma's 262k-token vocabulary makes each open slower
-EDGE_U64 = (0, 1, 2, 3, 31, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the header's parts sit in the original file."""
-
-    size: int
-    data_offset: int
-    tensor_info_offset: int
-    fields: tuple[tuple[int, int], ...]  # (position, width in bytes) of each tensor-info number
-
-
-@dataclass(frozen=True)
-class Corruption:
-    kind: str
-    at: int
-    data: bytes = b""
-
-    def __str__(self) -> str:
-        return f"{self.kind} at byte {self.at}" + (f" <- {self.data.hex()}" if self.data else "")
-
-
-def _layout(path: Path) -> Layout:
-    with GGUFFile(path) as gguf:
-        start, data_offset = gguf.tensor_info_offset, gguf.data_offset
-        n_tensors = len(gguf.tensors)
-    raw = path.read_bytes()[:data_offset]
-    fields = []
-    pos = start
-    for _ in range(n_tensors):  # name, n_dims, ne[n_dims], type, offset
-        (n,) = struct.unpack_from("<Q", raw, pos)
-        pos += 8 + n
-        (n_dims,) = struct.unpack_from("<I", raw, pos)
-        fields.append((pos, 4))
-        pos += 4
-        fields.extend((pos + 8 * i, 8) for i in range(n_dims))
-        pos += 8 * n_dims
-        fields.append((pos, 4))
-        fields.append((pos + 4, 8))
-        pos += 12
-    return Layout(os.path.getsize(path), data_offset, start, tuple(fields))
-
-
-def _edge(rng: np.random.Generator) -> int:
-    return EDGE_U64[int(rng.integers(len(EDGE_U64)))]
-
-
-def _corruptions(layout: Layout, n: int, rng: np.random.Generator) -> list[Corruption]:
-    out = []
-    for _ in range(n):
-        kind = rng.choice(
-            ["flip-start", "flip-infos", "flip-any", "truncate", "field", "u64"],
-            p=[0.2, 0.2, 0.15, 0.1, 0.25, 0.1],
-        )
-        if kind == "truncate":
-            # Mostly inside the header, sometimes in the tensor data.
-            end = layout.data_offset if rng.random() < 0.7 else layout.size
-            out.append(Corruption("truncate", int(rng.integers(0, end))))
-        elif kind == "field":
-            pos, width = layout.fields[int(rng.integers(len(layout.fields)))]
-            value = _edge(rng) if rng.random() < 0.7 else int(rng.integers(0, 2**63))
-            out.append(Corruption("field", pos, (value % 2 ** (8 * width)).to_bytes(width, "little")))
-        elif kind == "u64":
-            pos = int(rng.integers(0, layout.data_offset - 8))
-            out.append(Corruption("u64", pos, _edge(rng).to_bytes(8, "little")))
-        else:
-            lo, hi = {
-                "flip-start": (0, min(4096, layout.data_offset)),
-                "flip-infos": (layout.tensor_info_offset, layout.data_offset),
-                "flip-any": (0, layout.data_offset),
-            }[kind]
-            out.append(Corruption("flip", int(rng.integers(lo, hi)), bytes([int(rng.integers(1, 256))])))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +34,7 @@ def sparse_models(
     """Per model: a copy with the real header and a hole for the data, its layout, its header."""
     out = {}
     for tag, src in (("smollm2", smollm2_path), ("gemma3", gemma3_path)):
-        layout = _layout(src)
+        layout = layout_of(src)
         with open(src, "rb") as fh:
             header = fh.read(layout.data_offset)
         dst = tmp_path_factory.mktemp("fuzz") / f"{tag}.gguf"
@@ -139,28 +63,6 @@ def _check_open(path: Path) -> None:
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
-def _apply(path: Path, c: Corruption) -> None:
-    if c.kind == "truncate":
-        os.truncate(path, c.at)
-        return
-    with open(path, "r+b") as fh:
-        fh.seek(c.at)
-        fh.write(c.data)
-
-
-def _restore(path: Path, layout: Layout, header: bytes, c: Corruption) -> None:
-    """Put the original bytes back: the header from memory, the data as the hole it was."""
-    with open(path, "r+b") as fh:
-        if c.kind == "truncate":
-            fh.truncate(layout.size)
-            if c.at < len(header):
-                fh.seek(c.at)
-                fh.write(header[c.at :])
-        elif c.at < len(header):
-            fh.seek(c.at)
-            fh.write(header[c.at : c.at + len(c.data)])
-
-
 @pytest.mark.parametrize(("tag", "n"), list(CASES.items()), ids=list(CASES))
 def test_corrupt_models_raise_prima_errors_or_open_whole(
     sparse_models: dict[str, tuple[Path, Layout, bytes]], tag: str, n: int
@@ -169,8 +71,8 @@ def test_corrupt_models_raise_prima_errors_or_open_whole(
     _check_open(path)  # the untouched copy opens
     rng = np.random.default_rng([SEED, len(tag)])
     outcomes = {"refused": 0, "opened": 0}
-    for c in _corruptions(layout, n, rng):
-        _apply(path, c)
+    for c in corruptions(layout, n, rng):
+        apply(path, c)
         try:
             _check_open(path)
             outcomes["opened"] += 1
@@ -179,7 +81,7 @@ def test_corrupt_models_raise_prima_errors_or_open_whole(
         except Exception as exc:
             raise AssertionError(f"{tag}, {c}: {exc.__class__.__name__}: {exc}") from exc
         finally:
-            _restore(path, layout, header, c)
+            restore_sparse(path, layout, header, c)
     assert outcomes["refused"] > n // 4, outcomes  # the corruptions do reach the checks
     _check_open(path)
 
@@ -191,12 +93,12 @@ def test_a_huge_dimension_does_not_wrap_to_a_small_tensor(
     path, layout, header = sparse_models["smollm2"]
     pos, _ = layout.fields[1]  # the first tensor's ne[0]
     c = Corruption("field", pos, (2**63).to_bytes(8, "little"))
-    _apply(path, c)
+    apply(path, c)
     try:
         with pytest.raises(PrimaError, match="would end at byte"):
             GGUFFile(path)
     finally:
-        _restore(path, layout, header, c)
+        restore_sparse(path, layout, header, c)
 
 
 @pytest.mark.parametrize("length", [2**64 - 1, 2**63, 2**40, 2**26 + 1])
@@ -207,12 +109,12 @@ def test_a_huge_vocabulary_string_length_is_refused(
     key = b"tokenizer.ggml.tokens"
     pos = header.index(key) + len(key) + 4 + 4 + 8  # value type, item type, count: the first length
     c = Corruption("field", pos, length.to_bytes(8, "little"))
-    _apply(path, c)
+    apply(path, c)
     try:
         with pytest.raises(PrimaError):
             GGUFFile(path)
     finally:
-        _restore(path, layout, header, c)
+        restore_sparse(path, layout, header, c)
 
 
 @pytest.mark.parametrize("count", [2**31, 2**29, 2**24])
@@ -225,7 +127,7 @@ def test_a_huge_string_array_count_is_refused_before_anything_is_allocated(
     key = b"tokenizer.ggml.merges"
     pos = header.index(key) + len(key) + 4 + 4  # value type, item type: the count
     c = Corruption("field", pos, count.to_bytes(8, "little"))
-    _apply(path, c)
+    apply(path, c)
     try:
         # VmHWM, not ru_maxrss: Linux carries a forking parent's peak (a test run's GiBs) into
         # its child's ru_maxrss; VmHWM belongs to the child's own address space.
@@ -245,4 +147,4 @@ def test_a_huge_string_array_count_is_refused_before_anything_is_allocated(
         assert "truncated" in message
         assert int(peak_kib) < 512 * 1024  # the process's peak, far below a per-string allocation
     finally:
-        _restore(path, layout, header, c)
+        restore_sparse(path, layout, header, c)

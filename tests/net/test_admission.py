@@ -17,6 +17,7 @@ from prima.errors import InputError, UntrustedNodeError
 from prima.net import revocation
 from prima.net.client import NodeClient, open_channel
 from prima.net.credentials import ROLE_COORDINATOR, ClusterCA, Identity
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.revocation import RELOAD_S, RevocationList
 from prima.net.server import start_server
@@ -47,7 +48,9 @@ def daemon(cluster: tuple[ClusterCA, Path]) -> Iterator[tuple[str, Clock]]:
     clock = Clock()
     node = ca.issue("node-a")
     revoked = RevocationList(where / revocation.REVOKED_FILE, node.roots_pem, clock=clock)
-    server, port = start_server(object(), "127.0.0.1", 0, identity=node, revoked=revoked)  # type: ignore[arg-type]
+    server, port = start_server(
+        object(), "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES, identity=node, revoked=revoked
+    )  # type: ignore[arg-type]
     yield f"127.0.0.1:{port}", clock
     server.stop(grace=None)
 
@@ -110,7 +113,7 @@ def test_a_coordinators_certificate_cannot_relay(
 
 def test_a_coordinators_certificate_cannot_serve_as_a_node(cluster: tuple[ClusterCA, Path]) -> None:
     coordinator = _issue(cluster, "laptop", ROLE_COORDINATOR)
-    server, port = start_server(object(), "127.0.0.1", 0, identity=coordinator)  # type: ignore[arg-type]
+    server, port = start_server(object(), "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES, identity=coordinator)  # type: ignore[arg-type]
     client = NodeClient(f"127.0.0.1:{port}", identity=_issue(cluster, "phone"), timeout_s=5)
     try:
         with pytest.raises(UntrustedNodeError):

@@ -12,6 +12,7 @@ from prima.errors import InputError, NodeError, UntrustedNodeError
 from prima.net import credentials
 from prima.net.client import NodeClient, open_channel
 from prima.net.credentials import ClusterCA, Identity
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
@@ -25,7 +26,9 @@ def ca() -> ClusterCA:
 @pytest.fixture(scope="module")
 def node_port(ca: ClusterCA) -> Iterator[int]:
     """A daemon face (Ping needs no runtime) serving as node `node-a` over mutual TLS."""
-    server, port = start_server(object(), "127.0.0.1", 0, identity=ca.issue("node-a"))  # type: ignore[arg-type]
+    server, port = start_server(
+        object(), "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES, identity=ca.issue("node-a")
+    )  # type: ignore[arg-type]
     yield port
     server.stop(grace=None)
 

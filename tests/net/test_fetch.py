@@ -19,6 +19,7 @@ from prima.model.sparse import SparseFile
 from prima.net import fetch
 from prima.net.client import NodeClient
 from prima.net.fetch import Manifest, bootstrap, fetch_into, manifest_of
+from prima.net.limits import MIN_RECEIVED_MESSAGE_BYTES
 from prima.net.proto import prima_pb2 as pb
 from prima.net.server import start_server
 from prima.plan import Window, plan_from_window_sizes
@@ -46,7 +47,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def holder(model: Path) -> Iterator[str]:
-    server, port = start_server(Holder(model), "127.0.0.1", 0)  # type: ignore[arg-type]
+    server, port = start_server(Holder(model), "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES)  # type: ignore[arg-type]
     yield f"127.0.0.1:{port}"
     server.stop(grace=None)
 
@@ -249,7 +250,7 @@ def test_a_partial_holder_serves_only_what_it_holds(model: Path, client: NodeCli
     store = bootstrap(tmp_path / "part.gguf", client)
     partial = Holder.__new__(Holder)
     partial.gguf, partial.store = GGUFFile(store.path), store
-    server, port = start_server(partial, "127.0.0.1", 0)  # type: ignore[arg-type]
+    server, port = start_server(partial, "127.0.0.1", 0, MIN_RECEIVED_MESSAGE_BYTES)  # type: ignore[arg-type]
     c = NodeClient(f"127.0.0.1:{port}", identity="plaintext")
     try:
         manifest = fetch.get_manifest(c)

@@ -9,14 +9,23 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from prima.daemon.runtime import NodeRuntime
 from prima.engine.sampling import SamplerConfig
 from prima.errors import ProtocolError
 from prima.forward.loader import load_model
-from prima.net import codec
-from prima.net.limits import CallerSlots, DaemonLimits, StreamBudget, consume_bounded
+from prima.net import codec, link_wire
+from prima.net.codec import Activation, positions_from
+from prima.net.limits import (
+    MIN_RECEIVED_MESSAGE_BYTES,
+    CallerSlots,
+    DaemonLimits,
+    StreamBudget,
+    consume_bounded,
+    received_message_bytes,
+)
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import start_server
@@ -254,3 +263,19 @@ def test_the_stream_budget_is_shared_by_every_kind_and_given_back() -> None:
     one_each.take("x")
     with pytest.raises(PayloadTooLargeError, match="'x' already has 1 Relay"):
         one_each.take("x")
+
+
+@pytest.mark.parametrize(("d_model", "max_tokens"), [(576, 512), (4096, 512), (64, 8), (8192, 2048)])
+def test_the_receive_cap_holds_the_largest_micro_batch_a_node_takes(d_model: int, max_tokens: int) -> None:
+    """A micro-batch of the most rows a node accepts, float32 (the widest wire type), at
+    positions near 2**40, fits the cap on gRPC and on the activation link; twice its rows do not
+    (unless the 4 MiB floor covers them), so the cap is no looser than it needs to be."""
+    cap = received_message_bytes(d_model, max_tokens)
+    start = (1 << 40) - max_tokens
+    act = Activation(
+        "s" * 128, 1 << 53, 7, positions_from(start, max_tokens), np.ones((max_tokens, d_model), np.float32)
+    )
+    assert len(codec.encode_activation(act).SerializeToString()) <= cap
+    assert len(link_wire.activation_frame(act)) <= cap
+    doubled = 2 * max_tokens * d_model * 4
+    assert doubled > cap or cap == MIN_RECEIVED_MESSAGE_BYTES
