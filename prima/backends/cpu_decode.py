@@ -31,6 +31,7 @@ class FusedBlock:
     q|k|v split (shared with its BlockParams), and its attention and FFN shapes."""
 
     layer: FusedLayer
+    args: tuple  # layer.plain(), what decode_layer takes
 
     @staticmethod
     def build(params: BlockParams, config: ModelConfig) -> FusedBlock | None:
@@ -45,19 +46,18 @@ class FusedBlock:
             view.flags.writeable = False
             ws.append(view)
         gelu = config.activation == "gelu"
-        return FusedBlock(
-            FusedLayer(
-                ws=tuple(ws),
-                fmts=np.array([int(w.qtype) for w in tensors], dtype=np.int64),
-                norms=(params.attn_norm, params.ffn_norm, params.post_attention_norm, params.post_ffw_norm),
-                qkv=params.qkv,
-                attn_scale=config.attn_scale,
-                window=params.window,
-                ffn_dim=config.ffn_dim,
-                gelu=gelu,
-                gelu_table=ops.gelu_fp16_table() if gelu else _NO_TABLE,
-            )
+        layer = FusedLayer(
+            ws=tuple(ws),
+            fmts=np.array([int(w.qtype) for w in tensors], dtype=np.int64),
+            norms=(params.attn_norm, params.ffn_norm, params.post_attention_norm, params.post_ffw_norm),
+            qkv=params.qkv,
+            attn_scale=config.attn_scale,
+            window=params.window,
+            ffn_dim=config.ffn_dim,
+            gelu=gelu,
+            gelu_table=ops.gelu_fp16_table() if gelu else _NO_TABLE,
         )
+        return FusedBlock(layer, layer.plain())
 
     def run(
         self,
@@ -68,4 +68,4 @@ class FusedBlock:
         int8: bool,
         attn_parallel_min: int,
     ) -> np.ndarray:
-        return decode_layer(x, self.layer, kv, t, positions, int8, F16_TABLE, attn_parallel_min)
+        return decode_layer(x, self.args, kv, t, positions, int8, F16_TABLE, attn_parallel_min)

@@ -10,7 +10,7 @@ CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlo
 
   decode_layer(x, layer, kv, t, positions, int8, lut, attn_parallel_min)
 
-`layer` is the block's FusedLayer (below), `kv` the layer's cache as KVCache.kernel_arrays gives
+`layer` is the block's FusedLayer (below) as FusedLayer.plain() gives it, `kv` the layer's cache as KVCache.kernel_arrays gives
 it (float32 keys, values, or halves); attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
 (ops_compiled.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
@@ -41,6 +41,12 @@ class FusedLayer(NamedTuple):
     ffn_dim: int
     gelu: bool
     gelu_table: np.ndarray
+
+    def plain(self) -> tuple:
+        """The fields as plain tuples, the form decode_layer takes: numba's dispatcher types a
+        plain tuple in C but a NamedTuple in Python, a few microseconds more for each of a
+        token's layers."""
+        return (*self[:3], tuple(self.qkv), *self[4:])
 
 
 @njit(cache=True)
@@ -80,15 +86,15 @@ def _project3(fa, fb, fc, a, b, c, x, int8, lut):
 def decode_layer(x, layer, kv, t, positions, int8, lut, attn_parallel_min):
     """Hidden states x (n, d) through one block; writes the tokens' keys and values into the
     cache rows at `positions`; t is the number of valid cache rows afterwards."""
-    ws, fmts = layer.ws, layer.fmts
-    attn_norm, ffn_norm, post_attn, post_ffw = layer.norms
-    eps = layer.qkv.eps
+    ws, fmts, norms, qkv_fields, scale, window, ffn_dim, gelu, gelu_table = layer
+    split = QkvSplit(*qkv_fields)
+    attn_norm, ffn_norm, post_attn, post_ffw = norms
+    eps = split.eps
     xn = ops_compiled.rms_norm(x, attn_norm, eps)
     qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
-    q, k, v = ops_compiled.qkv_rope_rows(qkv, layer.qkv, positions)
+    q, k, v = ops_compiled.qkv_rope_rows(qkv, split, positions)
     k32, v32, k16, v16 = kv
     ops_compiled.store_kv(k, v, k32, v32, k16, v16, positions)
-    scale, window = layer.attn_scale, layer.window
     if q.shape[0] * t >= attn_parallel_min:
         attn = ops_compiled._attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window)
     else:
@@ -96,10 +102,10 @@ def decode_layer(x, layer, kv, t, positions, int8, lut, attn_parallel_min):
     o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
     x, xn = ops_compiled.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)
-    if layer.gelu:
-        act = ops_compiled.gelu_mul(gate_up, layer.ffn_dim, layer.gelu_table)
+    if gelu:
+        act = ops_compiled.gelu_mul(gate_up, ffn_dim, gelu_table)
     else:
-        act = ops_compiled.silu_mul(gate_up, layer.ffn_dim)
+        act = ops_compiled.silu_mul(gate_up, ffn_dim)
     ffn = _project(fmts[6], ws[6], ws[6][:0], ws[6][:0], act, int8, lut)
     x, _ = ops_compiled.residual_norm_rows(x, ffn, post_ffw, post_ffw[:0], eps)
     return x
