@@ -6,7 +6,8 @@ from an empty cache (before #37).
                                      [--exact] [--threads N] [--ring N]
 
 With `--ring N` the model is split evenly over a local ring of N primad processes: the kept
-run's daemons start with `--keep-sessions 2`, the empty-cache run's without.
+run's daemons keep 2 sessions (`--keep-sessions 2`) and its turns ask for theirs to be kept, the
+empty-cache run's keep none (`--keep-sessions 0`).
 
 Each user turn is ~100 tokens of text; the replies are generated greedily once (with the cache
 kept), then the same conversation is run again turn by turn from an empty cache, each turn up
@@ -87,7 +88,7 @@ class Forgetful:
 @contextlib.contextmanager
 def ring_generator(model: str, n: int, n_layers: int, keep: bool, exact: bool) -> Iterator[Ring]:
     """A ring of `n` local daemons over `model`, its layers split evenly."""
-    args = [*(("--exact",) if exact else ()), *(("--keep-sessions", "2") if keep else ())]
+    args = [*(("--exact",) if exact else ()), "--keep-sessions", "2" if keep else "0"]
     with LocalRing.start(n, model, threads=1, extra_args=args) as local:
         sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
         ring = Ring.connect(local.addresses, window_sizes=sizes)
@@ -100,7 +101,7 @@ def ring_generator(model: str, n: int, n_layers: int, keep: bool, exact: bool) -
 def run_turn(generator: object, loaded: LoadedModel, ids: list[int], max_tokens: int) -> GenerationResult:
     tok = loaded.tokenizer
     request = GenerateRequest(
-        tuple(ids), max_tokens, SamplerConfig(), tuple(sorted(tok.stop_ids)), n_ctx=4096
+        tuple(ids), max_tokens, SamplerConfig(), tuple(sorted(tok.stop_ids)), n_ctx=4096, keep_session=True
     )
     events = generator.generate(request)  # type: ignore[attr-defined]
     return collect(stream_text(events, ids, decoder=tok.stream_decoder()))
