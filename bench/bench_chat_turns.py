@@ -11,16 +11,22 @@ empty-cache run's keep none (`--keep-sessions 0`).
 
 Each user turn is ~100 tokens of text; the replies are generated greedily once (with the cache
 kept), then the same conversation is run again turn by turn from an empty cache, each turn up
-to its first token. Prints each turn's prompt length, cached tokens and time to first token (ms)
-both ways, and turn N over turn 1. Numbers from a loaded machine say little: say so with them.
+to its first token. Then llama.cpp (llama-cpp-python, if installed) runs the same prompts on
+the same number of threads keeping its own KV cache between turns: before each timed turn it is
+brought, untimed, to the tokens prima had cached, so both prefill the same new tokens. Prints
+each turn's prompt length, cached tokens and time to first token (ms) each way, prima's kept
+over llama.cpp's, and turn N over turn 1. Numbers from a loaded machine say little: say so.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -107,6 +113,48 @@ def run_turn(generator: object, loaded: LoadedModel, ids: list[int], max_tokens:
     return collect(stream_text(events, ids, decoder=tok.stream_decoder()))
 
 
+def llama_cpp_ttfts(
+    path: Path, prompts: list[list[int]], cached: list[int], threads: int, exact: bool
+) -> list[float] | None:
+    """llama.cpp's time to first token (ms) per turn with its KV cache kept between turns: the
+    first cached[i] tokens of prompts[i] evaluated untimed, the rest timed; None without
+    llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    kv_type = 0 if exact else 1  # ggml_type F32 or F16, as prima's exact and q8 modes keep KV
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=4096,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        type_k=kv_type,
+        type_v=kv_type,
+        verbose=False,
+    )
+    llm.eval(prompts[0][:4])  # warm up, untimed
+    times = []
+    for ids, held in zip(prompts, cached, strict=True):
+        _extend(llm, ids[:held])
+        start = time.perf_counter()
+        _extend(llm, ids)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _extend(llm: object, ids: list[int]) -> None:
+    """llm's cache brought to hold exactly `ids`: the longest prefix it already holds kept."""
+    held = list(llm._input_ids)  # type: ignore[attr-defined]
+    keep = 0
+    while keep < min(len(held), len(ids)) and held[keep] == ids[keep]:
+        keep += 1
+    llm.n_tokens = keep  # type: ignore[attr-defined]  # eval drops the cache past n_tokens
+    if keep < len(ids):
+        llm.eval(ids[keep:])  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", default="smollm2-135m")
@@ -152,19 +200,26 @@ def main(argv: list[str] | None = None) -> int:
         run_turn(empty, loaded, warm_ids, 4)
         before = [run_turn(empty, loaded, ids, 1) for ids in prompts]
 
+    threads = args.threads or os.cpu_count() or 1
+    cached = [r.timings.cached_tokens for r in after]
+    llama = llama_cpp_ttfts(loaded.path, prompts, cached, threads, args.exact)
+
     where = f"a local ring of {args.ring}" if args.ring else "this device"
     print(f"{args.model} on {where}, {'exact' if args.exact else 'q8'} mode, {args.turns} turns")
-    print("turn  prompt  cached  ttft_kept_ms  ttft_empty_ms")
+    print("turn  prompt  cached  ttft_kept_ms  ttft_empty_ms  llama_cpp_kept_ms  kept/llama_cpp")
     for i, (a, b) in enumerate(zip(after, before, strict=True)):
         t = a.timings
+        ours = f"{llama[i]:17.1f}  {t.prompt_ms / llama[i]:14.2f}" if llama else ""
         print(
-            f"{i + 1:4d}  {t.prompt_tokens:6d}  {t.cached_tokens:6d}  {t.prompt_ms:12.1f}  {b.timings.prompt_ms:13.1f}"
+            f"{i + 1:4d}  {t.prompt_tokens:6d}  {t.cached_tokens:6d}  {t.prompt_ms:12.1f}  "
+            f"{b.timings.prompt_ms:13.1f}  {ours}"
         )
     last = args.turns - 1
     print(
         f"turn {args.turns} / turn 1 time to first token: kept "
         f"{after[last].timings.prompt_ms / after[0].timings.prompt_ms:.2f}x, empty cache "
         f"{before[last].timings.prompt_ms / before[0].timings.prompt_ms:.2f}x"
+        + (f", llama.cpp kept {llama[last] / llama[0]:.2f}x" if llama else ", llama.cpp not installed")
     )
     return 0
 
