@@ -18,14 +18,13 @@ from prima.kernels.lanes import (
     as_float32,
     exp_f32,
     half_bits,
-    half_to_f32,
     holds_halves,
     pairwise_sum32,
     round_to_half,
     stack_f32,
 )
-from prima.kernels.matmul import prefill_map
 from prima.kernels.ops_reference import ROPE_NEOX, QkvSplit
+from prima.kernels.prefill_attention import prefill_attention
 from prima.kernels.thread_env import workers_spin
 
 NONE = np.empty(0, dtype=np.float32)  # "no such weight" for the optional arguments below
@@ -330,14 +329,10 @@ def attention_parallel_min(threads: int) -> int:
     return ATTENTION_PARALLEL_MIN_SPINNING if workers_spin() else ATTENTION_PARALLEL_MIN_SLEEPING
 
 
-# From this many query rows (prefill) attention runs as ops.attention's batched matmuls (BLAS),
-# its row blocks on the prefill threads: at 128 rows 2x (128 keys) to 7x (512 keys) faster on one
-# thread than the per-pair kernel, which stays for decode's few rows.
+# From this many query rows (prefill) attention runs as prefill_attention's two matmuls (BLAS)
+# around a compiled softmax, its row blocks on the prefill threads: at 128 rows 2x (128 keys) to
+# 7x (512 keys) faster on one thread than the per-pair kernel, which stays for decode's few rows.
 ATTENTION_BATCHED_MIN_ROWS = 8
-# Query rows per batched call: its scores (heads x rows x keys) and their temporaries are the
-# largest arrays of a prefill's first layer, which sets how far the heap grows (SmolLM2, 128
-# rows on 2 threads: 2.2 MiB of peak RSS in one call per thread, ~1 MiB less in blocks of 32).
-ATTENTION_BLOCK_ROWS = 32
 
 
 def attention(
@@ -353,69 +348,10 @@ def attention(
     prima.weights.kv_cache), as ops.attention. Returns (n, H * hd). Parallel over (token, head)
     pairs when the work is large enough."""
     if q.shape[0] >= ATTENTION_BATCHED_MIN_ROWS:
-        return _attention_batched(q, k_cache, v_cache, t, positions, scale, window)
+        return prefill_attention(q, k_cache, v_cache, t, positions, scale, window)
     parallel = q.shape[0] * t >= attention_parallel_min(get_num_threads())
     run = _attention_parallel if parallel else _attention_serial
     return run(q, *ops.cache_forms(k_cache, v_cache), t, positions, scale, window)
-
-
-@njit(cache=True, nogil=True)
-def widen_halves(bits: np.ndarray) -> np.ndarray:
-    """A (T, KVH, hd) slice of a cache of halves (uint16 bits) as float32, for prefill's batched
-    attention (numpy's own conversion from float16 does not use the CPU's instruction)."""
-    out = np.empty(bits.shape, dtype=np.float32)
-    for s in range(bits.shape[0]):
-        for h in range(bits.shape[1]):
-            for j in range(bits.shape[2]):
-                out[s, h, j] = half_to_f32(bits[s, h, j])
-    return out
-
-
-@njit(cache=True, nogil=True)
-def _round_rows_to_halves(x: np.ndarray) -> None:
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            x[i, j] = round_to_half(x[i, j])
-
-
-def round_to_halves(x: np.ndarray) -> np.ndarray:
-    """x (C-contiguous float32) rounded to halves in place, as astype(float16) rounds; returns x."""
-    _round_rows_to_halves(x.reshape(-1, x.shape[-1]))
-    return x
-
-
-def _attention_batched(
-    q: np.ndarray,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
-    t: int,
-    positions: np.ndarray,
-    scale: float,
-    window: int,
-) -> np.ndarray:
-    """ops.attention over the keys some query can see (a sliding window drops the older ones),
-    the query rows split between the prefill threads (kernels.matmul.prefill_map)."""
-    lo = max(0, int(positions.min()) - window + 1) if window > 0 else 0
-    halves = k_cache.dtype == np.float16
-    if halves:
-        k, v = widen_halves(k_cache[lo:t].view(np.uint16)), widen_halves(v_cache[lo:t].view(np.uint16))
-    else:
-        k, v = k_cache[lo:t], v_cache[lo:t]
-    rel = positions - lo  # key positions shift by lo; distances from each query do not
-    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
-
-    def rows(span: tuple[int, int]) -> None:
-        for a in range(span[0], span[1], ATTENTION_BLOCK_ROWS):
-            b = min(span[1], a + ATTENTION_BLOCK_ROWS)
-            # Only the keys up to the block's last query: causal masking would zero the rest
-            # (at 128 rows in blocks of 32, 37% of the products).
-            seen = int(rel[a:b].max()) + 1
-            out[a:b] = ops.attention(
-                q[a:b], k[:seen], v[:seen], rel[a:b], scale, window, halves, round_to_halves
-            )
-
-    prefill_map(rows, q.shape[0])
-    return out
 
 
 @njit(cache=True, inline="always")
