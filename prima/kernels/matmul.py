@@ -21,13 +21,14 @@ from prima.kernels.quants import F16_TABLE, FLOAT_QTYPES, check_supported
 from prima.kernels.tensor import QTensor
 
 try:
-    from prima.kernels import drivers
+    from prima.kernels import drivers, float_weights
 
     HAVE_NUMBA = True
 except ImportError:  # numba is optional at runtime: fall back to gguf-py + BLAS
     HAVE_NUMBA = False
 
 Q = GGMLQuantizationType
+HALF_QTYPES = (Q.F16, Q.BF16)  # read as stored at decode (drivers.matvec_f16, float_weights)
 
 # Up to this many activation rows the fused per-row kernels run; above, the int8 GEMM (int8 mode)
 # or dequantized tiles + BLAS.
@@ -115,10 +116,12 @@ def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.
         return np.matmul(x, w.raw.view(np.float32).T, out=out)
     if not HAVE_NUMBA:
         return _tiled_matmul(w, x, _reference_tile, out)
-    if x.shape[0] <= FUSED_MAX_N and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype == Q.F16):
+    if x.shape[0] <= FUSED_MAX_N and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype in HALF_QTYPES):
         rows = np.empty((x.shape[0], w.rows), dtype=np.float32)  # the kernel's own C layout
         if w.qtype == Q.F16:
             drivers.matvec_f16(w.raw.view(np.uint16), x, rows)
+        elif w.qtype == Q.BF16:
+            float_weights.matvec_bf16(w.raw.view(np.uint16), x, rows)
         else:
             drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, rows)
         if out is None:
@@ -225,11 +228,16 @@ def _thread_pool() -> ThreadPoolExecutor:
 
 
 def _dequantize_tile(w: QTensor, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of W as float32 on the calling thread (numba, or numpy for floats)."""
-    if w.qtype in FLOAT_QTYPES:
+    """Rows [start, stop) of W as float32 on the calling thread (numba kernels, no GIL)."""
+    if w.qtype == Q.F32:
         return _float_rows(w, np.arange(start, stop, dtype=np.int64))
     out = np.empty((stop - start, w.cols), dtype=np.float32)
-    drivers.dequantize_tile(int(w.qtype), w.raw, start, F16_TABLE, out)
+    if w.qtype == Q.F16:
+        float_weights.widen_f16_tile(w.raw.view(np.uint16), start, out)
+    elif w.qtype == Q.BF16:
+        float_weights.widen_bf16_tile(w.raw.view(np.uint16), start, out)
+    else:
+        drivers.dequantize_tile(int(w.qtype), w.raw, start, F16_TABLE, out)
     return out
 
 
