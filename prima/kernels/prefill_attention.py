@@ -21,7 +21,10 @@ from prima.kernels.lanes import exp_f32, half_to_f32, pairwise_sum32, round_to_h
 from prima.kernels.matmul import prefill_map
 
 # Query rows per block: a block's scores (heads x rows x keys) and their temporaries are the
-# largest arrays of a prefill's first layer, which sets how far the heap grows.
+# largest arrays of a prefill's first layer, which sets how far the heap grows. Blocks are cut
+# from the batch's first row whatever the thread count, and each reads only the keys its own rows
+# can see, so a row's bits depend on its block alone: a batch cut into pieces of whole blocks
+# attends as the batch does (prima.forward.row_pieces).
 BLOCK_ROWS = 32
 _LANES = 32  # float32 lanes of a row sum, a fixed order that vectorizes
 
@@ -36,26 +39,32 @@ def prefill_attention(
     window: int,
 ) -> np.ndarray:
     """Causal grouped-query attention of q (n, H, hd) at `positions` over cache rows [0, t)
-    (float16 or float32, prima.weights.kv_cache), as ops_reference.attention; (n, H * hd). Only
-    the keys some query can see are read (a sliding window drops the older ones); the query rows
-    are split between the prefill threads (kernels.matmul.prefill_map)."""
-    lo = max(0, int(positions.min()) - window + 1) if window > 0 else 0
+    (float16 or float32, prima.weights.kv_cache), as ops_reference.attention; (n, H * hd). In
+    blocks of BLOCK_ROWS query rows, each over the keys its rows can see (a sliding window drops
+    the older ones), the blocks split between the prefill threads (kernels.matmul.prefill_map)."""
+    base = max(0, int(positions.min()) - window + 1) if window > 0 else 0
     halves = k_cache.dtype == np.float16
-    if halves:
-        k, v = widen_halves(k_cache[lo:t].view(np.uint16)), widen_halves(v_cache[lo:t].view(np.uint16))
+    if halves:  # widened once for every block: a conversion, the same bits whichever block reads it
+        k, v = widen_halves(k_cache[base:t].view(np.uint16)), widen_halves(v_cache[base:t].view(np.uint16))
     else:
-        k, v = k_cache[lo:t], v_cache[lo:t]
-    rel = np.ascontiguousarray(positions - lo, dtype=np.int64)  # distances from each query keep
+        k, v = k_cache[base:t], v_cache[base:t]
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    n_blocks = (q.shape[0] + BLOCK_ROWS - 1) // BLOCK_ROWS
 
-    def rows(span: tuple[int, int]) -> None:
-        for a in range(span[0], span[1], BLOCK_ROWS):
-            b = min(span[1], a + BLOCK_ROWS)
-            # Only the keys up to the block's last query: causal masking would zero the rest.
-            seen = int(rel[a:b].max()) + 1
-            out[a:b] = _block(q[a:b], k[:seen], v[:seen], rel[a:b], scale, window, halves)
+    def blocks(span: tuple[int, int]) -> None:
+        for block in range(*span):
+            a = block * BLOCK_ROWS
+            b = min(q.shape[0], a + BLOCK_ROWS)
+            # Only the keys from the block's first query's window to its last query: masking
+            # would zero the rest, and the count of keys a block reads sets the length of its sums.
+            lo = max(0, int(positions[a:b].min()) - window + 1) if window > 0 else 0
+            seen = int(positions[a:b].max()) + 1
+            rel = np.ascontiguousarray(positions[a:b] - lo, dtype=np.int64)
+            out[a:b] = _block(
+                q[a:b], k[lo - base : seen - base], v[lo - base : seen - base], rel, scale, window, halves
+            )
 
-    prefill_map(rows, q.shape[0])
+    prefill_map(blocks, n_blocks)
     return out
 
 

@@ -86,3 +86,21 @@ def test_causal_softmax_weights_only_the_keys_a_row_may_see() -> None:
 def test_widen_halves_is_numpys_conversion() -> None:
     bits = np.arange(1 << 16, dtype=np.uint16).reshape(-1, 4, 8)
     np.testing.assert_array_equal(pa.widen_halves(bits), bits.view(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_a_batch_in_pieces_of_whole_blocks_attends_as_the_whole_batch(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bit for bit, whatever the thread count: a row's result depends on its block alone, which
+    is what lets a long batch give way to other sessions between pieces (prima.forward.row_pieces)."""
+    q, kc, vc, positions = _case(100, 300, 6, 2, 64, spread=3.0, seed=9)
+    monkeypatch.setattr(mm, "_prefill_threads", 2)
+    whole = pa.prefill_attention(q, kc, vc, 300, positions, 0.125, window)
+    monkeypatch.setattr(mm, "_prefill_threads", 1)
+    cuts = [0, pa.BLOCK_ROWS, 3 * pa.BLOCK_ROWS, 100]
+    pieces = [
+        pa.prefill_attention(q[a:b], kc, vc, int(positions[b - 1]) + 1, positions[a:b], 0.125, window)
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
