@@ -5,6 +5,7 @@ the prompt) and for free text.
     python bench/bench_speculative.py [--model smollm2-135m] [-n 64] [--threads 1] [--draft-max 3]
                                       [--draft-model PATH_OR_NAME | --pair ceiling|floor]
                                       [--ceiling-type F32|F16] [--cache-dir DIR] [--skip-ring]
+                                      [--hop-ms MS]
 
 With --draft-model the drafts come from that model (on the ring, the head daemon's) instead of
 prompt lookup. --pair measures the bounds of a draft model with pairs made from --model (see
@@ -14,6 +15,10 @@ accepted, a cheap draft: the best a real pair can do); `floor` runs the model dr
 tiny random Qwen with its vocabulary (drafts almost always rejected: what a useless draft costs
 with the back-off).
 
+--hop-ms puts each ring daemon behind a link shaper (prima.net.link_shaper) adding that one-way
+delay to every message to it, as a home Wi-Fi does (3-7 ms): there a token's trip round the ring
+costs more than its compute, and accepted drafts share one trip.
+
 Prints, per setup and text: ms per generated token plain and with drafts, the ratio
 (plain / drafts: above 1 is a speed-up) and how many drafted tokens were accepted. Greedy, so
 both runs must give the same tokens (checked). Run it on a quiet machine."""
@@ -21,7 +26,9 @@ both runs must give the same tokens (checked). Run it on a quiet machine."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
+import socket
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +45,7 @@ from prima.engine.sampling import SamplerConfig
 from prima.engine.speculative import DraftConfig
 from prima.forward.loader import LoadedModel, load_model
 from prima.model.registry import resolve_model
+from prima.net.link_shaper import LinkShape, shaped_daemons
 from prima.paths import cache_root
 
 TEXTS = {
@@ -111,6 +119,7 @@ def main() -> None:
     ap.add_argument("--ceiling-type", choices=sorted(CEILING_TYPES), default="F32")
     ap.add_argument("--cache-dir", type=Path, default=cache_root() / "bench-pairs")
     ap.add_argument("--skip-ring", action="store_true", help="only this device")
+    ap.add_argument("--hop-ms", type=float, default=0.0, help="one-way delay added to each ring hop (ms)")
     args = ap.parse_args()
     if args.pair and args.draft_model:
         ap.error("--pair makes its own draft model: drop --draft-model")
@@ -132,16 +141,35 @@ def main() -> None:
         single.close()
     if args.skip_ring:
         return
-    head_args = ("--draft-model", str(draft_model.loaded.path)) if draft_model else ()
-    local = LocalRing.start(3, loaded.path, threads=args.threads, node_args=[head_args, (), ()])
+    head_args = ["--draft-model", str(draft_model.loaded.path)] if draft_model else []
+    link_ports = [free_port() for _ in range(3)]
+    node_args = [
+        [*extra, "--link-port", str(port)]
+        for extra, port in zip([head_args, [], []], link_ports, strict=True)
+    ]
+    local = LocalRing.start(3, loaded.path, threads=args.threads, node_args=node_args)
+    links = (
+        shaped_daemons(local.addresses, link_ports, LinkShape(delay_ms=args.hop_ms))
+        if args.hop_ms
+        else contextlib.nullcontext((list(local.addresses), []))
+    )
     try:
-        ring = Ring.connect(local.addresses, rounds=1)
-        try:
-            compare("ring-3", ring, loaded, args.n, draft)
-        finally:
-            ring.close()
+        with links as (addresses, _):
+            ring = Ring.connect(addresses, rounds=1)
+            try:
+                compare(
+                    f"ring-3{f' +{args.hop_ms:g} ms' if args.hop_ms else ''}", ring, loaded, args.n, draft
+                )
+            finally:
+                ring.close()
     finally:
         local.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":
