@@ -13,8 +13,8 @@ prima's exact mode keeps the float kernels.
 
   quantize_rows(x, xq, xd, xs)     x (n, cols) f32 -> int8 blocks, scales, sums
   dot_i8x32, dot_nib16, ...        acc += scale * (integer dot of one block), as vector code
-  legacy_rows(layout, block)       a legacy format's qdot kernel from its per-block step
-Each format's qdot (prima.kernels.formats) is built from these; a format without one runs its
+Each format's qdot (prima.kernels.formats) is built from these, the legacy formats' through
+prima.kernels.row_groups (a few activation rows per weight block); a format without one runs its
 exact kernel in q8 mode.
 """
 
@@ -24,14 +24,13 @@ import numba
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from prima.ggml_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from prima.kernels.arm_features import has_dotprod
-from prima.kernels.formats import Layout
-from prima.kernels.lanes import NATIVE_HALF, stack_f32
+from prima.kernels.lanes import NATIVE_HALF
 
 # Elements per activation block: Q8_0's, the activation format of ggml's legacy-format dots.
 QK8 = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
@@ -497,96 +496,3 @@ def _byte_ptr(context, builder, aryty, ary, off):
     """An i8 pointer to byte `off` of the contiguous array `ary`."""
     data = context.make_array(aryty)(context, builder, ary).data
     return builder.gep(builder.bitcast(data, _I8.as_pointer()), [off])
-
-
-def affine_rows(layout: Layout, block_dot):
-    """The qdot kernel of a legacy format whose blocks begin with the halves d and m (value =
-    d * q + m: Q4_1, Q5_1), from its integer block dot
-        block_dot(accp, scale, w, r, wr, o, xq, xk)
-    which adds scale * (the integer dot of the block at byte o of row r with xq from xk) to the
-    lanes at accp. Four blocks' d and m are converted and scaled together (affine_scales4) and the
-    m terms summed in 4 lanes: each block had converted its two halves and scaled them on their
-    own, 8 of its ~17 instructions (legacy_rows). Needs NATIVE_HALF. xd, xs C-contiguous, as
-    quantize_rows's callers allocate them. Returns the kernel uncompiled."""
-    if layout.elements != QK8:
-        raise ValueError(f"{layout.qtype.name} blocks hold {layout.elements} elements, not {QK8}")
-    d_at, m_at, size = layout.offset("d"), layout.offset("m"), layout.nbytes
-    if m_at != d_at + 2:
-        raise ValueError(f"{layout.qtype.name}: m must follow d")
-
-    def kernel(w, r0, r1, xq, xd, xs, out, c0):
-        acc0p = stack_f32(16)
-        acc1p = stack_f32(16)
-        accmp = stack_f32(4)
-        acc0 = carray(acc0p, 16)
-        acc1 = carray(acc1p, 16)
-        accm = carray(accmp, 4)
-        nb = xq.shape[1] // QK8
-        for r in range(r0, r1):
-            wr = r * w.strides[0]
-            for k in range(xq.shape[0]):
-                xk = k * xq.strides[0]
-                xo = k * xd.shape[1]
-                zero_lanes(acc0)
-                zero_lanes(acc1)
-                for j in range(4):
-                    accm[j] = 0.0
-                t = np.float32(0.0)
-                b = 0
-                while b + 4 <= nb:
-                    o = b * size
-                    prefetch(w, wr + o + PREFETCH_AHEAD)
-                    prefetch(w, wr + o + PREFETCH_AHEAD + 64)
-                    s0, s1, s2, s3 = affine_scales4(w, wr + o + d_at, size, xd, xs, xo + b, accmp)
-                    block_dot(acc0p, s0, w, r, wr, o, xq, xk + b * QK8)
-                    block_dot(acc1p, s1, w, r, wr, o + size, xq, xk + (b + 1) * QK8)
-                    block_dot(acc0p, s2, w, r, wr, o + 2 * size, xq, xk + (b + 2) * QK8)
-                    block_dot(acc1p, s3, w, r, wr, o + 3 * size, xq, xk + (b + 3) * QK8)
-                    b += 4
-                while b < nb:
-                    o = b * size
-                    block_dot(acc0p, half_at(w, r, o + d_at) * xd[k, b], w, r, wr, o, xq, xk + b * QK8)
-                    t += half_at(w, r, o + m_at) * xs[k, b]
-                    b += 1
-                ms = (accm[0] + accm[1]) + (accm[2] + accm[3])
-                out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) + (ms + t)
-
-    return kernel
-
-
-def legacy_rows(layout: Layout, block):
-    """The qdot kernel of a legacy format (one scale per 32-element block, so weight block b meets
-    activation block b) from its per-block step
-        block(accp, w, r, wr, b, xq, xd, xs, k, xk) -> float32
-    which adds block b's integer dot to the lanes at accp and returns its scalar term (the min, or
-    the offset, times the block sum of x). Blocks alternate between two accumulators so that
-    consecutive blocks' adds do not wait on each other (a single chain of dependent adds capped
-    the nibble kernels at one block per add latency). Returns the kernel uncompiled."""
-    if layout.elements != QK8:
-        raise ValueError(f"{layout.qtype.name} blocks hold {layout.elements} elements, not {QK8}")
-
-    def kernel(w, r0, r1, xq, xd, xs, out, c0):
-        acc0p = stack_f32(16)
-        acc1p = stack_f32(16)
-        acc0 = carray(acc0p, 16)
-        acc1 = carray(acc1p, 16)
-        nb = xq.shape[1] // QK8
-        block_bytes = w.shape[1] // nb
-        for r in range(r0, r1):
-            wr = r * w.strides[0]
-            for k in range(xq.shape[0]):
-                xk = k * xq.strides[0]
-                zero_lanes(acc0)
-                zero_lanes(acc1)
-                t0 = np.float32(0.0)
-                t1 = np.float32(0.0)
-                for i in range(nb // 2):
-                    b = 2 * i
-                    prefetch(w, wr + b * block_bytes + PREFETCH_AHEAD)
-                    t0 += block(acc0p, w, r, wr, b, xq, xd, xs, k, xk)
-                    t1 += block(acc1p, w, r, wr, b + 1, xq, xd, xs, k, xk)
-                if nb % 2:
-                    t0 += block(acc0p, w, r, wr, nb - 1, xq, xd, xs, k, xk)
-                out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) + (t0 + t1)
-
-    return kernel

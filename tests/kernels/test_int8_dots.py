@@ -50,10 +50,12 @@ def test_instruction_set_follows_numba_target() -> None:
 @pytest.mark.slow
 def test_generic_kernels_pass_the_same_tests(tmp_path: Path) -> None:
     """The generic (non-AVX2) dots, which ARM boards and phones run, compiled here for a portable
-    target in a fresh numba cache and put through this file's tests, and the half conversions
-    (tests/kernels/test_lanes.py) by bits, as a CPU without F16C converts them."""
+    target in a fresh numba cache and put through this file's tests, the row groups'
+    (tests/kernels/test_row_groups.py), and the half conversions (tests/kernels/test_lanes.py) by
+    bits, as a CPU without F16C converts them."""
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     lanes_tests = str(Path(__file__).with_name("test_lanes.py"))
+    groups_tests = str(Path(__file__).with_name("test_row_groups.py"))
     proc = subprocess.run(
         [
             sys.executable,
@@ -66,6 +68,7 @@ def test_generic_kernels_pass_the_same_tests(tmp_path: Path) -> None:
             "not slow",
             __file__,
             lanes_tests,
+            groups_tests,
         ],
         env=env,
         capture_output=True,
@@ -147,7 +150,7 @@ def test_formats_without_int8_kernels_stay_exact(qtype: GGMLQuantizationType) ->
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("cols", [32, 96, 128, 288])
 def test_affine_formats_take_any_block_count(qtype: GGMLQuantizationType, cols: int) -> None:
-    """Q4_1 and Q5_1 convert the scales of four blocks at a time (int8_dots.affine_rows); rows of
+    """Q4_1 and Q5_1 convert the scales of four blocks at a time (row_groups.affine_rows); rows of
     fewer blocks, or of a count that four does not divide, end block by block."""
     w = random_qtensor(qtype, rows=19, cols=cols, seed=cols)
     x = np.random.default_rng(cols).standard_normal((2, cols)).astype(np.float32)

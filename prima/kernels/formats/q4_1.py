@@ -7,8 +7,9 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import QuantFormat, layouts
-from prima.kernels.int8_dots import affine_rows, dot_nib16, f16_at, half_at, legacy_rows
+from prima.kernels.int8_dots import dot_nib16, f16_at, half_at
 from prima.kernels.lanes import NATIVE_HALF, half, lane_sum, nibbles, stack_f32
+from prima.kernels.row_groups import affine_rows, legacy_rows
 
 LAYOUT = layouts.Q4_1
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes

@@ -8,8 +8,9 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import QuantFormat, layouts
-from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, legacy_rows, u32_at
+from prima.kernels.int8_dots import dot_nib16, f16_at, half_at, u32_at
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32, u32
+from prima.kernels.row_groups import legacy_rows
 
 LAYOUT = layouts.Q5_0
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes

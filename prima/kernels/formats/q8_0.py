@@ -6,8 +6,9 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import QuantFormat, layouts
-from prima.kernels.int8_dots import dot_i8x32, f16_at, half_at, legacy_rows
+from prima.kernels.int8_dots import dot_i8x32, f16_at, half_at
 from prima.kernels.lanes import half, lane_sum, stack_f32
+from prima.kernels.row_groups import legacy_rows
 
 LAYOUT = layouts.Q8_0
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
