@@ -226,9 +226,9 @@ class CpuBackend:
         return all(int(t) in drivers.QUANTIZED_IDS for t in types)
 
     def _attention_parallel_min(self, threads: int) -> int:
-        from prima.kernels import ops_compiled
+        from prima.kernels import attention_compiled
 
-        return ops_compiled.attention_parallel_min(threads)
+        return attention_compiled.attention_parallel_min(threads)
 
     def _fused_block(self, params: BlockParams) -> FusedBlock | None:
         """The one-call form of a block, or None (no numba, or a projection in a float format)."""

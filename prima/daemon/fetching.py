@@ -251,3 +251,16 @@ class PlanFetch:
             log.warning("plan epoch %d: fetch failed: %s", self.epoch, exc)
             with self._lock:
                 self._error = str(exc)
+
+
+def describe_fetch(p: FetchProgress) -> str:
+    """A fetch's state for people: Info's status and the error sessions get meanwhile."""
+    if p.error:
+        return f"fetch for plan epoch {p.plan_epoch} failed: {p.error}"
+    gib = 1 << 30
+    text = f"fetching its windows for plan epoch {p.plan_epoch}: {p.held_bytes / gib:.2f} of {p.needed_bytes / gib:.2f} GiB"
+    if p.source:
+        text += f" from {p.source}"
+    if p.rate_bytes_per_s:
+        text += f", {p.rate_bytes_per_s / (1 << 20):.1f} MiB/s, about {p.eta_s:.0f} s left"
+    return text

@@ -318,7 +318,7 @@ class Head:
         and stopped answering probes (prima.net.liveness).
 
         A decode step that reaches one of this node's own hops comes here too, as an OwnHop
-        (NodeRuntime.accept), and is computed in this thread, which waits for it anyway."""
+        (Arrivals.accept), and is computed in this thread, which waits for it anyway."""
         session = self.host.need_session(session_id)
         results = session.results
         assert results is not None, "opened by open_ring_session"

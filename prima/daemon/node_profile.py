@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from prima.forward.placement import Piece
 from prima.model.byte_ranges import held_layers, holds_head_tensors
 from prima.model.gguf_file import GGUFFile
 from prima.model.sparse import SparseFile
+from prima.net import limits
 from prima.net.client import NodeClient, Transport
 from prima.net.codec import NodeProfile
 from prima.scheduler.cost_model import npu_layer_bytes
@@ -37,6 +39,8 @@ from prima.scheduler.memory import MemoryLimit, read_memory_limit
 from prima.scheduler.profile_cache import load_or_measure
 from prima.scheduler.profile_schema import AcceleratorProfile, DeviceProfile, ModelProfile
 from prima.weights.window import PAGE, Span, resident_bytes
+
+from .threads import use_threads
 
 log = logging.getLogger("prima.daemon")
 
@@ -245,6 +249,53 @@ def node_profile(
             peer.close()
         device = dataclasses.replace(device, net_latency_ms=latency_ms, net_bandwidth_bytes_per_s=bandwidth)
     return NodeProfile(device, budget_bytes or 0, found.measured_unix_s)
+
+
+class NodeProfiler:
+    """Answers Profile for a daemon serving `loaded` (see `node_profile`), one measurement at a
+    time, on `threads` threads (None: the process's default)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        fingerprint: str,
+        *,
+        budget_bytes: int | None = None,
+        threads: int | None = None,
+        cache_dir: Path | None = None,
+        identity: Transport = None,
+        store: SparseFile | None = None,
+        disk_budget_bytes: int = 0,
+    ) -> None:
+        self.loaded = loaded
+        self.fingerprint = fingerprint
+        self.budget_bytes = budget_bytes
+        self.threads = threads
+        self.cache_dir = cache_dir
+        self.identity = identity
+        self.store = store
+        self.disk_budget_bytes = disk_budget_bytes
+        self._lock = threading.Lock()
+
+    def profile(self, node_id: str, peer_address: str = "", refresh: bool = False) -> NodeProfile:
+        """Node `node_id` measured now (or from its cache), with its link to `peer_address` when
+        one is given; a malformed address is refused before anything is measured."""
+        if peer_address:
+            limits.check_address(peer_address)
+        use_threads(self.threads)
+        with self._lock:
+            return node_profile(
+                self.loaded,
+                node_id,
+                self.fingerprint,
+                budget_bytes=self.budget_bytes,
+                peer_address=peer_address,
+                refresh=refresh,
+                cache_dir=self.cache_dir,
+                identity=self.identity,
+                store=self.store,
+                disk_budget_bytes=self.disk_budget_bytes,
+            )
 
 
 def with_holdings(

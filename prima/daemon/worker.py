@@ -7,7 +7,7 @@ Activations of every session go through one work queue and one thread, so a sess
 micro-batches reach each layer in the order they were sent and its KV caches are written front
 to back; the queue serves sessions in turn (prima.daemon.fair_queue), so one session's burst
 does not hold up the others' steps, and a long micro-batch gives way between its layers to
-other sessions' waiting work (SLICE_MIN_TOKENS). RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
+other sessions' waiting work (SLICE_MIN_TOKENS). RPC threads only validate and enqueue (Arrivals.accept), with one exception: a
 decode step (or a speculative check of a few tokens) that finds the compute thread idle and
 nothing queued is computed in the thread it arrived on, the link's reader or the head's
 generation: handing it over would wake the compute thread, a sizeable part of a decode hop

@@ -3,8 +3,8 @@
 At decode a block is a dozen small steps (norm, merged q/k/v, RoPE, cache write, attention,
 output projection, residual, gate/up, activation, down, residual); run from Python, each step's
 call and argument checks cost about as much as its arithmetic, ~50 us per block. Here the whole
-block is one numba function that calls the same kernels (prima.kernels.drivers, ops_compiled)
-directly, so Python is crossed once per block. The arithmetic, and so the result, is that of the
+block is one numba function that calls the same kernels (prima.kernels.drivers, ops_compiled,
+attention_compiled) directly, so Python is crossed once per block. The arithmetic, and so the result, is that of the
 reference block (prima.backends.reference), which prefill and other backends keep using; the
 CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlock).
 
@@ -12,7 +12,7 @@ CPU backend gathers a block's arguments once (prima.backends.cpu_decode.FusedBlo
 
 `layer` is the block's FusedLayer (below) as FusedLayer.plain() gives it, `kv` the layer's cache as KVCache.kernel_arrays gives
 it (float32 keys, values, or halves); attention runs its heads in parallel from `attn_parallel_min` (query row, key) pairs
-(ops_compiled.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
+(attention_compiled.attention_parallel_min). The caller has already checked that the cache rows [positions] are writable (KVCache.reserve).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from prima.kernels import drivers, ops_compiled
+from prima.kernels import attention_compiled, drivers, ops_compiled
 from prima.kernels.ops_reference import QkvSplit
 
 
@@ -94,11 +94,11 @@ def decode_layer(x, layer, kv, t, positions, int8, lut, attn_parallel_min):
     qkv = _project3(fmts[0], fmts[1], fmts[2], ws[0], ws[1], ws[2], xn, int8, lut)
     q, k, v = ops_compiled.qkv_rope_rows(qkv, split, positions)
     k32, v32, k16, v16 = kv
-    ops_compiled.store_kv(k, v, k32, v32, k16, v16, positions)
+    attention_compiled.store_kv(k, v, k32, v32, k16, v16, positions)
     if q.shape[0] * t >= attn_parallel_min:
-        attn = ops_compiled._attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window)
+        attn = attention_compiled._attention_parallel(q, k32, v32, k16, v16, t, positions, scale, window)
     else:
-        attn = ops_compiled._attention_serial(q, k32, v32, k16, v16, t, positions, scale, window)
+        attn = attention_compiled._attention_serial(q, k32, v32, k16, v16, t, positions, scale, window)
     o = _project(fmts[3], ws[3], ws[3][:0], ws[3][:0], attn, int8, lut)
     x, xn = ops_compiled.residual_norm_rows(x, o, post_attn, ffn_norm, eps)
     gate_up = _project3(fmts[4], fmts[5], fmts[5], ws[4], ws[5], ws[5][:0], xn, int8, lut)

@@ -15,16 +15,15 @@ import grpc
 import numpy as np
 
 from prima.coordinator.local_ring import LocalRing
-from prima.engine.sampling import SamplerConfig
 from prima.net import codec
 from prima.net.codec import Activation
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.plan import plan_from_window_sizes
+from tests.cluster.generate_rpc import generate_tokens
 
 D_MODEL = 576  # smollm2-135m
 N_LAYERS = 30
-PROMPT = [1, 504, 3458, 282, 4649, 314]
 CALL_S = 120
 FLOOD_STREAMS = 200  # at most this many Relay streams (each ends when the queue is full)
 FLOOD_S = 300.0  # and at most this long
@@ -48,10 +47,7 @@ def start_daemon(model: str, *args: str) -> tuple[LocalRing, grpc.Channel, pb_gr
 
 
 def generate(stub: pb_grpc.NodeStub, max_tokens: int = 8) -> list[int]:
-    req = pb.GenerateRequest(
-        prompt_ids=PROMPT, max_tokens=max_tokens, sampler=codec.sampler_to_proto(SamplerConfig()), n_ctx=64
-    )
-    return [r.token_id for r in stub.Generate(req, timeout=CALL_S * 4) if not r.done]
+    return generate_tokens(stub, max_tokens=max_tokens, timeout_s=CALL_S * 4)
 
 
 def _flood(stub: pb_grpc.NodeStub, tokens: int, stop: threading.Event, refused: list[int]) -> None:

@@ -23,7 +23,6 @@ import pytest
 
 from prima.coordinator.local_ring import LocalRing
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS
-from prima.engine.sampling import SamplerConfig
 from prima.net import codec
 from prima.net.client import MAX_MESSAGE_BYTES
 from prima.net.codec import Activation
@@ -31,6 +30,7 @@ from prima.net.limits import DaemonLimits, received_message_bytes
 from prima.net.proto import prima_pb2 as pb
 from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.plan import plan_from_window_sizes
+from tests.cluster.generate_rpc import generate_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,6 @@ BOUND_BYTES = (
     + CALLS_IN_FLIGHT * 3 * RECEIVED
     + (WORKING_MIB << 20)
 )
-PROMPT = [1, 504, 3458, 282, 4649, 314]
 CALL_S = 60
 
 
@@ -70,13 +69,6 @@ def daemon(smollm2_path: Path) -> Iterator[tuple[pb_grpc.NodeStub, int, int]]:
     finally:
         channel.close()
         ring.close()
-
-
-def _generate(stub: pb_grpc.NodeStub) -> list[int]:
-    req = pb.GenerateRequest(
-        prompt_ids=PROMPT, max_tokens=6, sampler=codec.sampler_to_proto(SamplerConfig()), n_ctx=64
-    )
-    return [r.token_id for r in stub.Generate(req, timeout=CALL_S * 4) if not r.done]
 
 
 def _code(call: object, *args: object) -> grpc.StatusCode:
@@ -136,10 +128,10 @@ def test_attacks_leave_memory_within_the_bound_and_generation_goes_on(
     daemon: tuple[pb_grpc.NodeStub, int, int],
 ) -> None:
     stub, pid, epoch = daemon
-    expected = _generate(stub)  # also pages the weights in: they are part of the baseline
+    expected = generate_tokens(stub)  # also pages the weights in: they are part of the baseline
     before_kib = _status_kib(pid, "VmRSS")
     got: list[list[int]] = []
-    beside = threading.Thread(target=lambda: got.append(_generate(stub)))
+    beside = threading.Thread(target=lambda: got.append(generate_tokens(stub)))
     beside.start()
     codes = _attack(stub, epoch)
     beside.join(timeout=CALL_S * 4)
@@ -153,4 +145,4 @@ def test_attacks_leave_memory_within_the_bound_and_generation_goes_on(
     peak_kib = _status_kib(pid, "VmHWM")
     grown = (peak_kib - before_kib) << 10
     assert grown <= BOUND_BYTES, f"daemon grew {grown >> 20} MiB, bound {BOUND_BYTES >> 20} MiB"
-    assert _generate(stub) == expected  # and it still serves
+    assert generate_tokens(stub) == expected  # and it still serves

@@ -24,7 +24,6 @@ import pytest
 
 from prima.coordinator.local_ring import LocalRing
 from prima.daemon.runtime import DEFAULT_MAX_BATCH_TOKENS
-from prima.engine.sampling import SamplerConfig
 from prima.net import codec
 from prima.net.limits import DaemonLimits, received_message_bytes
 from prima.net.proto import prima_pb2 as pb
@@ -32,6 +31,7 @@ from prima.net.proto import prima_pb2_grpc as pb_grpc
 from prima.net.server import MAX_WORKERS
 from prima.plan import plan_from_window_sizes
 from tests.cluster import relay_flood
+from tests.cluster.generate_rpc import generate_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,6 @@ def bound_bytes(threads: int) -> int:
     )
 
 
-PROMPT = [1, 504, 3458, 282, 4649, 314]
 CALL_S = 60
 
 
@@ -72,13 +71,6 @@ def daemon(smollm2_path: Path) -> Iterator[tuple[pb_grpc.NodeStub, int]]:
         ring.close()
 
 
-def _generate(stub: pb_grpc.NodeStub) -> list[int]:
-    req = pb.GenerateRequest(
-        prompt_ids=PROMPT, max_tokens=6, sampler=codec.sampler_to_proto(SamplerConfig()), n_ctx=64
-    )
-    return [r.token_id for r in stub.Generate(req, timeout=CALL_S * 4) if not r.done]
-
-
 @pytest.mark.parametrize("transport", ["grpc", "link"])
 @pytest.mark.parametrize(
     "message_bytes",
@@ -90,14 +82,21 @@ def test_a_four_thread_relay_flood_stays_within_the_stated_bound(
 ) -> None:
     """On gRPC's Relay and on the activation link, which the same cap bounds."""
     stub, pid = daemon
-    expected = _generate(stub)  # also pages the weights in: they are part of the baseline
+    expected = generate_tokens(stub)  # also pages the weights in: they are part of the baseline
     threads_before = relay_flood.status(pid)["Threads"]
     got: list[list[int]] = []
     run = relay_flood.run if transport == "grpc" else relay_flood.run_link
     threads = THREADS[transport]
     bound = bound_bytes(threads)
     watch, answers, before_kib = run(
-        stub, pid, 1, message_bytes, threads, STREAMS, CALL_S * 2, beside=lambda: got.append(_generate(stub))
+        stub,
+        pid,
+        1,
+        message_bytes,
+        threads,
+        STREAMS,
+        CALL_S * 2,
+        beside=lambda: got.append(generate_tokens(stub)),
     )
     assert got == [expected]
     assert len(answers) == threads * STREAMS
@@ -110,4 +109,4 @@ def test_a_four_thread_relay_flood_stays_within_the_stated_bound(
     )
     assert grown <= bound, f"daemon grew {grown >> 20} MiB, bound {bound >> 20} MiB"
     assert watch.peak_threads <= threads_before + MAX_WORKERS
-    assert _generate(stub) == expected  # and it still serves
+    assert generate_tokens(stub) == expected  # and it still serves

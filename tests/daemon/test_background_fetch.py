@@ -172,7 +172,7 @@ def test_a_newer_plan_calls_off_the_running_fetch(
     h, _ = holder
     runtime, client, plan = follower
     client.load_plan(plan, "me")
-    first = runtime._fetch
+    first = runtime.plans.fetch
     newer = plan_from_window_sizes([("me", plan.nodes[0].address)], [N_LAYERS], 1, N_LAYERS, epoch=2)
     h.gate.set()
     client.load_plan(newer, "me")

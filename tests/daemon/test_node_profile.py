@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from prima.daemon import node_profile
+from prima.errors import ProtocolError
 from prima.forward.loader import LoadedModel, load_model
 from prima.forward.placement import Piece
 from prima.scheduler import device_probe
@@ -216,3 +218,70 @@ def test_an_npu_node_profiles_its_accelerator(monkeypatch: pytest.MonkeyPatch, t
         assert fresh.device.accelerator.memory_available_bytes == (256 << 20) - fake.used_bytes
         loaded.model.backend.release_window(window)
         loaded.model.backend.close()
+
+
+@pytest.fixture
+def profiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[node_profile.NodeProfiler, list[str]]:
+    """A NodeProfiler over the tiny model whose measurement records the node it was asked for
+    (measuring for real is tested above), caching in `tmp_path`."""
+    measured: list[str] = []
+    overlapping = threading.Semaphore(1)
+
+    def measure_node(loaded: LoadedModel, node_id: str) -> DeviceProfile:
+        if not overlapping.acquire(blocking=False):
+            raise AssertionError("two profiles measured at once")
+        try:
+            measured.append(node_id)
+            threading.Event().wait(0.01)  # long enough for another profile to overlap
+            return DeviceProfile(node_id, cpu_flops={"F32": 1e9})
+        finally:
+            overlapping.release()
+
+    monkeypatch.setattr(node_profile, "measure_node", measure_node)
+    tiny = _tiny()
+    found = node_profile.NodeProfiler(tiny, "f" * 16, budget_bytes=5 << 20, cache_dir=tmp_path)
+    return found, measured
+
+
+def test_a_profiler_measures_the_node_asked_for_once_then_from_its_cache(
+    profiler: tuple[node_profile.NodeProfiler, list[str]],
+) -> None:
+    found, measured = profiler
+    first = found.profile("host:7600")
+    assert first.device.node_id == "host:7600"
+    assert first.mem_budget_bytes == 5 << 20
+    assert first.device.ram_total_bytes > 0  # read now, not cached
+    assert found.profile("host:7600").device.cpu_flops == {"F32": 1e9}
+    assert measured == ["host:7600"]
+    found.profile("host:7600", refresh=True)
+    assert measured == ["host:7600", "host:7600"]
+
+
+def test_a_profiler_measures_one_profile_at_a_time(
+    profiler: tuple[node_profile.NodeProfiler, list[str]],
+) -> None:
+    found, measured = profiler
+    errors: list[BaseException] = []
+
+    def refresh() -> None:
+        try:
+            found.profile("n", refresh=True)
+        except AssertionError as exc:  # raised in this thread, reported by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=refresh) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert measured == ["n", "n", "n"]
+
+
+def test_a_profiler_refuses_a_peer_that_is_no_address(
+    profiler: tuple[node_profile.NodeProfiler, list[str]],
+) -> None:
+    found, measured = profiler
+    with pytest.raises(ProtocolError, match="is not host:port"):
+        found.profile("n", peer_address="unix:/tmp/x")
+    assert measured == []  # refused before anything is measured

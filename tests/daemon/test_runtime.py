@@ -16,7 +16,13 @@ from prima.daemon.state import OwnHop
 from prima.errors import NodeError, ProtocolError
 from prima.forward.loader import LoadedModel
 from prima.net.codec import WireDType
-from prima.net.status import NotReadyError, PermissionDeniedError, ShuttingDownError, UnknownSessionError
+from prima.net.status import (
+    NotReadyError,
+    PermissionDeniedError,
+    ShuttingDownError,
+    StaleEpochError,
+    UnknownSessionError,
+)
 from tests.daemon.conftest import embedded, solo_plan
 
 
@@ -66,6 +72,21 @@ def test_a_new_node_id_is_what_messages_say(solo_runtime: NodeRuntime) -> None:
     assert solo_runtime.info().node_id == "host:7600"
     with pytest.raises(UnknownSessionError, match="node host:7600 has no session"):
         solo_runtime.need_session("nope")
+
+
+def test_a_new_node_id_reaches_every_part(tiny_daemon_model: LoadedModel) -> None:
+    runtime = NodeRuntime(tiny_daemon_model, "solo", budget_bytes=0, threads=1)
+    try:
+        runtime.node_id = "host:7600"
+        with pytest.raises(NotReadyError, match="node host:7600 has no plan yet"):
+            runtime.need_layout()
+        runtime.load_plan(solo_plan(), "solo", WireDType.F32)
+        runtime.open_session("s", 1, 16)
+        stale = dataclasses.replace(embedded(runtime, "s", [5]), plan_epoch=2)
+        with pytest.raises(StaleEpochError, match="but node host:7600 runs epoch 1"):
+            runtime.accept(stale)
+    finally:
+        runtime.shutdown()
 
 
 def _head_session(runtime: NodeRuntime, session_id: str, in_flight: int) -> queue.SimpleQueue[object]:

@@ -149,14 +149,14 @@ def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
 def test_fused_block_with_a_long_context_uses_parallel_attention_and_agrees(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past ops_compiled.attention_parallel_min keys the block's attention runs in parallel; still
+    """Past attention_compiled.attention_parallel_min keys the block's attention runs in parallel; still
     the step-by-step path's bits."""
-    from prima.kernels import ops_compiled
+    from prima.kernels import attention_compiled
 
     loaded = _load(smollm2_path, "q8")
     model = loaded.model
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # spinning workers: the lower threshold
-    n_prompt = ops_compiled.ATTENTION_PARALLEL_MIN_SPINNING + 8
+    n_prompt = attention_compiled.ATTENTION_PARALLEL_MIN_SPINNING + 8
     ids = np.arange(100, 100 + n_prompt + 2)
     results = []
     n = model.config.n_layers

@@ -1,11 +1,11 @@
-"""The numba layer glue (prima.kernels.ops_compiled) against the numpy references in ops."""
+"""The numba layer glue (prima.kernels.ops_compiled: norms, the QKV split with RoPE, the gated
+activations) against the numpy references in ops; attention is in test_attention_compiled.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from prima.kernels import matmul as mm
 from prima.kernels import ops_compiled
 from prima.kernels import ops_reference as ops
 from prima.kernels.ops_reference import QkvSplit
@@ -16,11 +16,6 @@ RNG = np.random.default_rng(7)
 
 def _f32(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
-
-
-def _f16(*shape: int) -> np.ndarray:
-    """A KV cache's rows: halves, as prima.weights.kv_cache stores them."""
-    return _f32(*shape).astype(np.float16)
 
 
 def test_rms_norm_matches_reference() -> None:
@@ -86,81 +81,6 @@ def test_qkv_rope_matches_reference(rope_type: str, qk_norm: bool, n: int) -> No
     np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(v, rv)
-
-
-@pytest.mark.parametrize("window", [0, 3])
-@pytest.mark.parametrize("parallel_min", [0, 1 << 30])
-@pytest.mark.parametrize("hd", [16, 64, 80])
-def test_attention_matches_reference(
-    window: int, parallel_min: int, hd: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Heads in parallel or not, head dims of whole score-lane blocks, a tail, or both."""
-    monkeypatch.setattr(ops_compiled, "attention_parallel_min", lambda threads: parallel_min)
-    t, heads, kv_heads = 9, 4, 2
-    kc, vc = _f16(t, kv_heads, hd), _f16(t, kv_heads, hd)
-    positions = np.array([6, 7, 8])
-    q = _f32(3, heads, hd)
-    got = ops_compiled.attention(q, kc, vc, t, positions, 0.25, window)
-    want = ops.attention(
-        q, kc.astype(np.float32), vc.astype(np.float32), positions, 0.25, window, halves=True
-    )
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_prefill_attention_equals_per_pair_kernel(
-    window: int, threads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A prompt's second micro-batch (queries after cached keys) through the batched matmuls,
-    split between threads and cut to the sliding window, against the decode kernel's loop."""
-    monkeypatch.setattr(mm, "_prefill_threads", threads)
-    t, heads, kv_heads, hd = 29, 4, 2, 16
-    kc, vc = _f16(32, kv_heads, hd), _f16(32, kv_heads, hd)  # rows past t must not be read
-    kc[t:] = np.nan
-    positions = np.arange(t - ops_compiled.ATTENTION_BATCHED_MIN_ROWS - 2, t)
-    q = _f32(positions.size, heads, hd)
-    got = ops_compiled.attention(q, kc, vc, t, positions, 0.25, window)
-    want = ops_compiled._attention_serial(q, *ops.cache_forms(kc, vc), t, positions, 0.25, window)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_attention_reads_a_float32_cache_as_well() -> None:
-    """Exact mode keeps float32 keys and values: the same kernel, the same result as the numpy
-    reference; any other dtype is refused by name."""
-    t, heads, kv_heads, hd = 9, 4, 2, 48
-    kc, vc, q = _f32(t, kv_heads, hd), _f32(t, kv_heads, hd), _f32(2, heads, hd)
-    positions = np.array([7, 8])
-    np.testing.assert_allclose(
-        ops_compiled.attention(q, kc, vc, t, positions, 0.25, 0),
-        ops.attention(q, kc, vc, positions, 0.25, 0),
-        rtol=1e-5,
-        atol=1e-5,
-    )
-    with pytest.raises(TypeError, match="float16 or float32"):
-        ops_compiled.attention(q, kc.astype(np.float64), vc, t, positions, 0.25, 0)
-
-
-def test_store_half_rounds_as_numpy() -> None:
-    x = _f32(3, 40) * 100
-    out = np.zeros((3, 40), dtype=np.uint16)
-    ops_compiled.store_half(x, out)
-    np.testing.assert_array_equal(out.view(np.float16), x.astype(np.float16))
-
-
-def test_decode_attention_goes_parallel_only_where_a_launch_pays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One thread never launches; sleeping workers (woken through the kernel) need far more keys
-    than spinning ones."""
-    assert ops_compiled.attention_parallel_min(1) == ops_compiled.NEVER
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    sleeping = ops_compiled.attention_parallel_min(2)
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    spinning = ops_compiled.attention_parallel_min(2)
-    assert (sleeping, spinning) == (
-        ops_compiled.ATTENTION_PARALLEL_MIN_SLEEPING,
-        ops_compiled.ATTENTION_PARALLEL_MIN_SPINNING,
-    )
-    assert spinning < sleeping
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
