@@ -337,6 +337,9 @@ ATTENTION_BATCHED_MIN_ROWS = 8
 # Query rows per batched call: its scores (heads x rows x keys) and their temporaries are the
 # largest arrays of a prefill's first layer, which sets how far the heap grows (SmolLM2, 128
 # rows on 2 threads: 2.2 MiB of peak RSS in one call per thread, ~1 MiB less in blocks of 32).
+# Blocks are cut from the batch's first row whatever the thread count, and each reads only the
+# keys its own rows can see, so a row's bits depend on its block alone: a batch cut into pieces
+# of whole blocks attends as the batch does (prima.forward.row_pieces).
 ATTENTION_BLOCK_ROWS = 32
 
 
@@ -393,28 +396,39 @@ def _attention_batched(
     scale: float,
     window: int,
 ) -> np.ndarray:
-    """ops.attention over the keys some query can see (a sliding window drops the older ones),
-    the query rows split between the prefill threads (kernels.matmul.prefill_map)."""
-    lo = max(0, int(positions.min()) - window + 1) if window > 0 else 0
+    """ops.attention in blocks of ATTENTION_BLOCK_ROWS query rows, each over the keys its rows
+    can see (a sliding window drops the older ones), the blocks split between the prefill
+    threads (kernels.matmul.prefill_map)."""
+    base = max(0, int(positions.min()) - window + 1) if window > 0 else 0
     halves = k_cache.dtype == np.float16
-    if halves:
-        k, v = widen_halves(k_cache[lo:t].view(np.uint16)), widen_halves(v_cache[lo:t].view(np.uint16))
+    if halves:  # widened once for every block: a conversion, the same bits whichever block reads it
+        k, v = widen_halves(k_cache[base:t].view(np.uint16)), widen_halves(v_cache[base:t].view(np.uint16))
     else:
-        k, v = k_cache[lo:t], v_cache[lo:t]
-    rel = positions - lo  # key positions shift by lo; distances from each query do not
+        k, v = k_cache[base:t], v_cache[base:t]
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    n_blocks = (q.shape[0] + ATTENTION_BLOCK_ROWS - 1) // ATTENTION_BLOCK_ROWS
 
-    def rows(span: tuple[int, int]) -> None:
-        for a in range(span[0], span[1], ATTENTION_BLOCK_ROWS):
-            b = min(span[1], a + ATTENTION_BLOCK_ROWS)
-            # Only the keys up to the block's last query: causal masking would zero the rest
-            # (at 128 rows in blocks of 32, 37% of the products).
-            seen = int(rel[a:b].max()) + 1
+    def blocks(span: tuple[int, int]) -> None:
+        for block in range(*span):
+            a = block * ATTENTION_BLOCK_ROWS
+            b = min(q.shape[0], a + ATTENTION_BLOCK_ROWS)
+            # Only the keys from the block's first query's window to its last query: masking
+            # would zero the rest (at 128 rows in blocks of 32, 37% of the products), and the
+            # count of keys a block reads sets the length of its sums.
+            lo = max(0, int(positions[a:b].min()) - window + 1) if window > 0 else 0
+            seen = int(positions[a:b].max()) + 1
             out[a:b] = ops.attention(
-                q[a:b], k[:seen], v[:seen], rel[a:b], scale, window, halves, round_to_halves
+                q[a:b],
+                k[lo - base : seen - base],
+                v[lo - base : seen - base],
+                positions[a:b] - lo,
+                scale,
+                window,
+                halves,
+                round_to_halves,
             )
 
-    prefill_map(rows, q.shape[0])
+    prefill_map(blocks, n_blocks)
     return out
 
 
