@@ -6,8 +6,10 @@ or layer by layer while the node streams weights from disk (prima.forward.placem
 Activations of every session go through one work queue and one thread, so a session's
 micro-batches reach each layer in the order they were sent and its KV caches are written front
 to back; the queue serves sessions in turn (prima.daemon.fair_queue), so one session's burst
-does not hold up the others' steps, and a long micro-batch gives way between its layers to
-other sessions' waiting work (SLICE_MIN_TOKENS). RPC threads only validate and enqueue (NodeRuntime.accept), with one exception: a
+does not hold up the others' steps, and a long micro-batch gives way to other sessions' waiting
+work between pieces of its rows within each layer (ROW_PIECE_TOKENS), or between layers where
+the backend cannot cut rows (SLICE_MIN_TOKENS). RPC threads only validate and enqueue
+(NodeRuntime.accept), with one exception: a
 decode step (or a speculative check of a few tokens) that finds the compute thread idle and
 nothing queued is computed in the thread it arrived on, the link's reader or the head's
 generation: handing it over would wake the compute thread, a sizeable part of a decode hop
@@ -25,10 +27,12 @@ import time
 from collections.abc import Iterator
 from typing import Protocol
 
+import numpy as np
 from prometheus_client import Counter
 
 from prima import metrics
 from prima.errors import NodeError, PrimaError
+from prima.forward.row_pieces import piece_rows, row_pieces
 from prima.forward.windowed_model import WindowedModel
 from prima.net.client import Relay
 from prima.net.codec import Activation
@@ -50,10 +54,15 @@ INLINE_MAX_TOKENS = 8
 
 # A micro-batch of more tokens than this is computed one layer at a time, and gives up the
 # compute thread between layers while another session has work queued: a decode step of another
-# session then waits for one layer of a long batch, not all of them. Rows are never split: a
-# slice of rows rounds differently from the whole batch (BLAS and the int8 GEMM tile by row
-# count), while layer by layer gives the same bits (Backend.windows_bit_identical).
+# session then waits for one layer of a long batch, not all of them. Layer by layer gives the
+# same bits (Backend.windows_bit_identical).
 SLICE_MIN_TOKENS = INLINE_MAX_TOKENS
+# Within a layer, a micro-batch of at least twice this many rows (rounded to the backend's
+# row_piece_unit) is computed in pieces of this many, giving way between pieces: a step then
+# waits for one piece, not a whole layer of a flood's --max-batch rows. Pieces are cut where
+# they keep the whole batch's bits (prima.forward.row_pieces). Each piece reads the layer's
+# weights again: at 64 rows that costs ~10% of a long batch's time (docs/security.md).
+ROW_PIECE_TOKENS = 64
 
 
 class WorkerHost(Protocol):
@@ -238,7 +247,8 @@ class Worker:
         """Run micro-batches of one session, all at the same hop, through this node's consecutive
         hops, piece by piece (each piece for every micro-batch in order), then route each on.
         `sliced`: the host's layers one at a time, yielding after each, so the caller may let
-        other sessions' work run between them.
+        other sessions' work run between them; within each layer too, between pieces of rows,
+        where the backend keeps the bits (unless streaming, whose reads go layer by layer).
 
         What the next node does not wait for (the hop timings, debug logs) comes after the
         send: on a ring every step crosses every hop, and a woken core runs each line slowly."""
@@ -250,6 +260,11 @@ class Worker:
         model = self.host.model
         cache = session.cache
         per_layer = windows.limited or (sliced and model.host.windows_bit_identical)
+        rows = (
+            piece_rows(model.host.row_piece_unit, ROW_PIECE_TOKENS)
+            if per_layer and not windows.limited
+            else 0
+        )
         debug = log.isEnabledFor(logging.DEBUG)
         spent_ms: list[float] = []
         while h < len(hops) and hops[h].node_index == layout.me:
@@ -263,7 +278,16 @@ class Worker:
                 if read:
                     windows.before_layers(piece.layers)
                 for i, a in enumerate(group):
-                    hidden[i] = model.run(piece, hidden[i], a.positions, cache)
+                    parts = row_pieces(len(a.positions), 0 if piece.on_accel else rows)
+                    if len(parts) == 1:
+                        hidden[i] = model.run(piece, hidden[i], a.positions, cache)
+                        continue
+                    out = np.empty_like(hidden[i])
+                    for j, part in enumerate(parts):
+                        if j:  # the layer's last piece gives way below, with the layer
+                            yield
+                        out[part] = model.run(piece, hidden[i][part], a.positions[part], cache)
+                    hidden[i] = out
                 if read:
                     windows.after_layers(piece.layers)
                 if sliced:
