@@ -116,9 +116,11 @@ class CpuBackend:
         # The fused kernels compute each row as a pass of that row alone would; the int8 GEMM and
         # BLAS tiles (longer batches, float weights) do it in another order.
         self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
-        # Pieces of whole attention blocks keep a batch's bits (prima.forward.row_pieces); the
-        # numpy glue without numba attends over the whole batch at once.
-        self.row_piece_unit = self._attention_block_rows() if kernels.HAVE_NUMBA else 0
+        # Pieces of two attention blocks keep a batch's bits (prima.forward.row_pieces): one
+        # block would too, but a product of so few rows by a tiny model's weight (M*N*K <= 2^16
+        # here) takes OpenBLAS's small-matrix kernel, which sums in another order. The numpy
+        # glue without numba attends over the whole batch at once.
+        self.row_piece_unit = 2 * self._attention_block_rows() if kernels.HAVE_NUMBA else 0
         adapt = adaptive_by_default() if adapt_threads is None else adapt_threads
         self._adapt = adapt and kernels.HAVE_NUMBA and self.ops.threads > 1
         self._decode_threads: dict[range, DecodeThreads] = {}

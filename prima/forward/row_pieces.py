@@ -11,12 +11,15 @@ depends on the rows computed beside it in three ways, and pieces are cut to avoi
   or 16, each cut from the batch's first row: a row at another offset in a block takes a
   narrower micro-kernel and sums in another order;
 - attention runs in blocks of 32 query rows (ops_compiled.ATTENTION_BLOCK_ROWS), each over the
-  keys its rows see, and a block's key count sets the length of its sums.
+  keys its rows see, and a block's key count sets the length of its sums;
+- OpenBLAS multiplies small products (M*N*K up to 2^16 on x86-64 Haswell) with a kernel of their
+  own: a piece of 32 rows by a tiny model's 32 x 64 weight took it, the whole batch did not.
 
-So pieces are whole multiples of the backend's `row_piece_unit` (32 on the CPU) from the first
-row, and the last piece takes the rest (never shorter than a piece). Keys and values of earlier
-rows are in the cache before a later piece attends to them, since pieces go in row order.
-Activations are quantized row by row (per 32-element block), which no cut changes.
+So pieces are whole multiples of the backend's `row_piece_unit` (64 on the CPU) from the first
+row, and the last piece takes the rest (never shorter than a piece); consecutive pieces may be
+merged, which keeps those rules. Keys and values of earlier rows are in the cache before a later
+piece attends to them, since pieces go in row order. Activations are quantized row by row (per
+32-element block), which no cut changes.
 """
 
 from __future__ import annotations

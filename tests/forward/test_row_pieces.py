@@ -31,7 +31,7 @@ def test_pieces_cover_the_rows_in_order_none_shorter_than_a_piece() -> None:
     assert row_pieces(127, 64) == [slice(0, 127)]  # too short to cut
     assert row_pieces(300, 0) == [slice(0, 300)]  # the backend promises nothing
     assert piece_rows(32, 50) == 64
-    assert piece_rows(32, 8) == 32
+    assert piece_rows(64, 8) == 64
     assert piece_rows(0, 64) == 0
 
 
