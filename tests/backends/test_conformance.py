@@ -23,7 +23,6 @@ import pytest
 
 from prima.backends import get_backend
 from prima.backends.base import Backend
-from prima.forward.row_pieces import row_pieces
 from prima.model.files import open_model
 from tests.conftest import load_tiny_oracle, tiny_model_path
 from tests.tiny_qwen import TINY_TAGS
@@ -121,36 +120,6 @@ def test_windows_give_what_one_window_gives(case: tuple[Backend, list[dict[str, 
             np.testing.assert_array_equal(split, whole)
         else:
             assert np.abs(split - whole).max() <= backend.logit_tolerance
-
-
-def test_rows_in_pieces_give_what_the_whole_batch_gives(case: tuple[Backend, list[dict[str, Any]]]) -> None:
-    """Where the backend promises it (`row_piece_unit`), a batch cut into pieces of whole units
-    of rows from its first row (prima.forward.row_pieces), each layer's pieces in row order,
-    gives the whole batch's hidden states bit for bit."""
-    backend, _ = case
-    unit = backend.row_piece_unit
-    if not unit:
-        pytest.skip(f"the {backend.name} backend does not cut rows")
-    n = 5 * unit + unit // 2 + 3  # a last piece one and a half units long and a bit
-    rng = np.random.default_rng(3)
-    h0 = backend.embed(rng.integers(0, backend.config.vocab_size, n))
-    positions = np.arange(n)
-    windows = [backend.load_window(range(i, i + 1)) for i in _all_layers(backend)]
-    whole = h0
-    kv = backend.new_kv(n, _all_layers(backend))
-    for window in windows:
-        whole = backend.run_window(window, whole, positions, kv)
-    for rows in (unit, 2 * unit):
-        kv = backend.new_kv(n, _all_layers(backend))
-        h = h0
-        for window in windows:
-            out = np.empty_like(h)
-            for part in row_pieces(n, rows):
-                out[part] = backend.run_window(window, h[part], positions[part], kv)
-            h = out
-        np.testing.assert_array_equal(h, whole)
-    for window in windows:
-        backend.release_window(window)
 
 
 def test_kv_state_carries_across_calls(case: tuple[Backend, list[dict[str, Any]]]) -> None:

@@ -11,12 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prima.backends import get_backend
 from prima.backends.modes import MODES
 from prima.forward.loader import load_model
 from prima.forward.placement import Piece
 from prima.forward.row_pieces import piece_rows, row_pieces
 from prima.forward.windowed_model import WindowedModel
+from prima.model.files import open_model
 from prima.weights.kv_cache import KVCache
+from tests.conftest import tiny_model_path
+from tests.tiny_qwen import TINY_TAGS
 
 BATCH = 300  # rows of the batch that is cut: not a multiple of a piece, so its last piece is longer
 
@@ -78,3 +82,30 @@ def test_a_batch_in_row_pieces_has_the_bits_of_the_whole_batch(
         for i in layers:
             np.testing.assert_array_equal(cache.k[i], keys[i][0])
             np.testing.assert_array_equal(cache.v[i], keys[i][1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tag", TINY_TAGS)
+def test_the_tiny_models_in_row_pieces_give_the_whole_batch(tag: str, mode: str) -> None:
+    """The same on the tiny Qwen models (F32 weights: one BLAS product per projection, and so
+    small that a piece of 32 rows took OpenBLAS's small-matrix kernel, hence the unit of 64),
+    every layer, a last piece one and a half units long and a bit."""
+    backend = get_backend("cpu", open_model(tiny_model_path(tag)).weights, threads=2, mode=mode)
+    unit = backend.row_piece_unit
+    n = 2 * unit + unit // 2 + 3
+    layers = range(backend.config.n_layers)
+    h0 = backend.embed(np.random.default_rng(3).integers(0, backend.config.vocab_size, n))
+    positions = np.arange(n)
+    windows = [backend.load_window(range(i, i + 1)) for i in layers]
+    whole = h0
+    kv = backend.new_kv(n, layers)
+    for window in windows:
+        whole = backend.run_window(window, whole, positions, kv)
+    kv = backend.new_kv(n, layers)
+    h = h0
+    for window in windows:
+        out = np.empty_like(h)
+        for part in row_pieces(n, unit):
+            out[part] = backend.run_window(window, h[part], positions[part], kv)
+        h = out
+    np.testing.assert_array_equal(h, whole)
