@@ -18,7 +18,9 @@ decode adds one token at a time. Backends state how close they are to llama.cpp
 (`logit_tolerance`) and whether running layers in several windows gives the same bits as one
 window (`windows_bit_identical`); tests/backends/test_conformance.py holds every backend to both.
 Speculative decoding verifies draft tokens in batches of at most `batch_identical_tokens`, the
-batch size up to which each token's row has the bits it has when the token runs alone.
+batch size up to which each token's row has the bits it has when the token runs alone. A daemon
+cuts a long batch's rows into pieces of `row_piece_unit` rows (prima.forward.row_pieces) where
+the backend promises that they keep the whole batch's bits.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class Backend(Protocol):
     # bit what it is computed alone: a batch of draft tokens then verifies exactly as plain
     # decoding would decide. 1 = no such promise.
     batch_identical_tokens: int
+    # A batch cut into pieces of a multiple of this many rows from its first row (the last piece
+    # taking the rest, never shorter), each layer's pieces run in row order, gives every row the
+    # bits of the whole batch in one call (prima.forward.row_pieces). 0 = rows may not be cut.
+    row_piece_unit: int
     # Computes on a device beside the host CPU (an NPU): a plan's accel_layers go to it.
     accelerator: bool
 

@@ -116,6 +116,11 @@ class CpuBackend:
         # The fused kernels compute each row as a pass of that row alone would; the int8 GEMM and
         # BLAS tiles (longer batches, float weights) do it in another order.
         self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
+        # Pieces of two attention blocks keep a batch's bits (prima.forward.row_pieces): one
+        # block would too, but a product of so few rows by a tiny model's weight (M*N*K <= 2^16
+        # here) takes OpenBLAS's small-matrix kernel, which sums in another order. The numpy
+        # glue without numba attends over the whole batch at once.
+        self.row_piece_unit = 2 * self._attention_block_rows() if kernels.HAVE_NUMBA else 0
         adapt = adaptive_by_default() if adapt_threads is None else adapt_threads
         self._adapt = adapt and kernels.HAVE_NUMBA and self.ops.threads > 1
         self._decode_threads: dict[range, DecodeThreads] = {}
@@ -224,6 +229,11 @@ class CpuBackend:
         names = [f"blk.{i}.{p}.weight" for i in range(self.config.n_layers) for p in PROJECTIONS]
         types = [tensors[n].qtype for n in names if n in tensors] + [self.weights.output.qtype]
         return all(int(t) in drivers.QUANTIZED_IDS for t in types)
+
+    def _attention_block_rows(self) -> int:
+        from prima.kernels import prefill_attention
+
+        return prefill_attention.BLOCK_ROWS
 
     def _attention_parallel_min(self, threads: int) -> int:
         from prima.kernels import attention_compiled

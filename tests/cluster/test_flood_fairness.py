@@ -1,8 +1,8 @@
 """A member flooding a daemon with the longest micro-batches it accepts does not stop another
-session's generation: the daemon (its own process, a one-node ring on 127.0.0.1) computes the
-flood layer by layer and serves the other session's steps between layers, and the generation
-beside the flood gives the tokens it gives alone. Its time beside the flood and alone are
-measured and printed, never asserted (docs/security.md records them;
+session's generation: the daemon (its own process, a one-node ring on 127.0.0.1) computes each
+layer of the flood in pieces of its rows and serves the other session's steps between pieces,
+and the generation beside the flood gives the tokens it gives alone. Its time beside the flood
+and alone are measured and printed, never asserted (docs/security.md records them;
 `python -m tests.cluster.flood_fairness` measures more)."""
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from prima.daemon.runtime import NodeRuntime
-from prima.daemon.worker import INLINE_MAX_TOKENS
+from prima.daemon.worker import INLINE_MAX_TOKENS, ROW_PIECE_TOKENS
 from prima.engine.local import LocalEngine
 from prima.errors import NodeError
 from prima.forward.loader import LoadedModel
+from prima.forward.row_pieces import piece_rows
 from prima.net.codec import Activation, WireDType
 from prima.net.limits import DaemonLimits
 from prima.net.status import PayloadTooLargeError
@@ -24,9 +25,9 @@ from tests.daemon.conftest import N_LAYERS, embedded, solo_plan
 WAIT_S = 60.0  # for the compute thread to hand a result back, not a timing
 
 
-def _results(runtime: NodeRuntime, session_id: str) -> queue.SimpleQueue[object]:
+def _results(runtime: NodeRuntime, session_id: str, n_ctx: int = 32) -> queue.SimpleQueue[object]:
     """A head-side session waiting for one micro-batch."""
-    runtime.open_session(session_id, runtime.plan.epoch, 32)
+    runtime.open_session(session_id, runtime.plan.epoch, n_ctx)
     session = runtime.need_session(session_id)
     results: queue.SimpleQueue[object] = queue.SimpleQueue()
     session.results = results  # type: ignore[assignment]
@@ -101,6 +102,53 @@ def test_a_long_micro_batch_lets_another_sessions_step_through_between_its_layer
     model = solo_runtime.model
     whole = model.forward_layers(
         model.embed(np.asarray(flood_ids)), np.arange(30), 0, N_LAYERS, model.new_cache(32)
+    )
+    np.testing.assert_array_equal(flood.hidden, whole)
+    np.testing.assert_array_equal(
+        model.output_logits(chat.hidden[-1:])[0], _one_pass_logits(solo_runtime, [5])
+    )
+
+
+class _Noting(queue.SimpleQueue):  # type: ignore[type-arg]
+    """A head's results queue that notes, as its step comes back, how many of another session's
+    positions layer 0 of this node holds."""
+
+    def __init__(self, runtime: NodeRuntime, other: str) -> None:
+        super().__init__()
+        self.runtime, self.other = runtime, other
+        self.layer0: list[int] = []
+
+    def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+        self.layer0.append(self.runtime.need_session(self.other).cache.host.length(0))  # type: ignore[union-attr]
+        super().put(item, block, timeout)
+
+
+def test_a_long_micro_batch_lets_another_sessions_step_through_between_pieces_of_a_layer(
+    solo_runtime: NodeRuntime,
+) -> None:
+    """A long batch gives way within a layer, between pieces of its rows: the other session's
+    step comes back while the batch's first layer holds one piece's keys, not the whole batch;
+    computed in pieces, the batch's rows keep the bits of the whole window in one call."""
+    rows = piece_rows(solo_runtime.model.host.row_piece_unit, ROW_PIECE_TOKENS)
+    n = 2 * rows + rows // 2  # three pieces, the last one and a half pieces long
+    flood_ids = [3 + i % 100 for i in range(n)]
+    flood_results = _results(solo_runtime, "flood", n)
+    _results(solo_runtime, "chat")
+    noting = _Noting(solo_runtime, "flood")
+    solo_runtime.need_session("chat").results = noting  # type: ignore[assignment]
+    layout = solo_runtime.need_layout()
+    worker = solo_runtime.worker
+    with worker._order:  # the compute thread stops before its first piece until both have queued
+        worker.submit(embedded(solo_runtime, "flood", flood_ids), layout, solo_runtime.need_session("flood"))
+        worker.submit(embedded(solo_runtime, "chat", [5]), layout, solo_runtime.need_session("chat"))
+    flood = flood_results.get(timeout=WAIT_S)
+    chat = noting.get(timeout=WAIT_S)
+    assert noting.layer0 == [rows]  # the step waited for one piece of layer 0, not for n rows
+    assert isinstance(flood, Activation)
+    assert isinstance(chat, Activation)
+    model = solo_runtime.model
+    whole = model.forward_layers(
+        model.embed(np.asarray(flood_ids)), np.arange(n), 0, N_LAYERS, model.new_cache(n)
     )
     np.testing.assert_array_equal(flood.hidden, whole)
     np.testing.assert_array_equal(

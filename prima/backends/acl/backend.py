@@ -121,6 +121,7 @@ class AclBackend:
     accelerator = True
     windows_bit_identical = False  # each window is its own compiled graph
     batch_identical_tokens = 1  # each gear is its own compiled graph too
+    row_piece_unit = 0  # and so is each gear's row count
     logit_tolerance = 0.05  # |logit - llama.cpp f32| on the tiny F32 models (fp16 projections)
 
     def __init__(
