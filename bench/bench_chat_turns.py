@@ -20,6 +20,12 @@ over llama.cpp's, and turn N over turn 1. Numbers from a loaded machine say litt
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import contextlib
 import os

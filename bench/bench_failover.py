@@ -8,6 +8,12 @@ each recovery's times and whether the tokens equal the failure-free run's."""
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 from collections.abc import Callable
 

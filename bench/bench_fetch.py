@@ -13,6 +13,12 @@ cache and reused. Timings only mean something on a quiet machine; run it there.
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import json
 import sys

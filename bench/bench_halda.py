@@ -8,6 +8,12 @@ compiles the search (numba, cached on disk), so one untimed solve runs first.
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import statistics
 import time

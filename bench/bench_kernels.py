@@ -6,6 +6,12 @@ In the default q8 mode n <= 4 runs the decode kernels, larger n the int8 GEMM (p
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import time
 

@@ -12,6 +12,12 @@ afresh into a temporary cache. Aim: measured/predicted within 25%.
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import dataclasses
 import os

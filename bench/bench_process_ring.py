@@ -11,6 +11,12 @@ beside the ring's own cost; compare the former with this."""
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import itertools
 import multiprocessing

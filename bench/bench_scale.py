@@ -14,6 +14,12 @@ Needs root and cgroups v1 (memory, blkio); elsewhere it says why and exits. The 
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import json
 import os

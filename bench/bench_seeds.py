@@ -30,6 +30,12 @@ Needs root and cgroups v1 (memory, blkio). Numbers from a loaded machine say lit
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import json
 import socket

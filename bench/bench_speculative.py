@@ -25,6 +25,12 @@ both runs must give the same tokens (checked). Run it on a quiet machine."""
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import argparse
 import contextlib
 import platform

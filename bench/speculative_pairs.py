@@ -16,6 +16,12 @@ Both files are written once into a cache directory and reused.
 
 from __future__ import annotations
 
+# Thread pools set up before numpy loads (prima.startup): a BLAS with threads of its own would
+# contend with prima's prefill threads, which no user of the CLI sees.
+import prima.startup  # noqa: F401
+
+# isort: split
+
 import os
 from pathlib import Path
 
