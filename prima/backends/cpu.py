@@ -13,6 +13,7 @@ is the most a step uses, and a machine whose other processes keep a core busy ge
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from prima.backends.cpu_decode import FusedBlock
 
 log = logging.getLogger("prima.backends")
+
+# The fewest rows a row piece may have (see CpuOps.row_piece_unit).
+ROW_PIECE_MIN_ROWS = 64
 
 
 class CpuOps:
@@ -116,11 +120,13 @@ class CpuBackend:
         # The fused kernels compute each row as a pass of that row alone would; the int8 GEMM and
         # BLAS tiles (longer batches, float weights) do it in another order.
         self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
-        # Pieces of two attention blocks keep a batch's bits (prima.forward.row_pieces): one
-        # block would too, but a product of so few rows by a tiny model's weight (M*N*K <= 2^16
+        # Pieces of whole attention blocks keep a batch's bits (prima.forward.row_pieces), and
+        # of 64 rows or more: a product of fewer rows by a tiny model's weight (M*N*K <= 2^16
         # here) takes OpenBLAS's small-matrix kernel, which sums in another order. The numpy
         # glue without numba attends over the whole batch at once.
-        self.row_piece_unit = 2 * self._attention_block_rows() if kernels.HAVE_NUMBA else 0
+        self.row_piece_unit = (
+            math.lcm(ROW_PIECE_MIN_ROWS, self._attention_block_rows()) if kernels.HAVE_NUMBA else 0
+        )
         adapt = adaptive_by_default() if adapt_threads is None else adapt_threads
         self._adapt = adapt and kernels.HAVE_NUMBA and self.ops.threads > 1
         self._decode_threads: dict[range, DecodeThreads] = {}

@@ -10,7 +10,7 @@ depends on the rows computed beside it in three ways, and pieces are cut to avoi
 - BLAS computes rows in register blocks of up to 16 and the int8 GEMM packs rows in groups of 8
   or 16, each cut from the batch's first row: a row at another offset in a block takes a
   narrower micro-kernel and sums in another order;
-- attention runs in blocks of 32 query rows (prefill_attention.BLOCK_ROWS), each over the
+- attention runs in blocks of 16 query rows (prefill_attention.BLOCK_ROWS), each over the
   keys its rows see, and a block's key count sets the length of its sums;
 - OpenBLAS multiplies small products (M*N*K up to 2^16 on x86-64 Haswell) with a kernel of their
   own: a piece of 32 rows by a tiny model's 32 x 64 weight took it, the whole batch did not.

@@ -21,11 +21,12 @@ from prima.kernels.lanes import exp_f32, half_to_f32, pairwise_sum32, round_to_h
 from prima.kernels.matmul import prefill_map
 
 # Query rows per block: a block's scores (heads x rows x keys) and their temporaries are the
-# largest arrays of a prefill's first layer, which sets how far the heap grows. Blocks are cut
+# largest arrays of a prefill's first layer, which sets how far the heap grows, and a chat turn's
+# hundred rows split evenly between two threads only in small blocks. Blocks are cut
 # from the batch's first row whatever the thread count, and each reads only the keys its own rows
 # can see, so a row's bits depend on its block alone: a batch cut into pieces of whole blocks
 # attends as the batch does (prima.forward.row_pieces).
-BLOCK_ROWS = 32
+BLOCK_ROWS = 16
 _LANES = 32  # float32 lanes of a row sum, a fixed order that vectorizes
 
 
