@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
+from prima.kernels.drivers import CHUNK_ROWS
 from prima.kernels.lanes import bits_f32, half_to_f32, lane_sum, stack_f32
 
 BF16_LANES = 32  # float32 accumulators of one bfloat16 row dot
-CHUNK_ROWS = 16  # weight rows per parallel work item (as drivers.CHUNK_ROWS)
 
 
 @njit(cache=True, inline="always")
