@@ -71,39 +71,44 @@ def matvec(
                 dispatch.dot(fmt, c[r - rab], x, lut, out, r)
 
 
-F16_LANES = 32  # float32 accumulators of one float16 row dot
+HALF_LANES = 32  # float32 accumulators of one row dot over 16-bit float weights
 
 
-@njit(cache=True, inline="always")
-def _f16_row_dot(w: np.ndarray, xk: np.ndarray) -> np.float32:
-    """sum_j xk[j] * w[j] for one row of float16 weights held as uint16, each widened exactly
-    (lanes.half_to_f32), summed in F16_LANES float32 lanes (vectorizes without reassociating one
-    scalar sum)."""
-    acc = carray(stack_f32(F16_LANES), F16_LANES)
-    for j in range(F16_LANES):
-        acc[j] = 0.0
-    n = xk.shape[0]
-    full = n - n % F16_LANES
-    for b in range(0, full, F16_LANES):
-        for j in range(F16_LANES):
-            acc[j] += xk[b + j] * half_to_f32(w[b + j])
-    s = lane_sum(acc)
-    for j in range(full, n):
-        s += xk[j] * half_to_f32(w[j])
-    return s
+def half_matvec(widen):
+    """out (n, rows) = x @ A.T for 16-bit float weights A viewed as uint16 (rows, cols), a few
+    rows of x, each weight widened exactly by `widen` (bits -> float32): the weights are read
+    once, as stored, instead of widened to a float32 copy every token (dequantized tiles + BLAS
+    took ~10x as long as float32 weights at decode). Each row dot sums in HALF_LANES float32
+    lanes, which vectorizes without reassociating one scalar sum. Returns the kernel uncompiled."""
+
+    @njit(inline="always")
+    def row_dot(w, xk):
+        acc = carray(stack_f32(HALF_LANES), HALF_LANES)
+        for j in range(HALF_LANES):
+            acc[j] = 0.0
+        n = xk.shape[0]
+        full = n - n % HALF_LANES
+        for b in range(0, full, HALF_LANES):
+            for j in range(HALF_LANES):
+                acc[j] += xk[b + j] * widen(w[b + j])
+        s = lane_sum(acc)
+        for j in range(full, n):
+            s += xk[j] * widen(w[j])
+        return s
+
+    def matvec(a, x, out):
+        rows = a.shape[0]
+        n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
+        for ch in prange(n_chunks):
+            for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
+                for k in range(x.shape[0]):
+                    out[k, r] = row_dot(a[r], x[k])
+
+    return matvec
 
 
-@njit(parallel=True, cache=True)
-def matvec_f16(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out (n, rows) = x @ A.T for float16 weights A viewed as uint16 (rows, cols), a few rows of
-    x: the weights are read once, as stored, instead of widened to a float32 copy every token
-    (dequantized tiles + BLAS took ~10x as long as float32 weights at decode)."""
-    rows = a.shape[0]
-    n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
-    for ch in prange(n_chunks):
-        for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
-            for k in range(x.shape[0]):
-                out[k, r] = _f16_row_dot(a[r], x[k])
+# float16 weights (lanes.half_to_f32: the CPU's conversion where it has one).
+matvec_f16 = njit(parallel=True, cache=True)(half_matvec(half_to_f32))
 
 
 @njit(parallel=True, cache=True)

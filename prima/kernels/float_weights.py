@@ -9,18 +9,16 @@ A prefill multiplies float32 tiles by BLAS, so each tile is widened first: numpy
 from float16 does not use the CPU's instruction and takes longer than the product it feeds, and
 its BF16 shift takes two passes and a uint32 temporary. The tile functions hold no GIL, so the
 prefill threads widen their tiles at once. matvec_bf16 is drivers.matvec_f16 for bfloat16:
-decode reads each weight once, as stored, instead of widening a float32 copy every token.
+decode reads each weight once, as stored (drivers.half_matvec).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit, prange
+from numba import njit
 
-from prima.kernels.drivers import CHUNK_ROWS
-from prima.kernels.lanes import bits_f32, half_to_f32, lane_sum, stack_f32
-
-BF16_LANES = 32  # float32 accumulators of one bfloat16 row dot
+from prima.kernels.drivers import half_matvec
+from prima.kernels.lanes import bits_f32, half_to_f32
 
 
 @njit(cache=True, inline="always")
@@ -49,30 +47,4 @@ def widen_bf16_tile(a: np.ndarray, start: int, out: np.ndarray) -> None:
             dst[j] = bf16_to_f32(src[j])
 
 
-@njit(cache=True, inline="always")
-def _bf16_row_dot(w: np.ndarray, xk: np.ndarray) -> np.float32:
-    """sum_j xk[j] * w[j] over one row of bfloat16 bits, in BF16_LANES float32 lanes (a fixed
-    order that vectorizes)."""
-    acc = carray(stack_f32(BF16_LANES), BF16_LANES)
-    for j in range(BF16_LANES):
-        acc[j] = 0.0
-    n = xk.shape[0]
-    full = n - n % BF16_LANES
-    for b in range(0, full, BF16_LANES):
-        for j in range(BF16_LANES):
-            acc[j] += xk[b + j] * bf16_to_f32(w[b + j])
-    s = lane_sum(acc)
-    for j in range(full, n):
-        s += xk[j] * bf16_to_f32(w[j])
-    return s
-
-
-@njit(parallel=True, cache=True)
-def matvec_bf16(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out (n, rows) = x @ A.T for bfloat16 weights A viewed as uint16 (rows, cols)."""
-    rows = a.shape[0]
-    n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
-    for ch in prange(n_chunks):
-        for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
-            for k in range(x.shape[0]):
-                out[k, r] = _bf16_row_dot(a[r], x[k])
+matvec_bf16 = njit(parallel=True, cache=True)(half_matvec(bf16_to_f32))
