@@ -117,9 +117,9 @@ class CpuBackend:
         self.mode = mode
         # Blocks of up to this many tokens run as one compiled call; 0 turns the fast path off.
         self.fused_max_tokens = kernels.FUSED_MAX_N if kernels.HAVE_NUMBA else 0
-        # The fused kernels compute each row as a pass of that row alone would; the int8 GEMM and
-        # BLAS tiles (longer batches, float weights) do it in another order.
-        self.batch_identical_tokens = self.fused_max_tokens if self._all_fused() else 1
+        # The decode kernels of quantized and float weights compute each row as a pass of that
+        # row alone would; the int8 GEMM and BLAS tiles (longer batches) do it in another order.
+        self.batch_identical_tokens = self.fused_max_tokens if self._rows_computed_alone() else 1
         # Pieces of whole attention blocks keep a batch's bits (prima.forward.row_pieces), and
         # of 64 rows or more: a product of fewer rows by a tiny model's weight (M*N*K <= 2^16
         # here) takes OpenBLAS's small-matrix kernel, which sums in another order. The numpy
@@ -223,9 +223,10 @@ class CpuBackend:
     def matmul(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         return self.ops.matmul(w, x)
 
-    def _all_fused(self) -> bool:
-        """Whether every projection of every layer and the output head has a fused kernel
-        (read from the tensor types alone: no layer need be loaded, or even present)."""
+    def _rows_computed_alone(self) -> bool:
+        """Whether every projection of every layer and the output head has a decode kernel that
+        computes each row of a few as that row alone (read from the tensor types alone: no layer
+        need be loaded, or even present)."""
         if not self.fused_max_tokens:  # no numba: nothing is fused (and its modules do not load)
             return False
         from prima.backends.cpu_decode import PROJECTIONS
@@ -234,7 +235,7 @@ class CpuBackend:
         tensors = self.weights.gguf.tensors
         names = [f"blk.{i}.{p}.weight" for i in range(self.config.n_layers) for p in PROJECTIONS]
         types = [tensors[n].qtype for n in names if n in tensors] + [self.weights.output.qtype]
-        return all(int(t) in drivers.QUANTIZED_IDS for t in types)
+        return all(int(t) in drivers.QUANTIZED_IDS or t in kernels.FLOAT_ROW_QTYPES for t in types)
 
     def _attention_block_rows(self) -> int:
         from prima.kernels import prefill_attention

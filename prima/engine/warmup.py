@@ -227,12 +227,19 @@ def _other_activations() -> None:
         for activation in ("gelu", "silu"):
             ops_compiled.glu(gate_up, 4, activation)
             ops_compiled.glu_in_place(gate_up.copy(), 4, activation)
-    # float16 weights at decode (read-only, as mapped from a GGUF)
-    from prima.kernels import drivers
+    # float16, bfloat16 and float32 weights at decode (read-only, as mapped from a GGUF)
+    from prima.kernels import drivers, float_weights
 
     halves = np.zeros((2, 32), dtype=np.uint16)
     halves.flags.writeable = False
-    drivers.matvec_f16(halves, np.zeros((1, 32), dtype=np.float32), np.empty((1, 2), dtype=np.float32))
+    singles = np.zeros((2, 64), dtype=np.uint32)
+    singles.flags.writeable = False
+    for matvec, w in (
+        (drivers.matvec_f16, halves),
+        (float_weights.matvec_bf16, halves),
+        (drivers.matvec_f32, singles),
+    ):
+        matvec(w, np.zeros((1, w.shape[1]), dtype=np.float32), np.empty((1, 2), dtype=np.float32))
 
 
 def _print_progress(done: int, total: int, what: str) -> None:

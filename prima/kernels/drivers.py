@@ -23,7 +23,7 @@ from numba import carray, njit, prange
 from prima.kernels import dispatch
 from prima.kernels import int8_dots as i8
 from prima.kernels import int8_gemm as g8
-from prima.kernels.lanes import half_to_f32, lane_sum, stack_f32
+from prima.kernels.lanes import bits_f32, half_to_f32, stack_f32
 
 # What callers check before a launch: formats with kernels, and those with int8 ones.
 QUANTIZED_IDS = dispatch.QUANTIZED_IDS
@@ -72,43 +72,86 @@ def matvec(
 
 
 HALF_LANES = 32  # float32 accumulators of one row dot over 16-bit float weights
+# ... and over float32 weights: at 32, LLVM unrolls a row's lanes into scalars it does not
+# vectorize again (at 64 it keeps the loop and vectorizes it).
+F32_LANES = 64
 
 
-def half_matvec(widen):
-    """out (n, rows) = x @ A.T for 16-bit float weights A viewed as uint16 (rows, cols), a few
-    rows of x, each weight widened exactly by `widen` (bits -> float32): the weights are read
-    once, as stored, instead of widened to a float32 copy every token (dequantized tiles + BLAS
-    took ~10x as long as float32 weights at decode). Each row dot sums in HALF_LANES float32
-    lanes, which vectorizes without reassociating one scalar sum. Returns the kernel uncompiled."""
+@njit(inline="always")
+def pairwise_sum(acc: np.ndarray, start: int, lanes: int) -> np.float32:
+    """The sum of acc[start : start + lanes] (lanes a power of two), halves added lane by lane
+    until one is left: vector adds where a scalar chain of `lanes` adds would cost more than
+    the product of a short row."""
+    half = lanes // 2
+    while half >= 1:
+        for j in range(half):
+            acc[start + j] += acc[start + j + half]
+        half //= 2
+    return acc[start]
+
+
+def row_group(widen, rows: int, lanes: int):
+    """A kernel for `rows` rows of x (x[k : k + rows]) against one weight row w: each weight is
+    widened once for all of them, and each row sums in its own `lanes` float32 lanes in the
+    order one row alone uses, so a row's bits do not depend on the rows beside it (speculative
+    decoding checks its drafts in such groups). The lanes vectorize without reassociating a
+    scalar sum."""
+    size = lanes * rows
 
     @njit(inline="always")
-    def row_dot(w, xk):
-        acc = carray(stack_f32(HALF_LANES), HALF_LANES)
-        for j in range(HALF_LANES):
-            acc[j] = 0.0
-        n = xk.shape[0]
-        full = n - n % HALF_LANES
-        for b in range(0, full, HALF_LANES):
-            for j in range(HALF_LANES):
-                acc[j] += xk[b + j] * widen(w[b + j])
-        s = lane_sum(acc)
-        for j in range(full, n):
-            s += xk[j] * widen(w[j])
-        return s
+    def group_dot(w, x, k, out, r):
+        acc = carray(stack_f32(size), size)
+        for i in range(size):
+            acc[i] = 0.0
+        n = w.shape[0]
+        full = n - n % lanes
+        for b in range(0, full, lanes):
+            for j in range(lanes):
+                wj = widen(w[b + j])
+                for i in range(rows):
+                    acc[i * lanes + j] += x[k + i, b + j] * wj
+        for i in range(rows):
+            s = pairwise_sum(acc, i * lanes, lanes)
+            for j in range(full, n):
+                s += x[k + i, j] * widen(w[j])
+            out[k + i, r] = s
+
+    return group_dot
+
+
+def float_matvec(widen, lanes: int = HALF_LANES):
+    """out (n, rows) = x @ A.T for float weights A (rows, cols) viewed as unsigned integers of
+    their width, a few rows of x, each weight widened exactly by `widen` (bits -> float32): the
+    weights are read once, as stored (16-bit ones were widened to a float32 copy every token
+    before, ~10x as long). The rows of x go through in groups of four, then two, then one
+    (row_group): every row has the bits it has alone. Returns the kernel uncompiled."""
+    four = row_group(widen, 4, lanes)
+    two = row_group(widen, 2, lanes)
+    one = row_group(widen, 1, lanes)
 
     def matvec(a, x, out):
         rows = a.shape[0]
+        n = x.shape[0]
         n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
         for ch in prange(n_chunks):
             for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
-                for k in range(x.shape[0]):
-                    out[k, r] = row_dot(a[r], x[k])
+                k = 0
+                while k + 4 <= n:
+                    four(a[r], x, k, out, r)
+                    k += 4
+                if k + 2 <= n:
+                    two(a[r], x, k, out, r)
+                    k += 2
+                if k < n:
+                    one(a[r], x, k, out, r)
 
     return matvec
 
 
 # float16 weights (lanes.half_to_f32: the CPU's conversion where it has one).
-matvec_f16 = njit(parallel=True, cache=True)(half_matvec(half_to_f32))
+matvec_f16 = njit(parallel=True, cache=True)(float_matvec(half_to_f32))
+# float32 weights as their bits (lanes.bits_f32).
+matvec_f32 = njit(parallel=True, cache=True)(float_matvec(bits_f32, F32_LANES))
 
 
 @njit(parallel=True, cache=True)

@@ -9,7 +9,7 @@ A prefill multiplies float32 tiles by BLAS, so each tile is widened first: numpy
 from float16 does not use the CPU's instruction and takes longer than the product it feeds, and
 its BF16 shift takes two passes and a uint32 temporary. The tile functions hold no GIL, so the
 prefill threads widen their tiles at once. matvec_bf16 is drivers.matvec_f16 for bfloat16:
-decode reads each weight once, as stored (drivers.half_matvec).
+decode reads each weight once, as stored (drivers.float_matvec).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from prima.kernels.drivers import half_matvec
+from prima.kernels.drivers import float_matvec
 from prima.kernels.lanes import bits_f32, half_to_f32
 
 
@@ -47,4 +47,4 @@ def widen_bf16_tile(a: np.ndarray, start: int, out: np.ndarray) -> None:
             dst[j] = bf16_to_f32(src[j])
 
 
-matvec_bf16 = njit(parallel=True, cache=True)(half_matvec(bf16_to_f32))
+matvec_bf16 = njit(parallel=True, cache=True)(float_matvec(bf16_to_f32))

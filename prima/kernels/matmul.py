@@ -28,7 +28,9 @@ except ImportError:  # numba is optional at runtime: fall back to gguf-py + BLAS
     HAVE_NUMBA = False
 
 Q = GGMLQuantizationType
-HALF_QTYPES = (Q.F16, Q.BF16)  # read as stored at decode (drivers.matvec_f16, float_weights)
+# Float weights read as stored at decode by row-group kernels (drivers.float_matvec), whose
+# rows have the bits of a row alone, as BLAS's do not (it picks another kernel for 4 rows).
+FLOAT_ROW_QTYPES = (Q.F32, Q.F16, Q.BF16)
 
 # Up to this many activation rows the fused per-row kernels run; above, the int8 GEMM (int8 mode)
 # or dequantized tiles + BLAS.
@@ -112,13 +114,16 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x @ dequantize(W).T, into `out` (n, rows) when given (it may be a column slice)."""
-    if w.qtype == Q.F32:
+    few = x.shape[0] <= FUSED_MAX_N
+    if w.qtype == Q.F32 and not (HAVE_NUMBA and few):
         return np.matmul(x, w.raw.view(np.float32).T, out=out)
     if not HAVE_NUMBA:
         return _tiled_matmul(w, x, _reference_tile, out)
-    if x.shape[0] <= FUSED_MAX_N and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype in HALF_QTYPES):
+    if few and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype in FLOAT_ROW_QTYPES):
         rows = np.empty((x.shape[0], w.rows), dtype=np.float32)  # the kernel's own C layout
-        if w.qtype == Q.F16:
+        if w.qtype == Q.F32:
+            drivers.matvec_f32(w.raw.view(np.uint32), x, rows)
+        elif w.qtype == Q.F16:
             drivers.matvec_f16(w.raw.view(np.uint16), x, rows)
         elif w.qtype == Q.BF16:
             float_weights.matvec_bf16(w.raw.view(np.uint16), x, rows)

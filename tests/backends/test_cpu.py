@@ -21,6 +21,7 @@ from prima.model.files import open_model
 from prima.model.weights import ModelWeights
 from tests.conftest import tiny_model_path
 from tests.kernels.weights import random_qtensor, reference, relative_error
+from tests.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +80,20 @@ def test_the_backends_matmul_runs_in_its_mode(weights: ModelWeights) -> None:
     assert not np.array_equal(q8, exact)
 
 
-def test_batches_keep_single_token_bits_only_on_fused_kernels(
-    weights: ModelWeights, smollm2_path: Path
+def test_batches_keep_single_token_bits_on_every_weight_type(
+    weights: ModelWeights, smollm2_path: Path, tmp_path: Path
 ) -> None:
-    """Quantized projections and head: up to FUSED_MAX_N rows computed independently (speculative
-    decoding checks drafts in such batches; tests/engine/test_speculative.py holds it to it).
-    F32 weights go through BLAS tiles, which promise nothing per row."""
-    assert CpuBackend(weights).batch_identical_tokens == 1
+    """Quantized and float projections and head: up to FUSED_MAX_N rows computed independently
+    (speculative decoding checks drafts in such batches; tests/engine/test_speculative.py holds
+    it to it)."""
+    f32 = CpuBackend(weights)
+    assert f32.batch_identical_tokens == f32.fused_max_tokens > 1
     quantized = CpuBackend(open_model(smollm2_path).weights)
     assert quantized.batch_identical_tokens == quantized.fused_max_tokens > 1
+    for qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        path = write_tiny_model(tmp_path / f"{qtype.name}.gguf", qtype=qtype)
+        halves = CpuBackend(open_model(path).weights)
+        assert halves.batch_identical_tokens == halves.fused_max_tokens > 1, qtype.name
 
 
 class _KeepingWeakRefs:

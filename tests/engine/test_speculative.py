@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from prima.engine.generate import GenerateRequest, GenerationDone, sample_tokens
 from prima.engine.local import LocalEngine
@@ -22,6 +23,7 @@ from prima.engine.speculative import MAX_DRAFT_TOKENS, DraftConfig, DraftLength,
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel, load_model
 from tests.conftest import ORACLE_TAGS, load_oracle, load_tiny_oracle, tiny_model_path
+from tests.tiny_models import write_tiny_model
 from tests.tiny_qwen import TINY_TAGS
 
 LOOKUP = DraftConfig("lookup", 3)
@@ -185,3 +187,22 @@ def test_rows_of_a_verified_batch_equal_tokens_run_alone(smollm2_path: Path) -> 
     np.testing.assert_array_equal(batched.forward_all(ids[-6:]), rows)
     batched.rewind(len(ids) - 4)  # drop the last four, check them again
     np.testing.assert_array_equal(batched.forward_all(ids[-4:]), rows[-4:])
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_rows_of_a_verified_batch_equal_tokens_run_alone_with_half_weights(
+    qtype: str, tmp_path: Path
+) -> None:
+    """The same promise for 16-bit float weights, which check drafts in batches too."""
+    path = write_tiny_model(tmp_path / f"{qtype}.gguf", qtype=GGMLQuantizationType[qtype], n_layers=3)
+    model = load_model(str(path), mode="q8").model
+    assert model.backend.batch_identical_tokens > 1
+    ids = [5, 9, 2, 14, 7, 30, 11, 3, 21, 8]
+    alone = LocalEngine(model, n_ctx=64)
+    alone.forward(ids[:-4])
+    rows = np.stack([alone.forward([t]) for t in ids[-4:]])
+    batched = LocalEngine(model, n_ctx=64)
+    batched.forward(ids[:-4])
+    np.testing.assert_array_equal(batched.forward_all(ids[-4:]).view(np.uint32), rows.view(np.uint32))
+    batched.rewind(len(ids) - 3)  # drop the last three, check them again
+    np.testing.assert_array_equal(batched.forward_all(ids[-3:]).view(np.uint32), rows[-3:].view(np.uint32))

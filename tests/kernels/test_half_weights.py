@@ -1,5 +1,6 @@
-"""float16 weights at decode: widened exactly from their bits, read as stored (no float32 copy
-per token), and the product equal to numpy's on the same halves."""
+"""Float weights at decode: float16 widened exactly from their bits, every width read as stored
+(no float32 copy per token), each row of a group with the bits it has alone, and the product
+equal to numpy's on the same values."""
 
 from __future__ import annotations
 
@@ -62,3 +63,43 @@ def test_decode_rows_run_the_half_kernel_not_tiles(monkeypatch: pytest.MonkeyPat
     matmul.matmul(w, np.ones((2, 64), dtype=np.float32))
     matmul.matmul(w, np.ones((matmul.FUSED_MAX_N + 1, 64), dtype=np.float32))
     assert calls == [2]
+
+
+@pytest.mark.parametrize("kernel", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("cols", [576, 100])  # a multiple of the lanes, and a tail
+def test_each_row_of_a_group_has_the_bits_of_that_row_alone(kernel: str, cols: int) -> None:
+    """Rows go through in groups of 4, 2 and 1 sharing each widened weight; speculative decoding
+    relies on a row's bits not depending on how many rows came with it."""
+    from prima.kernels import float_weights
+
+    rng = np.random.default_rng(cols)
+    weights = rng.standard_normal((37, cols))
+    if kernel == "f32":
+        matvec, bits = drivers.matvec_f32, weights.astype(np.float32).view(np.uint32)
+    else:
+        matvec = drivers.matvec_f16 if kernel == "f16" else float_weights.matvec_bf16
+        bits = weights.astype(np.float16).view(np.uint16)
+    # Values of very different sizes: a sum in another order would round differently.
+    x = (rng.standard_normal((7, cols)) * 10.0 ** rng.integers(-3, 4, (7, cols))).astype(np.float32)
+    alone = np.empty((7, 37), dtype=np.float32)
+    for k in range(7):
+        matvec(bits, x[k : k + 1], alone[k : k + 1])
+    for n in range(2, 8):
+        together = np.empty((n, 37), dtype=np.float32)
+        matvec(bits, x[:n], together)
+        np.testing.assert_array_equal(
+            together.view(np.uint32), alone[:n].view(np.uint32), err_msg=f"{n} rows"
+        )
+
+
+@pytest.mark.parametrize("cols", [576, 100])
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_decode_product_of_float32_weights_is_numpys(cols: int, n: int) -> None:
+    """float32 weights at decode run drivers.matvec_f32 (BLAS promises nothing per row)."""
+    w = np.random.default_rng(cols + n).standard_normal((70, cols)).astype(np.float32)
+    raw = w.view(np.uint8).reshape(70, 4 * cols).copy()
+    raw.flags.writeable = False
+    tensor = QTensor("blk.0.ffn_up.weight", GGMLQuantizationType.F32, (70, cols), raw)
+    x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+    got = matmul.matmul(tensor, x)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-4)
