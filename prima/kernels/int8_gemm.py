@@ -242,80 +242,100 @@ def _gemm_step(split: bool, run: int):
     @intrinsic
     def step(typingctx, acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, s0, s1, m0, m1):
         def codegen(context, builder, sig, args):
-            a = sig.args
-            i32x8 = ir.VectorType(_I32, GROUP)
-            i8x32 = ir.VectorType(_I8, STEP_BYTES)
-            f32x8 = ir.VectorType(_F32, GROUP)
-            uo = _i64(builder, args[3], a[3])
-            xo = _i64(builder, args[5], a[5])
-            u4s = []
-            xvs = []
-            for t in range(STEPS_PER_BLOCK):
-                off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
-                u4s.append(builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1))
-                off_x = builder.add(xo, ir.Constant(xo.type, STEP_BYTES * t))
-                xvs.append(builder.load(_ptr(context, builder, a[4], args[4], off_x, i8x32), align=1))
-            if PMADDUBSW:
-                if split:
-                    half = STEPS_PER_BLOCK // 2
-                    sums = [
-                        _steps_avx2(builder, u4s[:half], xvs[:half], run),
-                        _steps_avx2(builder, u4s[half:], xvs[half:], run),
-                    ]
-                else:
-                    sums = [_steps_avx2(builder, u4s, xvs, run)]
-            else:
-                # Four chains of two steps (two per half), so consecutive steps do not wait on
-                # each other.
-                chains = []
-                for c in range(4):
-                    part = ir.Constant(i32x8, [0] * GROUP)
-                    for s in range(2):
-                        part = _dot4(builder, part, u4s[2 * c + s], xvs[2 * c + s])
-                    chains.append(part)
-                if split:
-                    sums = [builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3])]
-                else:
-                    sums = [builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))]
-            xdo = builder.mul(_i64(builder, args[7], a[7]), ir.Constant(ir.IntType(64), 4))
-            xd = builder.load(_ptr(context, builder, a[6], args[6], xdo, f32x8), align=4)
-            xso = builder.mul(_i64(builder, args[9], a[9]), ir.Constant(ir.IntType(64), 4))
-            xs0 = builder.load(_ptr(context, builder, a[8], args[8], xso, f32x8), align=4)
-            xso1 = builder.add(xso, ir.Constant(ir.IntType(64), 4 * GROUP))
-            xs1 = builder.load(_ptr(context, builder, a[8], args[8], xso1, f32x8), align=4)
-            fmuladd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(f32x8, [f32x8, f32x8, f32x8]), f"llvm.fmuladd.v{GROUP}f32"
-            )
-            scales = [args[10], args[11]]
-            offsets = [args[12], args[13]]
-            if run == WIDE:
-                # The signed steps summed q = u - 128: the offset takes the 128 u's had back.
-                c128 = ir.Constant(_F32, 128.0)
-                offsets = [
-                    builder.call(_fmuladd_f32(builder), [c128, s, m])
-                    for s, m in zip(scales, offsets, strict=True)
-                ]
-            accp = builder.bitcast(args[0], f32x8.as_pointer())
-            accmp = builder.bitcast(args[1], f32x8.as_pointer())
-            v = builder.load(accp, align=4)
-            m = builder.load(accmp, align=4)
-            if split:
-                for h in range(2):
-                    scale = builder.fmul(_splat_f(builder, scales[h]), xd)
-                    v = builder.call(fmuladd, [builder.sitofp(sums[h], f32x8), scale, v])
-                m = builder.call(fmuladd, [_splat_f(builder, offsets[0]), xs0, m])
-                m = builder.call(fmuladd, [_splat_f(builder, offsets[1]), xs1, m])
-            else:
-                scale = builder.fmul(_splat_f(builder, scales[0]), xd)
-                v = builder.call(fmuladd, [builder.sitofp(sums[0], f32x8), scale, v])
-                m = builder.call(fmuladd, [_splat_f(builder, offsets[0]), builder.fadd(xs0, xs1), m])
-            builder.store(v, accp, align=4)
-            builder.store(m, accmp, align=4)
+            u4s, xvs = _block_steps(context, builder, sig.args, args)
+            sums = _block_sums(builder, u4s, xvs, split, run)
+            xd, xs0, xs1 = _activation_scales(context, builder, sig.args, args)
+            _accumulate(builder, args, sums, xd, xs0, xs1, split, run)
 
         f32 = types.float32
         return types.void(acc, accm, u, uo, xt, xo, xdt, xdo, xst, xso, f32, f32, f32, f32), codegen
 
     return step
+
+
+def _block_steps(context, builder, a, args):
+    """gemm_step's block as STEPS_PER_BLOCK steps: per step 4 weight bytes (one i32, from byte
+    uo + 4 t of u) and STEP_BYTES activation bytes (from byte xo + STEP_BYTES t of xt)."""
+    i8xs = ir.VectorType(_I8, STEP_BYTES)
+    uo = _i64(builder, args[3], a[3])
+    xo = _i64(builder, args[5], a[5])
+    u4s = []
+    xvs = []
+    for t in range(STEPS_PER_BLOCK):
+        off_u = builder.add(uo, ir.Constant(uo.type, 4 * t))
+        u4s.append(builder.load(_ptr(context, builder, a[2], args[2], off_u, _I32), align=1))
+        off_x = builder.add(xo, ir.Constant(xo.type, STEP_BYTES * t))
+        xvs.append(builder.load(_ptr(context, builder, a[4], args[4], off_x, i8xs), align=1))
+    return u4s, xvs
+
+
+def _block_sums(builder, u4s, xvs, split: bool, run: int):
+    """The block's integer dots, <GROUP x i32> each: one per half (split) or one for the block."""
+    if PMADDUBSW:
+        if split:
+            half = STEPS_PER_BLOCK // 2
+            return [
+                _steps_avx2(builder, u4s[:half], xvs[:half], run),
+                _steps_avx2(builder, u4s[half:], xvs[half:], run),
+            ]
+        return [_steps_avx2(builder, u4s, xvs, run)]
+    # Four chains of two steps (two per half), so consecutive steps do not wait on each other.
+    chains = []
+    for c in range(4):
+        part = ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP)
+        for s in range(2):
+            part = _dot4(builder, part, u4s[2 * c + s], xvs[2 * c + s])
+        chains.append(part)
+    if split:
+        return [builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3])]
+    return [builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))]
+
+
+def _activation_scales(context, builder, a, args):
+    """The packed group's xd and its two half sums xs0, xs1 for the block (GROUP float lanes
+    each, at elements xdo of xdt and xso of xst)."""
+    f32xg = ir.VectorType(_F32, GROUP)
+    i64 = ir.IntType(64)
+    xdo = builder.mul(_i64(builder, args[7], a[7]), ir.Constant(i64, 4))
+    xd = builder.load(_ptr(context, builder, a[6], args[6], xdo, f32xg), align=4)
+    xso = builder.mul(_i64(builder, args[9], a[9]), ir.Constant(i64, 4))
+    xs0 = builder.load(_ptr(context, builder, a[8], args[8], xso, f32xg), align=4)
+    xso1 = builder.add(xso, ir.Constant(i64, 4 * GROUP))
+    xs1 = builder.load(_ptr(context, builder, a[8], args[8], xso1, f32xg), align=4)
+    return xd, xs0, xs1
+
+
+def _accumulate(builder, args, sums, xd, xs0, xs1, split: bool, run: int) -> None:
+    """acc += each sum times its scale times xd; accm += each offset times its half sum (one
+    product of the shared offset and both halves' sum where the halves share their map)."""
+    f32xg = ir.VectorType(_F32, GROUP)
+    fmuladd = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(f32xg, [f32xg, f32xg, f32xg]), f"llvm.fmuladd.v{GROUP}f32"
+    )
+    scales = [args[10], args[11]]
+    offsets = [args[12], args[13]]
+    if run == WIDE:
+        # The signed steps summed q = u - 128: the offset takes the 128 u's had back.
+        c128 = ir.Constant(_F32, 128.0)
+        offsets = [
+            builder.call(_fmuladd_f32(builder), [c128, s, m]) for s, m in zip(scales, offsets, strict=True)
+        ]
+    accp = builder.bitcast(args[0], f32xg.as_pointer())
+    accmp = builder.bitcast(args[1], f32xg.as_pointer())
+    v = builder.load(accp, align=4)
+    m = builder.load(accmp, align=4)
+    if split:
+        for h in range(2):
+            scale = builder.fmul(_splat_f(builder, scales[h]), xd)
+            v = builder.call(fmuladd, [builder.sitofp(sums[h], f32xg), scale, v])
+        m = builder.call(fmuladd, [_splat_f(builder, offsets[0]), xs0, m])
+        m = builder.call(fmuladd, [_splat_f(builder, offsets[1]), xs1, m])
+    else:
+        scale = builder.fmul(_splat_f(builder, scales[0]), xd)
+        v = builder.call(fmuladd, [builder.sitofp(sums[0], f32xg), scale, v])
+        m = builder.call(fmuladd, [_splat_f(builder, offsets[0]), builder.fadd(xs0, xs1), m])
+    builder.store(v, accp, align=4)
+    builder.store(m, accmp, align=4)
 
 
 def _fmuladd_f32(builder):

@@ -96,13 +96,124 @@ def affine_rows(layout: Layout, block_dot):
     allocate them."""
     if layout.elements != QK8:
         raise ValueError(f"{layout.qtype.name} blocks hold {layout.elements} elements, not {QK8}")
-    d_at, m_at, size = layout.offset("d"), layout.offset("m"), layout.nbytes
-    if m_at != d_at + 2:
+    if layout.offset("m") != layout.offset("d") + 2:
         raise ValueError(f"{layout.qtype.name}: m must follow d")
+    four_rows, two_rows, one_row = _affine_row_groups(layout, block_dot)
+
+    def kernel(w, r0, r1, xq, xd, xs, out, c0):
+        # Each activation row's accumulators (acc0p, acc1p, accmp): two alternating 16-lane
+        # ones and the m terms' 4 lanes.
+        row0 = (stack_f32(16), stack_f32(16), stack_f32(4))
+        row1 = (stack_f32(16), stack_f32(16), stack_f32(4))
+        row2 = (stack_f32(16), stack_f32(16), stack_f32(4))
+        row3 = (stack_f32(16), stack_f32(16), stack_f32(4))
+        n = xq.shape[0]
+        for r in range(r0, r1):
+            wr = r * w.strides[0]
+            col = c0 + r - r0
+            k = 0
+            while k + 4 <= n:
+                four_rows(row0, row1, row2, row3, w, r, wr, xq, xd, xs, k, out, col)
+                k += 4
+            while k + 2 <= n:
+                two_rows(row0, row1, w, r, wr, xq, xd, xs, k, out, col)
+                k += 2
+            if k < n:
+                one_row(row0, w, r, wr, xq, xd, xs, k, out, col)
+
+    return kernel
+
+
+def _affine_row_groups(layout: Layout, block_dot):
+    """affine_rows's passes over weight row r for four, two and one activation rows from k,
+        four_rows(row0, row1, row2, row3, w, r, wr, xq, xd, xs, k, out, col)
+    each writing out[k + i, col] for row i, activation row k + i's accumulators (acc0p, acc1p,
+    accmp). Within a pass the rows take each block of four in turn, so after inlining they read
+    the same weight bytes back to back."""
+    four, one = _affine_block_steps(layout, block_dot)
+    size = layout.nbytes
 
     @njit(inline="always")
-    def four(acc0p, acc1p, accmp, w, r, wr, o, xq, xd, xs, k, b):
-        """Blocks b..b+3 of row k: alternately into acc0 and acc1, their m terms into accm."""
+    def four_rows(row0, row1, row2, row3, w, r, wr, xq, xd, xs, k, out, col):
+        _zero_row(row0)
+        _zero_row(row1)
+        _zero_row(row2)
+        _zero_row(row3)
+        nb = xq.shape[1] // QK8
+        b = 0
+        while b + 4 <= nb:
+            o = b * size
+            _prefetch_four(w, wr + o)
+            four(row0, w, r, wr, o, xq, xd, xs, k, b)
+            four(row1, w, r, wr, o, xq, xd, xs, k + 1, b)
+            four(row2, w, r, wr, o, xq, xd, xs, k + 2, b)
+            four(row3, w, r, wr, o, xq, xd, xs, k + 3, b)
+            b += 4
+        t0 = t1 = t2 = t3 = np.float32(0.0)
+        while b < nb:
+            o = b * size
+            t0 += one(row0, w, r, wr, o, xq, xd, xs, k, b)
+            t1 += one(row1, w, r, wr, o, xq, xd, xs, k + 1, b)
+            t2 += one(row2, w, r, wr, o, xq, xd, xs, k + 2, b)
+            t3 += one(row3, w, r, wr, o, xq, xd, xs, k + 3, b)
+            b += 1
+        out[k, col] = _affine_total(row0, t0)
+        out[k + 1, col] = _affine_total(row1, t1)
+        out[k + 2, col] = _affine_total(row2, t2)
+        out[k + 3, col] = _affine_total(row3, t3)
+
+    @njit(inline="always")
+    def two_rows(row0, row1, w, r, wr, xq, xd, xs, k, out, col):
+        _zero_row(row0)
+        _zero_row(row1)
+        nb = xq.shape[1] // QK8
+        b = 0
+        while b + 4 <= nb:
+            o = b * size
+            _prefetch_four(w, wr + o)
+            four(row0, w, r, wr, o, xq, xd, xs, k, b)
+            four(row1, w, r, wr, o, xq, xd, xs, k + 1, b)
+            b += 4
+        t0 = t1 = np.float32(0.0)
+        while b < nb:
+            o = b * size
+            t0 += one(row0, w, r, wr, o, xq, xd, xs, k, b)
+            t1 += one(row1, w, r, wr, o, xq, xd, xs, k + 1, b)
+            b += 1
+        out[k, col] = _affine_total(row0, t0)
+        out[k + 1, col] = _affine_total(row1, t1)
+
+    @njit(inline="always")
+    def one_row(row0, w, r, wr, xq, xd, xs, k, out, col):
+        _zero_row(row0)
+        nb = xq.shape[1] // QK8
+        b = 0
+        while b + 4 <= nb:
+            o = b * size
+            _prefetch_four(w, wr + o)
+            four(row0, w, r, wr, o, xq, xd, xs, k, b)
+            b += 4
+        t0 = np.float32(0.0)
+        while b < nb:
+            o = b * size
+            t0 += one(row0, w, r, wr, o, xq, xd, xs, k, b)
+            b += 1
+        out[k, col] = _affine_total(row0, t0)
+
+    return four_rows, two_rows, one_row
+
+
+def _affine_block_steps(layout: Layout, block_dot):
+    """The steps of one activation row k over the blocks of weight row r (its bytes from wr):
+        four(acc, w, r, wr, o, xq, xd, xs, k, b)   blocks b..b+3, from byte o
+        one(acc, w, r, wr, o, xq, xd, xs, k, b)    block b alone (the tail), returning its m term
+    for acc the row's accumulators (acc0p, acc1p, accmp)."""
+    d_at, m_at, size = layout.offset("d"), layout.offset("m"), layout.nbytes
+
+    @njit(inline="always")
+    def four(acc, w, r, wr, o, xq, xd, xs, k, b):
+        """Blocks b..b+3 alternately into acc0p and acc1p, their m terms into accmp."""
+        acc0p, acc1p, accmp = acc
         s0, s1, s2, s3 = affine_scales4(w, wr + o + d_at, size, xd, xs, k * xd.shape[1] + b, accmp)
         xk = k * xq.strides[0] + b * QK8
         block_dot(acc0p, s0, w, r, wr, o, xq, xk)
@@ -111,111 +222,36 @@ def affine_rows(layout: Layout, block_dot):
         block_dot(acc1p, s3, w, r, wr, o + 3 * size, xq, xk + 3 * QK8)
 
     @njit(inline="always")
-    def one(acc0p, w, r, wr, o, xq, xd, xs, k, b):
-        """Block b of row k on its own (the tail): its m term."""
+    def one(acc, w, r, wr, o, xq, xd, xs, k, b):
+        acc0p = acc[0]
         block_dot(acc0p, half_at(w, r, o + d_at) * xd[k, b], w, r, wr, o, xq, k * xq.strides[0] + b * QK8)
         return half_at(w, r, o + m_at) * xs[k, b]
 
-    def kernel(w, r0, r1, xq, xd, xs, out, c0):
-        a0, a1, b0, b1 = stack_f32(16), stack_f32(16), stack_f32(16), stack_f32(16)
-        c0p, c1p, d0, d1 = stack_f32(16), stack_f32(16), stack_f32(16), stack_f32(16)
-        ma, mb, mc, md = stack_f32(4), stack_f32(4), stack_f32(4), stack_f32(4)
-        nb = xq.shape[1] // QK8
-        n = xq.shape[0]
-        for r in range(r0, r1):
-            wr = r * w.strides[0]
-            col = c0 + r - r0
-            k = 0
-            while k + 4 <= n:
-                zero_lanes(carray(a0, 16))
-                zero_lanes(carray(a1, 16))
-                zero_lanes(carray(b0, 16))
-                zero_lanes(carray(b1, 16))
-                zero_lanes(carray(c0p, 16))
-                zero_lanes(carray(c1p, 16))
-                zero_lanes(carray(d0, 16))
-                zero_lanes(carray(d1, 16))
-                _zero4(ma)
-                _zero4(mb)
-                _zero4(mc)
-                _zero4(md)
-                b = 0
-                while b + 4 <= nb:
-                    o = b * size
-                    prefetch(w, wr + o + PREFETCH_AHEAD)
-                    prefetch(w, wr + o + PREFETCH_AHEAD + 64)
-                    four(a0, a1, ma, w, r, wr, o, xq, xd, xs, k, b)
-                    four(b0, b1, mb, w, r, wr, o, xq, xd, xs, k + 1, b)
-                    four(c0p, c1p, mc, w, r, wr, o, xq, xd, xs, k + 2, b)
-                    four(d0, d1, md, w, r, wr, o, xq, xd, xs, k + 3, b)
-                    b += 4
-                ta = tb = tc = td = np.float32(0.0)
-                while b < nb:
-                    o = b * size
-                    ta += one(a0, w, r, wr, o, xq, xd, xs, k, b)
-                    tb += one(b0, w, r, wr, o, xq, xd, xs, k + 1, b)
-                    tc += one(c0p, w, r, wr, o, xq, xd, xs, k + 2, b)
-                    td += one(d0, w, r, wr, o, xq, xd, xs, k + 3, b)
-                    b += 1
-                out[k, col] = _affine_total(a0, a1, ma, ta)
-                out[k + 1, col] = _affine_total(b0, b1, mb, tb)
-                out[k + 2, col] = _affine_total(c0p, c1p, mc, tc)
-                out[k + 3, col] = _affine_total(d0, d1, md, td)
-                k += 4
-            while k + 2 <= n:
-                zero_lanes(carray(a0, 16))
-                zero_lanes(carray(a1, 16))
-                zero_lanes(carray(b0, 16))
-                zero_lanes(carray(b1, 16))
-                _zero4(ma)
-                _zero4(mb)
-                b = 0
-                while b + 4 <= nb:
-                    o = b * size
-                    prefetch(w, wr + o + PREFETCH_AHEAD)
-                    prefetch(w, wr + o + PREFETCH_AHEAD + 64)
-                    four(a0, a1, ma, w, r, wr, o, xq, xd, xs, k, b)
-                    four(b0, b1, mb, w, r, wr, o, xq, xd, xs, k + 1, b)
-                    b += 4
-                ta = tb = np.float32(0.0)
-                while b < nb:
-                    o = b * size
-                    ta += one(a0, w, r, wr, o, xq, xd, xs, k, b)
-                    tb += one(b0, w, r, wr, o, xq, xd, xs, k + 1, b)
-                    b += 1
-                out[k, col] = _affine_total(a0, a1, ma, ta)
-                out[k + 1, col] = _affine_total(b0, b1, mb, tb)
-                k += 2
-            if k < n:
-                zero_lanes(carray(a0, 16))
-                zero_lanes(carray(a1, 16))
-                _zero4(ma)
-                b = 0
-                while b + 4 <= nb:
-                    o = b * size
-                    prefetch(w, wr + o + PREFETCH_AHEAD)
-                    prefetch(w, wr + o + PREFETCH_AHEAD + 64)
-                    four(a0, a1, ma, w, r, wr, o, xq, xd, xs, k, b)
-                    b += 4
-                ta = np.float32(0.0)
-                while b < nb:
-                    o = b * size
-                    ta += one(a0, w, r, wr, o, xq, xd, xs, k, b)
-                    b += 1
-                out[k, col] = _affine_total(a0, a1, ma, ta)
-
-    return kernel
+    return four, one
 
 
 @njit(inline="always")
-def _zero4(accmp) -> None:
+def _prefetch_four(w, at) -> None:
+    """The cache lines of the blocks PREFETCH_AHEAD bytes past byte `at` (four blocks span two)."""
+    prefetch(w, at + PREFETCH_AHEAD)
+    prefetch(w, at + PREFETCH_AHEAD + 64)
+
+
+@njit(inline="always")
+def _zero_row(acc) -> None:
+    """Clear a row's accumulators (acc0p, acc1p, accmp) for a pass."""
+    acc0p, acc1p, accmp = acc
+    zero_lanes(carray(acc0p, 16))
+    zero_lanes(carray(acc1p, 16))
     m = carray(accmp, 4)
     for j in range(4):
         m[j] = 0.0
 
 
 @njit(inline="always")
-def _affine_total(acc0p, acc1p, accmp, t):
+def _affine_total(acc, t):
+    """A row's result: its two lane accumulators, then its m terms (the 4 lanes and the tail's t)."""
+    acc0p, acc1p, accmp = acc
     m = carray(accmp, 4)
     ms = (m[0] + m[1]) + (m[2] + m[3])
     return (hsum(acc0p) + hsum(acc1p)) + (ms + t)
