@@ -196,8 +196,8 @@ def _rope_row(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> No
 
 @njit(cache=True, inline="always")
 def _silu_row(gate_up: np.ndarray, ffn_dim: int, out: np.ndarray, i: int) -> None:
-    """Row i: the exponentials in a loop of their own, which vectorizes (fused into the product
-    it did not: 14 against 3 us for SmolLM2's 1536)."""
+    """Row i: the exponentials in a loop of their own, which vectorizes (fused into the product,
+    LLVM leaves them scalar)."""
     g, u, o = gate_up[i, :ffn_dim], gate_up[i, ffn_dim:], out[i]
     for j in range(ffn_dim):
         o[j] = exp_f32(-g[j])
