@@ -3,11 +3,15 @@ turns (what `prima chat --local` and `prima serve --local` do) and with every tu
 from an empty cache (before #37).
 
     python bench/bench_chat_turns.py [-m smollm2-135m] [--turns 10] [--reply-tokens 100]
-                                     [--exact] [--threads N] [--ring N]
+                                     [--exact] [--threads N] [--ring N [--mem-mib M]]
 
 With `--ring N` the model is split evenly over a local ring of N primad processes: the kept
 run's daemons keep 2 sessions (`--keep-sessions 2`) and its turns ask for theirs to be kept, the
-empty-cache run's keep none (`--keep-sessions 0`).
+empty-cache run's keep none (`--keep-sessions 0`). With `--mem-mib M` (root, cgroups v1) each
+daemon runs in a memory cgroup of M MiB, as on a device with that much memory: a model bigger
+than the ring's memory streams its layers from disk every pass, which is where a chat turn's
+prefill costs most (`--ring 1 --mem-mib M` is one such device). The page cache is emptied
+before each run; llama.cpp is not run then (it would run outside the limits).
 
 Each user turn is ~100 tokens of text; the replies are generated greedily once (with the cache
 kept), then the same conversation is run again turn by turn from an empty cache, each turn up
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prima.coordinator.emulate import EmulatedDevice, cgroups_writable, drop_page_cache
 from prima.coordinator.local_ring import LocalRing
 from prima.coordinator.ring import Ring
 from prima.engine.generate import (
@@ -98,10 +103,18 @@ class Forgetful:
 
 
 @contextlib.contextmanager
-def ring_generator(model: str, n: int, n_layers: int, keep: bool, exact: bool) -> Iterator[Ring]:
-    """A ring of `n` local daemons over `model`, its layers split evenly."""
+def ring_generator(
+    model: str, n: int, n_layers: int, keep: bool, exact: bool, mem_mib: int = 0
+) -> Iterator[Ring]:
+    """A ring of `n` local daemons over `model`, its layers split evenly; each in a memory
+    cgroup of `mem_mib` MiB when given."""
     args = [*(("--exact",) if exact else ()), "--keep-sessions", "2" if keep else "0"]
-    with LocalRing.start(n, model, threads=1, extra_args=args) as local:
+    preexec = None
+    if mem_mib:
+        devices = [EmulatedDevice(f"chat{i}", mem_mib * 2**20) for i in range(n)]
+        preexec = [d.preexec() for d in devices]
+        drop_page_cache()
+    with LocalRing.start(n, model, threads=1, extra_args=args, preexec=preexec) as local:
         sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
         ring = Ring.connect(local.addresses, window_sizes=sizes)
         try:
@@ -169,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exact", action="store_true", help="float32 activations and KV (--exact)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ring", type=int, default=0, help="split the model over a local ring of N daemons")
+    p.add_argument("--mem-mib", type=int, default=0, help="each daemon in a memory cgroup of M MiB (root)")
     args = p.parse_args(argv)
+    if args.mem_mib and not args.ring:
+        p.error("--mem-mib limits the ring's daemons: give --ring N too (--ring 1 is one device)")
+    if args.mem_mib and (why := cgroups_writable()):
+        p.error(f"--mem-mib needs cgroups v1 as root: {why}")
     loaded = load_model(args.model, mode="exact" if args.exact else "q8", threads=args.threads)
     n_ctx = 4096
     meta = loaded.gguf.metadata
@@ -178,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.ring:
             kept: object = stack.enter_context(
-                ring_generator(args.model, args.ring, n_layers, True, args.exact)
+                ring_generator(args.model, args.ring, n_layers, True, args.exact, args.mem_mib)
             )
         else:
             kept = stack.enter_context(contextlib.closing(local_generator(loaded, n_ctx)))
@@ -199,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.ring:
             empty: object = stack.enter_context(
-                ring_generator(args.model, args.ring, n_layers, False, args.exact)
+                ring_generator(args.model, args.ring, n_layers, False, args.exact, args.mem_mib)
             )
         else:
             empty = LocalGenerator(Forgetful(LocalEngine(loaded.model, n_ctx)))  # type: ignore[arg-type]
@@ -208,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = args.threads or os.cpu_count() or 1
     cached = [r.timings.cached_tokens for r in after]
-    llama = llama_cpp_ttfts(loaded.path, prompts, cached, threads, args.exact)
+    llama = None if args.mem_mib else llama_cpp_ttfts(loaded.path, prompts, cached, threads, args.exact)
 
     where = f"a local ring of {args.ring}" if args.ring else "this device"
+    if args.mem_mib:
+        where += f", each daemon in {args.mem_mib} MiB"
     print(f"{args.model} on {where}, {'exact' if args.exact else 'q8'} mode, {args.turns} turns")
     print("turn  prompt  cached  ttft_kept_ms  ttft_empty_ms  llama_cpp_kept_ms  kept/llama_cpp")
     for i, (a, b) in enumerate(zip(after, before, strict=True)):
@@ -225,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         f"turn {args.turns} / turn 1 time to first token: kept "
         f"{after[last].timings.prompt_ms / after[0].timings.prompt_ms:.2f}x, empty cache "
         f"{before[last].timings.prompt_ms / before[0].timings.prompt_ms:.2f}x"
-        + (f", llama.cpp kept {llama[last] / llama[0]:.2f}x" if llama else ", llama.cpp not installed")
+        + (f", llama.cpp kept {llama[last] / llama[0]:.2f}x" if llama else ", llama.cpp not run")
     )
     return 0
 

@@ -11,11 +11,14 @@ format table, so they compile once for every format.
   gemm_q8(fmt, a, b, c, x, out)            matvec_q8 for many rows of x: each weight row unpacked
                                            once for all of them (int8_gemm)
   matvec_f16(a, x, out)                    out (n, rows) = x @ A.T for float16 weights A
+  matvec_f32(a, x, out)                    the same for float32 weights (as uint32 bits)
   dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
   dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 from numba import carray, njit, prange
@@ -90,7 +93,7 @@ def pairwise_sum(acc: np.ndarray, start: int, lanes: int) -> np.float32:
     return acc[start]
 
 
-def row_group(widen, rows: int, lanes: int):
+def row_group(widen: Callable[..., np.float32], rows: int, lanes: int) -> Callable[..., None]:
     """A kernel for `rows` rows of x (x[k : k + rows]) against one weight row w: each weight is
     widened once for all of them, and each row sums in its own `lanes` float32 lanes in the
     order one row alone uses, so a row's bits do not depend on the rows beside it (speculative
@@ -119,7 +122,7 @@ def row_group(widen, rows: int, lanes: int):
     return group_dot
 
 
-def float_matvec(widen, lanes: int = HALF_LANES):
+def float_matvec(widen: Callable[..., np.float32], lanes: int = HALF_LANES) -> Callable[..., None]:
     """out (n, rows) = x @ A.T for float weights A (rows, cols) viewed as unsigned integers of
     their width, a few rows of x, each weight widened exactly by `widen` (bits -> float32): the
     weights are read once, as stored (16-bit ones were widened to a float32 copy every token
