@@ -20,11 +20,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prima import metrics
+from prima.api.cluster_view import ClusterMonitor
 from prima.api.embeddings import embeddings_response, parse_embeddings_request
 from prima.api.openai_responses import (
     completion_response,
@@ -47,22 +48,37 @@ from prima.api.routes import (
     POST_ROUTES,
     ClientGone,
     HttpError,
+    HttpLimits,
 )
-from prima.api.service import ServerBusyError, ServerStoppingError
+from prima.api.service import CompletionService, ServerBusyError, ServerStoppingError
+from prima.api.shutdown import InFlight
 from prima.api.web_page import SECURITY_HEADERS, asset, is_page_file
 from prima.engine.generate import GenerationResult
 from prima.errors import ContextFullError, GenerationCancelled, InputError, NodeError, PrimaError
 
-if TYPE_CHECKING:
-    from prima.api.server import ApiServer
-
 log = logging.getLogger("prima.api")
+
+
+class HandlerServer(Protocol):
+    """What a request handler reads of the server it runs in (prima.api.server.ApiServer, which
+    builds the handlers): the service, the cluster view, the bounds and key clients are held to,
+    the requests in flight, and the nodes' metrics."""
+
+    service: CompletionService
+    monitor: ClusterMonitor
+    limits: HttpLimits
+    api_key: bytes | None
+    in_flight: InFlight
+    node_metrics: CollectorRegistry
+
+    @property
+    def max_body_bytes(self) -> int: ...
 
 
 class ApiHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
     server_version = "prima"
-    server: ApiServer
+    server: HandlerServer  # type: ignore[assignment]  # an ApiServer, seen as what is read of it
 
     def setup(self) -> None:
         self.timeout = self.server.limits.idle_timeout_s  # the base class sets it on the socket

@@ -15,7 +15,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -27,23 +26,13 @@ from prima.api.node_metrics import NodeMetricsCollector
 from prima.api.openai_responses import (
     error_body,
 )
-from prima.api.routes import API_KEY_ENV
+from prima.api.routes import API_KEY_ENV, HttpLimits
 from prima.api.service import CompletionService
 from prima.api.shutdown import InFlight
 
 __all__ = ["API_KEY_ENV", "ApiServer", "HttpLimits"]
 
 log = logging.getLogger("prima.api")
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What one client may make the server hold. Each bound is answered with a 4xx naming it."""
-
-    max_body_bytes: int = 1 << 20  # 1 MiB: far above any prompt that fits a context
-    body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
-    idle_timeout_s: float = 30.0  # per read of a request line or header, keep-alive idle, per write
-    max_connections: int = 64  # connections served at once; more get 429 and are closed
 
 
 class ApiServer(ThreadingHTTPServer):

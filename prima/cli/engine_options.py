@@ -23,7 +23,8 @@ from prima.cli.arg_types import (
 )
 from prima.cli.progress import FetchBar, StepBar, stage
 from prima.coordinator import session
-from prima.coordinator.session import Discovery, Progress, Session, SessionOptions
+from prima.coordinator.discovery_options import Discovery
+from prima.coordinator.session import Progress, Session, SessionOptions
 from prima.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_METHODS, MAX_DRAFT_TOKENS, DraftConfig
 from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL

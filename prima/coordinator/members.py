@@ -17,17 +17,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from prima.errors import NodeError, PlanError, UntrustedNodeError
 from prima.net import credentials, discovery
 from prima.net.node_adverts import NodeAdvert, check_adverts, hint_addresses
 from prima.net.peer_certificate import served_certificate
 
+from .discovery_options import Discovery
 from .loopback_only import FORM_A_CLUSTER, split_loopback, usable_addresses
-
-if TYPE_CHECKING:
-    from .session import Discovery
 
 log = logging.getLogger("prima.coordinator")
 

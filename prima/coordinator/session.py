@@ -21,7 +21,8 @@ from prima.engine.compute import StepBars, no_bars, open_compute
 from prima.engine.speculative import DraftConfig
 from prima.errors import InputError, NodeError
 from prima.model.registry import resolve_model
-from prima.net import mdns_names
+
+from .discovery_options import Discovery
 
 # The ring's modules (grpc, mDNS, TLS) load only when a ring is wired: one device loads none.
 if TYPE_CHECKING:
@@ -53,17 +54,6 @@ class Progress:
 
 
 QUIET = Progress()
-
-
-@dataclass(frozen=True)
-class Discovery:
-    """How to look for daemons over mDNS: for `timeout_s`, on `interfaces` (None: the
-    environment's, else all), stopping once `expect` members answered (fewer is then an error):
-    prima.coordinator.members.discover_addresses."""
-
-    timeout_s: float = mdns_names.DEFAULT_BROWSE_S
-    interfaces: tuple[str, ...] | None = None
-    expect: int | None = None
 
 
 @dataclass(frozen=True)

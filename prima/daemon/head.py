@@ -194,7 +194,7 @@ class Head:
         self.host = host
         self.worker = worker
         # Ring sessions kept open between requests (primad --keep-sessions).
-        self.kept = KeptSessions(keep_sessions, lambda e: e.close(), session_idle_s)
+        self.kept: KeptSessions[RingEngine] = KeptSessions(keep_sessions, lambda e: e.close(), session_idle_s)
         self.threads = threads
         self.draft_model = draft_model
         # A hung or vanished node is named within seconds; ring_timeout_s only bounds a ring

@@ -17,12 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from prima.engine.prefix import choose_held
-
-if TYPE_CHECKING:  # head.py builds and uses KeptSessions, so RingEngine is imported for types only
-    from .head import RingEngine
+from prima.plan import Plan
 
 log = logging.getLogger("prima.daemon")
 
@@ -30,20 +28,35 @@ DEFAULT_IDLE_S = 300.0  # how long an unused kept session holds every node's KV 
 DEFAULT_KEPT_SESSIONS = 4  # primad --keep-sessions: a few chats, each within the KV bounds
 
 
+class KeptSession(Protocol):
+    """What is read of a kept ring session (prima.daemon.head.RingEngine, whose head keeps them):
+    its id, the plan and context it was opened for, and the tokens the nodes' caches hold."""
+
+    session_id: str
+    plan: Plan
+    n_ctx: int
+
+    @property
+    def held_tokens(self) -> tuple[int, ...]: ...
+
+
+Engine = TypeVar("Engine", bound=KeptSession)
+
+
 @dataclass
-class _Kept:
-    engine: RingEngine
+class _Kept(Generic[Engine]):
+    engine: Engine
     since: float  # clock() when its last generation ended
 
 
-class KeptSessions:
+class KeptSessions(Generic[Engine]):
     """Up to `limit` idle ring sessions, least recently used first; `close` ends one on every
     node. `clock` is injectable (seconds, monotonic)."""
 
     def __init__(
         self,
         limit: int,
-        close: Callable[[RingEngine], None],
+        close: Callable[[Engine], None],
         idle_s: float = DEFAULT_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -54,13 +67,13 @@ class KeptSessions:
         self._close = close
         self._clock = clock
         self._cv = threading.Condition()
-        self._kept: list[_Kept] = []
+        self._kept: list[_Kept[Engine]] = []
         self._reaper: threading.Thread | None = None
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def take(self, prompt: Sequence[int], epoch: int, n_ctx: int) -> RingEngine | None:
+    def take(self, prompt: Sequence[int], epoch: int, n_ctx: int) -> Engine | None:
         """The kept session of plan `epoch` and context `n_ctx` that `prompt` should continue
         (prima.engine.prefix.choose_held), no longer kept; None: open a new one."""
         self.expire()
@@ -75,7 +88,7 @@ class KeptSessions:
         self._end(stale, "a new plan")
         return taken.engine if taken is not None else None
 
-    def keep(self, engine: RingEngine) -> None:
+    def keep(self, engine: Engine) -> None:
         """Keep `engine` (its generation ended well) for the next request; past `limit`, the
         one used least recently is closed."""
         if self.limit == 0:
@@ -108,7 +121,7 @@ class KeptSessions:
         self._end(taken, "released")
         return len(taken)
 
-    def _end(self, kept: list[_Kept], why: str) -> None:
+    def _end(self, kept: list[_Kept[Engine]], why: str) -> None:
         for k in kept:
             log.debug("closing kept session %s: %s", k.engine.session_id, why)
             self._close(k.engine)

@@ -16,19 +16,36 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from prima.backends.base import KVState
 from prima.engine.generate import forward_ids
+from prima.engine.turns import TurnTaking
+from prima.forward.windowed_model import WindowedModel
 
-if TYPE_CHECKING:  # local.py builds the batcher, so it is imported here only for types
-    from prima.engine.local import LocalEngine, TurnTaking
+
+class BatchedEngine(Protocol):
+    """What the batcher uses of a session's engine (prima.engine.local.LocalEngine, which builds
+    the batcher): its model and KV cache, where it stands, its own one-token pass, and counting
+    the token a batched pass wrote to its cache."""
+
+    model: WindowedModel
+    cache: KVState
+    n_ctx: int
+
+    @property
+    def n_past(self) -> int: ...
+
+    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
+
+    def count_written(self, token_ids: np.ndarray) -> None: ...
 
 
 @dataclass
 class _Step:
-    engine: LocalEngine
+    engine: BatchedEngine
     token: int
     done: threading.Event = field(default_factory=threading.Event)
     logits: np.ndarray | None = None
@@ -45,7 +62,7 @@ class DecodeBatcher:
         self._lock = threading.Lock()
         self._pending: list[_Step] = []
 
-    def step(self, engine: LocalEngine, token: int) -> np.ndarray:
+    def step(self, engine: BatchedEngine, token: int) -> np.ndarray:
         """The logits after `token` on `engine`: run in whichever batch takes it first."""
         forward_ids([token], engine.n_past, engine.n_ctx)  # a full context fails in its own thread
         step = _Step(engine, int(token))

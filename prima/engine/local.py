@@ -6,10 +6,9 @@ the rest are read ahead of compute by a prefetch thread (weights.window)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import numpy as np
 
@@ -25,6 +24,7 @@ from prima.engine.generate import (
 )
 from prima.engine.prefix import choose_held
 from prima.engine.speculative import Drafter, DraftSource
+from prima.engine.turns import TurnTaking
 from prima.errors import InputError
 from prima.forward.loader import LoadedModel
 from prima.forward.windowed_model import WindowedModel
@@ -160,32 +160,6 @@ def local_engine(
         streamer.release_all()
         streamer.start()
     return LocalEngine(loaded.model, n_ctx=n_ctx, ubatch=ubatch, streamer=streamer)
-
-
-class TurnTaking:
-    """A lock handed out in the order it was asked for. Generations on this device take turns
-    through it, one forward pass each (a prompt, or one token), so every running request moves
-    on in round-robin order; Python's own lock would let one thread run many steps while others
-    starve. Each pass still gets every core."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._next = 0  # the ticket the next caller gets
-        self._serving = 0  # the ticket whose turn it is
-
-    @contextlib.contextmanager
-    def turn(self) -> Iterator[None]:
-        with self._cv:
-            ticket = self._next
-            self._next += 1
-            while ticket != self._serving:
-                self._cv.wait()
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._serving += 1
-                self._cv.notify_all()
 
 
 class _TakingTurns:

@@ -38,6 +38,9 @@ from prima.scheduler.cost_model import (
     ring_costs,
     ring_time_ms,
 )
+from prima.scheduler.halda_fit import closest_fit
+from prima.scheduler.halda_fit import describe as describe_shortfall
+from prima.scheduler.layer_capacity import capacity
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from prima.scheduler.window_search import Coefficients, search
 
@@ -72,50 +75,6 @@ class Assignment:
         if self.ms_per_token > other.ms_per_token * (1 + _TIE_RELATIVE):
             return False
         return (self.fetched_layers, self.rounds) < (other.fetched_layers, other.rounds)
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """How many layers per window device m can take in k rounds (all counts per window)."""
-
-    resident: int  # R: layers in RAM that fit resident, k u b' + fixed <= budget
-    streaming: int  # S: layers in RAM that fit when streaming, or -1 if streaming cannot help
-    accel: int  # nmax: layers the accelerator memory holds, k n e <= accelerator memory
-
-    @property
-    def in_ram(self) -> int:
-        return max(self.resident, self.streaming)
-
-    def window(self, cost: DeviceCost, per_round: int) -> int:
-        """wmax: the largest window the device can take at all."""
-        if cost.accel_shares_ram or not cost.has_accel:
-            return min(per_round, self.in_ram)
-        return min(per_round, self.in_ram + self.accel) if self.in_ram >= 0 else -1
-
-
-def capacity(cost: DeviceCost, rounds: int, per_round: int) -> Capacity:
-    """Exact integer form of the cost model's memory rules for one device."""
-    k = rounds
-    room = cost.ram_budget_bytes - cost.fixed_bytes
-    if room < 0:
-        return Capacity(-1, -1, 0)
-    resident = _fit(room, k * cost.layer_ram_bytes, per_round)
-    streaming = -1
-    if cost.can_stream:
-        # Pinning nothing: all the KV cache plus a stream buffer of u + 1 layers.
-        streaming = _fit(
-            room - cost.layer_weight_bytes, k * cost.layer_kv_bytes + cost.layer_weight_bytes, per_round
-        )
-        if streaming <= resident:
-            streaming = -1  # streaming lets it hold no more layers
-    accel = _fit(cost.accel_budget_bytes, k * cost.accel_bytes_per_layer, per_round) if cost.has_accel else 0
-    return Capacity(resident, streaming, accel)
-
-
-def _fit(room: int, per_layer: int, cap: int) -> int:
-    if room < 0:
-        return -1
-    return cap if per_layer <= 0 else min(cap, room // per_layer)
 
 
 def solve(
@@ -291,9 +250,6 @@ def _no_fit_message(
     max_rounds: int | None = None,
 ) -> str:
     """Why no plan fits, naming the constraint that binds where it can (prima.scheduler.halda_fit)."""
-    from prima.scheduler.halda_fit import closest_fit
-    from prima.scheduler.halda_fit import describe as describe_shortfall
-
     if not math.isfinite(costs[0].cpu_ms_per_layer):
         return (
             f"the head {devices[0].node_id} has no CPU throughput for this model's formats; "

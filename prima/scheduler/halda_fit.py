@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prima.scheduler.cost_model import DeviceCost, stream_buffer_layers
+from prima.scheduler.layer_capacity import capacity
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 MiB = float(1 << 20)
@@ -53,8 +54,6 @@ def bytes_for(cost: DeviceCost, rounds: int, ram_layers: int) -> tuple[int, bool
 def closest_fit(costs: Sequence[DeviceCost], n_layers: int, ks: Sequence[int]) -> Shortfall | None:
     """The smallest memory shortfall on one device that would let some k in `ks` cover every
     layer (other devices holding what they can), or None if memory is not what binds."""
-    from prima.scheduler.halda import capacity  # halda uses this module for its messages
-
     best: Shortfall | None = None
     for k in ks:
         per_round = n_layers // k
@@ -80,8 +79,6 @@ def closest_fit(costs: Sequence[DeviceCost], n_layers: int, ks: Sequence[int]) -
 
 
 def _window(cost: DeviceCost, rounds: int, per_round: int) -> int:
-    from prima.scheduler.halda import capacity
-
     return max(capacity(cost, rounds, per_round).window(cost, per_round), 0)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from prima.coordinator.discovery_options import Discovery
 from prima.coordinator.members import Check, check_member, discover_addresses, discover_members
-from prima.coordinator.session import Discovery
 from prima.errors import PlanError
 from prima.net import credentials, discovery
 from prima.net.credentials import ClusterCA

@@ -15,8 +15,9 @@ import pytest
 
 from prima.engine.batching import DecodeBatcher
 from prima.engine.generate import GenerateRequest, GenerationDone, LocalGenerator, TokenEvent
-from prima.engine.local import LocalEngine, TurnTaking, local_generator
+from prima.engine.local import LocalEngine, local_generator
 from prima.engine.prompt import prompt_ids
+from prima.engine.turns import TurnTaking
 from prima.forward.loader import LoadedModel, load_model
 
 N_CTX = 128
