@@ -15,7 +15,6 @@ import logging
 import select
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
@@ -31,14 +30,15 @@ from prima.api.openai_responses import (
     completion_response,
     error_body,
     models_response,
+    response_id,
     stream_chunk,
     usage_chunk,
+    usage_of,
 )
 from prima.api.openai_schema import (
     GenerationRequest,
     ModelNotFoundError,
     RequestError,
-    Usage,
 )
 from prima.api.routes import (
     API_KEY_ENV,
@@ -50,7 +50,7 @@ from prima.api.routes import (
     HttpError,
     HttpLimits,
 )
-from prima.api.service import CompletionService, ServerBusyError, ServerStoppingError
+from prima.api.service import CompletionService, ServerBusyError, ServerStoppingError, final_result
 from prima.api.shutdown import InFlight
 from prima.api.web_page import SECURITY_HEADERS, asset, is_page_file
 from prima.engine.generate import GenerationResult
@@ -348,17 +348,17 @@ class ApiHandler(BaseHTTPRequestHandler):
     # --- responses -------------------------------------------------------------------------------
 
     def _complete(self, req: GenerationRequest, events: Iterator[str | GenerationResult]) -> None:
-        result = _last_result(events)
+        result = final_result(events)
         self.server.monitor.record_generation(result.timings)
         model = self.server.service.model_id
         body = completion_response(
             req,
-            response_id=_response_id(req),
+            response_id=response_id(req),
             created=int(time.time()),
             model=model,
             text=result.text,
             stop_reason=result.stop_reason,
-            usage=_usage(result),
+            usage=usage_of(result),
             timings=result.timings.as_dict(),
         )
         self._send_json(HTTPStatus.OK, body)
@@ -368,7 +368,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         so queueing and prefill errors still get a real HTTP status."""
         first = next(events)
         ident = {
-            "response_id": _response_id(req),
+            "response_id": response_id(req),
             "created": int(time.time()),
             "model": self.server.service.model_id,
         }
@@ -391,7 +391,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                     self.server.monitor.record_generation(event.timings)
                     self._write_event(stream_chunk(req, **ident, stop_reason=event.stop_reason))
                     if req.include_usage:
-                        usage = _usage(event)
+                        usage = usage_of(event)
                         timings = event.timings.as_dict()
                         self._write_event(usage_chunk(req, **ident, usage=usage, timings=timings))
                     break
@@ -491,25 +491,6 @@ class ApiHandler(BaseHTTPRequestHandler):
             return False
         except OSError:
             return True
-
-
-def _last_result(events: Iterator[str | GenerationResult]) -> GenerationResult:
-    for event in events:
-        if isinstance(event, GenerationResult):
-            return event
-    raise AssertionError("CompletionService.run always ends with a GenerationResult")
-
-
-def _usage(result: GenerationResult) -> Usage:
-    return Usage(
-        prompt_tokens=len(result.prompt_token_ids),
-        completion_tokens=len(result.token_ids),
-        cached_tokens=result.timings.cached_tokens,
-    )
-
-
-def _response_id(req: GenerationRequest) -> str:
-    return f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def _reject_constant(name: str) -> Any:

@@ -4,10 +4,26 @@ engine made."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from prima.api.openai_schema import GenerationRequest, Usage
+from prima.engine.generate import GenerationResult
+
+
+def response_id(req: GenerationRequest) -> str:
+    """A fresh id in OpenAI's form for the kind of request."""
+    return f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage_of(result: GenerationResult) -> Usage:
+    """The token counts of a finished generation, the prompt's cached part among them."""
+    return Usage(
+        prompt_tokens=len(result.prompt_token_ids),
+        completion_tokens=len(result.token_ids),
+        cached_tokens=result.timings.cached_tokens,
+    )
 
 
 def finish_reason(stop_reason: str) -> str:

@@ -414,6 +414,15 @@ class Embeddings:
     prompt_tokens: int
 
 
+def final_result(events: Iterator[str | GenerationResult]) -> GenerationResult:
+    """The GenerationResult that ends CompletionService.run's events, the text before it read
+    and dropped (a request that is not streamed)."""
+    for event in events:
+        if isinstance(event, GenerationResult):
+            return event
+    raise AssertionError("CompletionService.run always ends with a GenerationResult")
+
+
 def _last_event(events: Iterator[TokenEvent]) -> GenerationDone:
     """The GenerationDone that ends `events` (a prompt-only request yields nothing before it)."""
     try:

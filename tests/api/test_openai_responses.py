@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from prima.api.openai_responses import completion_response, finish_reason, stream_chunk, usage_chunk
+from prima.api.openai_responses import (
+    completion_response,
+    finish_reason,
+    response_id,
+    stream_chunk,
+    usage_chunk,
+    usage_of,
+)
 from prima.api.openai_schema import ChatMessage, GenerationRequest, Usage
+from prima.engine.generate import GenerationResult, Timings
 
 
 def test_finish_reason_maps_engine_stops() -> None:
@@ -45,3 +53,17 @@ def test_text_response_and_chunks_have_openai_shape() -> None:
     chunk = stream_chunk(req, **ident, text=" t")
     assert chunk["object"] == "text_completion"
     assert chunk["choices"][0]["text"] == " t"
+
+
+def test_response_ids_name_the_kind_and_never_repeat() -> None:
+    chat = GenerationRequest(kind="chat", model=None, messages=(ChatMessage("user", "hi"),))
+    text = GenerationRequest(kind="text", model=None, prompt="Hi")
+    ids = {response_id(chat) for _ in range(50)}
+    assert len(ids) == 50
+    assert all(i.startswith("chatcmpl-") for i in ids)
+    assert response_id(text).startswith("cmpl-")
+
+
+def test_usage_counts_the_prompt_its_cached_part_and_the_completion() -> None:
+    result = GenerationResult([1, 2, 3, 4], [7, 8], timings=Timings(prompt_tokens=4, cached_tokens=3))
+    assert usage_of(result) == Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=3)

@@ -12,8 +12,8 @@ import pytest
 
 from prima import metrics
 from prima.api.openai_schema import ChatMessage, GenerationRequest
-from prima.api.service import CompletionService, EngineQueue, ServerBusyError, request_outcome
-from prima.engine.generate import LocalGenerator
+from prima.api.service import CompletionService, EngineQueue, ServerBusyError, final_result, request_outcome
+from prima.engine.generate import GenerationResult, LocalGenerator
 from prima.engine.local import LocalEngine
 from prima.errors import ContextFullError, GenerationCancelled, ProtocolError, UntrustedNodeError
 from prima.forward.loader import load_model
@@ -159,3 +159,10 @@ def test_slots_let_that_many_run_at_once_and_the_rest_wait_in_turn() -> None:
 def test_request_outcomes_are_short_documented_labels(exc: BaseException, outcome: str) -> None:
     assert request_outcome(exc) == outcome
     assert outcome in metrics.REQUEST_OUTCOMES
+
+
+def test_final_result_skips_the_text_and_returns_the_result() -> None:
+    result = GenerationResult([1, 2], [3], text="ab")
+    assert final_result(iter(["a", "b", result])) is result
+    with pytest.raises(AssertionError, match="always ends"):
+        final_result(iter(["a"]))
