@@ -122,39 +122,47 @@ def row_group(widen: Callable[..., np.float32], rows: int, lanes: int) -> Callab
     return group_dot
 
 
-def float_matvec(widen: Callable[..., np.float32], lanes: int = HALF_LANES) -> Callable[..., None]:
+@njit(inline="always")
+def float_matvec(a, x, out, four, two, one):
     """out (n, rows) = x @ A.T for float weights A (rows, cols) viewed as unsigned integers of
-    their width, a few rows of x, each weight widened exactly by `widen` (bits -> float32): the
-    weights are read once, as stored (16-bit ones were widened to a float32 copy every token
-    before, ~10x as long). The rows of x go through in groups of four, then two, then one
-    (row_group): every row has the bits it has alone. Returns the kernel uncompiled."""
-    four = row_group(widen, 4, lanes)
-    two = row_group(widen, 2, lanes)
-    one = row_group(widen, 1, lanes)
-
-    def matvec(a, x, out):
-        rows = a.shape[0]
-        n = x.shape[0]
-        n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
-        for ch in prange(n_chunks):
-            for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
-                k = 0
-                while k + 4 <= n:
-                    four(a[r], x, k, out, r)
-                    k += 4
-                if k + 2 <= n:
-                    two(a[r], x, k, out, r)
-                    k += 2
-                if k < n:
-                    one(a[r], x, k, out, r)
-
-    return matvec
+    their width, a few rows of x, by the row_group kernels `four`, `two` and `one` of one
+    widening: the weights are read once, as stored (16-bit ones were widened to a float32 copy
+    every token before, ~10x as long). The rows of x go through in groups of four, then two,
+    then one, and every row has the bits it has alone. The entry points below pass their groups
+    from module globals: a kernel closing over them would pickle differently in every process,
+    and numba's cache would compile it again in each."""
+    rows = a.shape[0]
+    n = x.shape[0]
+    n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for ch in prange(n_chunks):
+        for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
+            k = 0
+            while k + 4 <= n:
+                four(a[r], x, k, out, r)
+                k += 4
+            if k + 2 <= n:
+                two(a[r], x, k, out, r)
+                k += 2
+            if k < n:
+                one(a[r], x, k, out, r)
 
 
 # float16 weights (lanes.half_to_f32: the CPU's conversion where it has one).
-matvec_f16 = njit(parallel=True, cache=True)(float_matvec(half_to_f32))
+_F16_FOUR, _F16_TWO, _F16_ONE = (row_group(half_to_f32, rows, HALF_LANES) for rows in (4, 2, 1))
 # float32 weights as their bits (lanes.bits_f32).
-matvec_f32 = njit(parallel=True, cache=True)(float_matvec(bits_f32, F32_LANES))
+_F32_FOUR, _F32_TWO, _F32_ONE = (row_group(bits_f32, rows, F32_LANES) for rows in (4, 2, 1))
+
+
+@njit(parallel=True, cache=True)
+def matvec_f16(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, rows) = x @ A.T for float16 weights A (uint16 bits, rows x cols)."""
+    float_matvec(a, x, out, _F16_FOUR, _F16_TWO, _F16_ONE)
+
+
+@njit(parallel=True, cache=True)
+def matvec_f32(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, rows) = x @ A.T for float32 weights A (uint32 bits, rows x cols)."""
+    float_matvec(a, x, out, _F32_FOUR, _F32_TWO, _F32_ONE)
 
 
 @njit(parallel=True, cache=True)
