@@ -126,8 +126,8 @@ def row_group(widen: Callable[..., np.float32], rows: int, lanes: int) -> Callab
 def float_matvec(a, x, out, four, two, one):
     """out (n, rows) = x @ A.T for float weights A (rows, cols) viewed as unsigned integers of
     their width, a few rows of x, by the row_group kernels `four`, `two` and `one` of one
-    widening: the weights are read once, as stored (16-bit ones were widened to a float32 copy
-    every token before, ~10x as long). The rows of x go through in groups of four, then two,
+    widening: the weights are read once, as stored, not widened to a float32 copy every token.
+    The rows of x go through in groups of four, then two,
     then one, and every row has the bits it has alone. The entry points below pass their groups
     from module globals: a kernel closing over them would pickle differently in every process,
     and numba's cache would compile it again in each."""
