@@ -123,12 +123,19 @@ def row_group(widen: Callable[..., np.float32], rows: int, lanes: int) -> Callab
 
 
 @njit(inline="always")
-def float_matvec(a, x, out, four, two, one):
+def float_matvec(
+    a: np.ndarray,
+    x: np.ndarray,
+    out: np.ndarray,
+    four: Callable[..., None],
+    two: Callable[..., None],
+    one: Callable[..., None],
+) -> None:
     """out (n, rows) = x @ A.T for float weights A (rows, cols) viewed as unsigned integers of
     their width, a few rows of x, by the row_group kernels `four`, `two` and `one` of one
     widening: the weights are read once, as stored, not widened to a float32 copy every token.
-    The rows of x go through in groups of four, then two,
-    then one, and every row has the bits it has alone. The entry points below pass their groups
+    The rows of x go through in groups of four, then two, then one, and every row has the bits
+    it has alone. The entry points below pass their groups
     from module globals: a kernel closing over them would pickle differently in every process,
     and numba's cache would compile it again in each."""
     rows = a.shape[0]
