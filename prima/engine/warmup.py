@@ -239,7 +239,9 @@ def _other_activations() -> None:
         (float_weights.matvec_bf16, halves),
         (drivers.matvec_f32, singles),
     ):
-        matvec(w, np.zeros((1, w.shape[1]), dtype=np.float32), np.empty((1, 2), dtype=np.float32))
+        matvec(
+            w, w[:0], w[:0], np.zeros((1, w.shape[1]), dtype=np.float32), np.empty((1, 2), dtype=np.float32)
+        )
 
 
 def _print_progress(done: int, total: int, what: str) -> None:

@@ -10,8 +10,8 @@ format table, so they compile once for every format.
   matvec_q8(fmt, a, b, c, x, out)          the same with x quantized to int8 blocks (int8_dots)
   gemm_q8(fmt, a, b, c, x, out)            matvec_q8 for many rows of x: each weight row unpacked
                                            once for all of them (int8_gemm)
-  matvec_f16(a, x, out)                    out (n, rows) = x @ A.T for float16 weights A
-  matvec_f32(a, x, out)                    the same for float32 weights (as uint32 bits)
+  matvec_f16(a, b, c, x, out)              out (n, ra + rb + rc) = x @ [A; B; C].T, float16 weights
+  matvec_f32(a, b, c, x, out)              the same for float32 weights (as uint32 bits)
   dequantize_rows(fmt, a, ids, lut, out)   out (m, cols) = A[ids], parallel over ids
   dequantize_tile(fmt, a, start, lut, out) out (m, cols) = A[start : start + m], one thread, no GIL
 """
@@ -125,33 +125,44 @@ def row_group(widen: Callable[..., np.float32], rows: int, lanes: int) -> Callab
 @njit(inline="always")
 def float_matvec(
     a: np.ndarray,
+    b: np.ndarray,
+    c: np.ndarray,
     x: np.ndarray,
     out: np.ndarray,
     four: Callable[..., None],
     two: Callable[..., None],
     one: Callable[..., None],
 ) -> None:
-    """out (n, rows) = x @ A.T for float weights A (rows, cols) viewed as unsigned integers of
-    their width, a few rows of x, by the row_group kernels `four`, `two` and `one` of one
-    widening: the weights are read once, as stored, not widened to a float32 copy every token.
-    The rows of x go through in groups of four, then two, then one, and every row has the bits
-    it has alone. The entry points below pass their groups
-    from module globals: a kernel closing over them would pickle differently in every process,
-    and numba's cache would compile it again in each."""
-    rows = a.shape[0]
+    """out (n, ra + rb + rc) = x @ [A; B; C].T for float weights A, B, C (pass empty row slices
+    for unused slots) viewed as unsigned integers of their width, a few rows of x, by the
+    row_group kernels `four`, `two` and `one` of one widening: the weights are read once, as
+    stored, not widened to a float32 copy every token, and q/k/v or gate/up take one launch, as
+    drivers.matvec does for quantized weights. The rows of x go through in groups of four, then
+    two, then one, and every row has the bits it has alone. The entry points below pass their
+    groups from module globals: a kernel closing over them would pickle differently in every
+    process, and numba's cache would compile it again in each."""
+    ra = a.shape[0]
+    rab = ra + b.shape[0]
+    rows = rab + c.shape[0]
     n = x.shape[0]
     n_chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
     for ch in prange(n_chunks):
         for r in range(ch * CHUNK_ROWS, min(rows, (ch + 1) * CHUNK_ROWS)):
+            if r < ra:
+                w = a[r]
+            elif r < rab:
+                w = b[r - ra]
+            else:
+                w = c[r - rab]
             k = 0
             while k + 4 <= n:
-                four(a[r], x, k, out, r)
+                four(w, x, k, out, r)
                 k += 4
             if k + 2 <= n:
-                two(a[r], x, k, out, r)
+                two(w, x, k, out, r)
                 k += 2
             if k < n:
-                one(a[r], x, k, out, r)
+                one(w, x, k, out, r)
 
 
 # float16 weights (lanes.half_to_f32: the CPU's conversion where it has one).
@@ -161,15 +172,15 @@ _F32_FOUR, _F32_TWO, _F32_ONE = (row_group(bits_f32, rows, F32_LANES) for rows i
 
 
 @njit(parallel=True, cache=True)
-def matvec_f16(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out (n, rows) = x @ A.T for float16 weights A (uint16 bits, rows x cols)."""
-    float_matvec(a, x, out, _F16_FOUR, _F16_TWO, _F16_ONE)
+def matvec_f16(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, ra + rb + rc) = x @ [A; B; C].T for float16 weights (uint16 bits, rows x cols)."""
+    float_matvec(a, b, c, x, out, _F16_FOUR, _F16_TWO, _F16_ONE)
 
 
 @njit(parallel=True, cache=True)
-def matvec_f32(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out (n, rows) = x @ A.T for float32 weights A (uint32 bits, rows x cols)."""
-    float_matvec(a, x, out, _F32_FOUR, _F32_TWO, _F32_ONE)
+def matvec_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, ra + rb + rc) = x @ [A; B; C].T for float32 weights (uint32 bits, rows x cols)."""
+    float_matvec(a, b, c, x, out, _F32_FOUR, _F32_TWO, _F32_ONE)
 
 
 @njit(parallel=True, cache=True)

@@ -3,7 +3,7 @@ from their bits, by compiled loops that LLVM vectorizes.
 
   widen_f16_tile(a, start, out)   out (m, cols) = A[start : start + m] for float16 bits A
   widen_bf16_tile(a, start, out)  the same for bfloat16 bits
-  matvec_bf16(a, x, out)          out (n, rows) = x @ A.T for bfloat16 weights, a few rows of x
+  matvec_bf16(a, b, c, x, out)    out (n, rows) = x @ [A; B; C].T for bfloat16 weights, a few rows of x
 
 A prefill multiplies float32 tiles by BLAS, so each tile is widened first: numpy's conversion
 from float16 does not use the CPU's instruction and takes longer than the product it feeds, and
@@ -51,6 +51,6 @@ _BF16_FOUR, _BF16_TWO, _BF16_ONE = (row_group(bf16_to_f32, rows, HALF_LANES) for
 
 
 @njit(parallel=True, cache=True)
-def matvec_bf16(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+def matvec_bf16(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """drivers.matvec_f16 for bfloat16 weights."""
-    float_matvec(a, x, out, _BF16_FOUR, _BF16_TWO, _BF16_ONE)
+    float_matvec(a, b, c, x, out, _BF16_FOUR, _BF16_TWO, _BF16_ONE)

@@ -89,6 +89,11 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
         else:
             drivers.matvec(fmt, a, b, c, x, F16_TABLE, out)
         return out
+    if HAVE_NUMBA and len(ws) <= 3 and n <= FUSED_MAX_N and all(w.qtype == ws[0].qtype for w in ws):
+        if ws[0].qtype in FLOAT_ROW_QTYPES:  # one launch for q/k/v or gate/up, as above
+            out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
+            _float_matvec(ws, x, out)
+            return out
     if len(ws) == 1:
         return _matmul_one(ws[0], x)
     # Each weight's product straight into its columns: no per-weight arrays to concatenate
@@ -121,12 +126,8 @@ def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.
         return _tiled_matmul(w, x, _reference_tile, out)
     if few and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype in FLOAT_ROW_QTYPES):
         rows = np.empty((x.shape[0], w.rows), dtype=np.float32)  # the kernel's own C layout
-        if w.qtype == Q.F32:
-            drivers.matvec_f32(w.raw.view(np.uint32), x, rows)
-        elif w.qtype == Q.F16:
-            drivers.matvec_f16(w.raw.view(np.uint16), x, rows)
-        elif w.qtype == Q.BF16:
-            float_weights.matvec_bf16(w.raw.view(np.uint16), x, rows)
+        if w.qtype in FLOAT_ROW_QTYPES:
+            _float_matvec([w], x, rows)
         else:
             drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, rows)
         if out is None:
@@ -134,6 +135,19 @@ def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.
         out[...] = rows
         return out
     return _tiled_matmul(w, x, _dequantize_tile, out)
+
+
+def _float_matvec(ws: Sequence[QTensor], x: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ [W0; W1; W2].T for up to three float weights of one type and a few rows x,
+    by the row-group kernels in one launch."""
+    qtype = ws[0].qtype
+    bits = np.uint32 if qtype == Q.F32 else np.uint16
+    raws = _same_kind([w.raw.view(bits) for w in ws])
+    a = raws[0]
+    b = raws[1] if len(raws) > 1 else a[:0]
+    c = raws[2] if len(raws) > 2 else a[:0]
+    kernel = {Q.F32: drivers.matvec_f32, Q.F16: drivers.matvec_f16}.get(qtype, float_weights.matvec_bf16)
+    kernel(a, b, c, x, out)
 
 
 def _same_kind(raws: list[np.ndarray]) -> list[np.ndarray]:

@@ -55,9 +55,9 @@ def test_decode_rows_run_the_half_kernel_not_tiles(monkeypatch: pytest.MonkeyPat
     calls: list[int] = []
     real = drivers.matvec_f16
 
-    def spy(a: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    def spy(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         calls.append(x.shape[0])
-        real(a, x, out)
+        real(a, b, c, x, out)
 
     monkeypatch.setattr(drivers, "matvec_f16", spy)
     matmul.matmul(w, np.ones((2, 64), dtype=np.float32))
@@ -83,10 +83,10 @@ def test_each_row_of_a_group_has_the_bits_of_that_row_alone(kernel: str, cols: i
     x = (rng.standard_normal((7, cols)) * 10.0 ** rng.integers(-3, 4, (7, cols))).astype(np.float32)
     alone = np.empty((7, 37), dtype=np.float32)
     for k in range(7):
-        matvec(bits, x[k : k + 1], alone[k : k + 1])
+        matvec(bits, bits[:0], bits[:0], x[k : k + 1], alone[k : k + 1])
     for n in range(2, 8):
         together = np.empty((n, 37), dtype=np.float32)
-        matvec(bits, x[:n], together)
+        matvec(bits, bits[:0], bits[:0], x[:n], together)
         np.testing.assert_array_equal(
             together.view(np.uint32), alone[:n].view(np.uint32), err_msg=f"{n} rows"
         )
@@ -103,3 +103,36 @@ def test_decode_product_of_float32_weights_is_numpys(cols: int, n: int) -> None:
     x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
     got = matmul.matmul(tensor, x)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.F32]
+)
+def test_three_weights_take_one_launch_with_the_bits_of_each_alone(
+    qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v (or gate/up) of float weights run as one launch, as quantized ones do, and each
+    weight's columns have the bits of that weight multiplied alone."""
+    rng = np.random.default_rng(7)
+    dtype = {GGMLQuantizationType.F32: np.float32}.get(qtype, np.float16)
+    ws = []
+    for i, rows in enumerate((48, 16, 16)):
+        values = rng.standard_normal((rows, 96)).astype(dtype)
+        if qtype == GGMLQuantizationType.BF16:  # bfloat16: the top half of each float32
+            values = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        raw = values.view(np.uint8).reshape(rows, -1).copy()
+        raw.flags.writeable = False
+        ws.append(QTensor(f"blk.0.w{i}.weight", qtype, (rows, 96), raw))
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    launches: list[int] = []
+    for module, name in ((drivers, "matvec_f16"), (drivers, "matvec_f32")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, real=real: (launches.append(1), real(*args))[1])
+    from prima.kernels import float_weights
+
+    real_bf16 = float_weights.matvec_bf16
+    monkeypatch.setattr(float_weights, "matvec_bf16", lambda *args: (launches.append(1), real_bf16(*args))[1])
+    together = matmul.matmul_many(ws, x)
+    assert launches == [1]
+    alone = np.concatenate([matmul.matmul(w, x) for w in ws], axis=1)
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
