@@ -16,6 +16,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing import Pipe, get_context
@@ -29,6 +30,11 @@ from prima.engine.thread_tuning import tuned_setting
 from prima.errors import InputError
 from prima.kernels import thread_env
 from prima.model.registry import DEFAULT_MODEL, resolve_model
+
+# Seconds between two engines' runs: an engine's idle OpenMP workers spin after its run (libgomp's
+# default, up to tens of milliseconds on a CPU whose pause instruction is slow), and they would
+# take a core from the other engine's next prefill. Both engines get the same pause.
+SETTLE_S = 0.2
 
 
 @dataclass
@@ -174,6 +180,7 @@ def _bench_model(
         runs: dict[str, list[tuple[float, float]]] = {e: [] for e in engines}
         for _ in range(reps):
             for engine, _, conn in workers:
+                time.sleep(SETTLE_S)  # the other engine's idle OpenMP workers stop spinning
                 conn.send(("run", ids, n_gen))
                 runs[engine].append(_recv(conn))
         results = []

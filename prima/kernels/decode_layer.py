@@ -22,8 +22,14 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from prima.kernels import attention_compiled, drivers, ops_compiled
+from prima.ggml_constants import GGMLQuantizationType as Q
+from prima.kernels import attention_compiled, drivers, float_weights, ops_compiled
 from prima.kernels.ops_reference import QkvSplit
+
+# Float weights' type ids: their rows are read as stored, as unsigned integers of their width, by
+# the row-group kernels matmul_many runs for them (drivers.float_matvec).
+F32_ID, F16_ID, BF16_ID = int(Q.F32), int(Q.F16), int(Q.BF16)
+FLOAT_IDS = (F32_ID, F16_ID, BF16_ID)
 
 
 class FusedLayer(NamedTuple):
@@ -51,9 +57,15 @@ class FusedLayer(NamedTuple):
 
 @njit(cache=True)
 def _project(fmt, a, b, c, x, int8, lut):
-    """x @ [A; B; C].T of one format, as matmul_many's fused launch."""
+    """x @ [A; B; C].T of one format, as matmul_many's fused launch (A, B, C raw bytes)."""
     out = np.empty((x.shape[0], a.shape[0] + b.shape[0] + c.shape[0]), dtype=np.float32)
-    if int8 and drivers.has_int8(fmt):
+    if fmt == F16_ID:
+        drivers.matvec_f16(a.view(np.uint16), b.view(np.uint16), c.view(np.uint16), x, out)
+    elif fmt == BF16_ID:
+        float_weights.matvec_bf16(a.view(np.uint16), b.view(np.uint16), c.view(np.uint16), x, out)
+    elif fmt == F32_ID:
+        drivers.matvec_f32(a.view(np.uint32), b.view(np.uint32), c.view(np.uint32), x, out)
+    elif int8 and drivers.has_int8(fmt):
         drivers.matvec_q8(fmt, a, b, c, x, out)
     else:
         drivers.matvec(fmt, a, b, c, x, lut, out)

@@ -19,6 +19,7 @@ from prima.kernels import lanes, ops_compiled
 from prima.kernels import matmul as mm
 from prima.kernels import ops_reference as ops
 from prima.kernels.quants import F16_TABLE
+from tests.tiny_models import write_tiny_model
 
 from .weights import random_qtensor
 
@@ -74,6 +75,25 @@ def test_fused_block_equals_step_by_step(
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_fused_block_of_float_weights_equals_step_by_step(
+    qtype: GGMLQuantizationType, tmp_path: Path
+) -> None:
+    """Float weights decode in one call too (their rows read as stored by the row-group
+    kernels), with the bits of the step-by-step path, 1 and 3 tokens a step."""
+    path = write_tiny_model(tmp_path / f"{qtype.name}.gguf", qtype=qtype, n_layers=3)
+    loaded = load_model(path, threads=2, mode="q8")
+    model = loaded.model
+    window = model.backend.load_window(range(model.config.n_layers))
+    assert all(block is not None for block in window.fused)
+    ids = [5, 9, 2, 14, 7, 30]
+    for n_step in (1, 3):
+        fused = _decode(loaded, True, ids, n_step)
+        steps = _decode(loaded, False, ids, n_step)
+        for a, b in zip(fused, steps, strict=True):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 @njit(cache=True)
 def _half_bits_all(values: np.ndarray, out: np.ndarray) -> None:
     for i in range(values.shape[0]):
@@ -125,7 +145,15 @@ def test_gelu_mul_matches_the_table_gelu() -> None:
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize(
     "formats",
-    [(Q.Q5_0, Q.Q5_0, Q.Q5_0), (Q.Q5_0, Q.Q5_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K, Q.Q6_K), (Q.Q4_1, Q.Q8_0, Q.Q6_K)],
+    [
+        (Q.Q5_0, Q.Q5_0, Q.Q5_0),
+        (Q.Q5_0, Q.Q5_0, Q.Q8_0),
+        (Q.Q4_K, Q.Q6_K, Q.Q6_K),
+        (Q.Q4_1, Q.Q8_0, Q.Q6_K),
+        (Q.F16, Q.F16, Q.F16),
+        (Q.BF16, Q.F16, Q.F32),
+        (Q.F32, Q.F32, Q.Q8_0),
+    ],
     ids=lambda f: "-".join(q.name for q in f),
 )
 def test_projections_of_mixed_formats_are_grouped_as_matmul_many(
