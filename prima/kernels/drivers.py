@@ -165,19 +165,24 @@ def float_matvec(
                 one(w, x, k, out, r)
 
 
+# The float drivers let LLVM fuse each lane's product and sum into one FMA (fastmath "contract"
+# alone: no reassociation, so the lanes' order, and each row's independence of its group, stay):
+# groups of rows, whose products bound them more than memory does, gain (docs/performance.md).
+FUSED_PRODUCTS = {"contract"}
+
 # float16 weights (lanes.half_to_f32: the CPU's conversion where it has one).
 _F16_FOUR, _F16_TWO, _F16_ONE = (row_group(half_to_f32, rows, HALF_LANES) for rows in (4, 2, 1))
 # float32 weights as their bits (lanes.bits_f32).
 _F32_FOUR, _F32_TWO, _F32_ONE = (row_group(bits_f32, rows, F32_LANES) for rows in (4, 2, 1))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=FUSED_PRODUCTS)
 def matvec_f16(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out (n, ra + rb + rc) = x @ [A; B; C].T for float16 weights (uint16 bits, rows x cols)."""
     float_matvec(a, b, c, x, out, _F16_FOUR, _F16_TWO, _F16_ONE)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=FUSED_PRODUCTS)
 def matvec_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out (n, ra + rb + rc) = x @ [A; B; C].T for float32 weights (uint32 bits, rows x cols)."""
     float_matvec(a, b, c, x, out, _F32_FOUR, _F32_TWO, _F32_ONE)
