@@ -74,6 +74,8 @@ def matvec(
                 dispatch.dot(fmt, c[r - rab], x, lut, out, r)
 
 
+CACHE_LINE = 64  # bytes: a float row's kernels ask for each line a page ahead (i8.PREFETCH_AHEAD)
+
 HALF_LANES = 32  # float32 accumulators of one row dot over 16-bit float weights
 # ... and over float32 weights: at 32, LLVM unrolls a row's lanes into scalars it does not
 # vectorize again (at 64 it keeps the loop and vectorizes it).
@@ -108,7 +110,11 @@ def row_group(widen: Callable[..., np.float32], rows: int, lanes: int) -> Callab
             acc[i] = 0.0
         n = w.shape[0]
         full = n - n % lanes
+        block_bytes = lanes * w.itemsize
         for b in range(0, full, lanes):
+            ahead = b * w.itemsize + i8.PREFETCH_AHEAD
+            for line in range(0, block_bytes, CACHE_LINE):
+                i8.prefetch(w, ahead + line)
             for j in range(lanes):
                 wj = widen(w[b + j])
                 for i in range(rows):
@@ -165,24 +171,19 @@ def float_matvec(
                 one(w, x, k, out, r)
 
 
-# The float drivers let LLVM fuse each lane's product and sum into one FMA (fastmath "contract"
-# alone: no reassociation, so the lanes' order, and each row's independence of its group, stay):
-# groups of rows, whose products bound them more than memory does, gain (docs/performance.md).
-FUSED_PRODUCTS = {"contract"}
-
 # float16 weights (lanes.half_to_f32: the CPU's conversion where it has one).
 _F16_FOUR, _F16_TWO, _F16_ONE = (row_group(half_to_f32, rows, HALF_LANES) for rows in (4, 2, 1))
 # float32 weights as their bits (lanes.bits_f32).
 _F32_FOUR, _F32_TWO, _F32_ONE = (row_group(bits_f32, rows, F32_LANES) for rows in (4, 2, 1))
 
 
-@njit(parallel=True, cache=True, fastmath=FUSED_PRODUCTS)
+@njit(parallel=True, cache=True)
 def matvec_f16(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out (n, ra + rb + rc) = x @ [A; B; C].T for float16 weights (uint16 bits, rows x cols)."""
     float_matvec(a, b, c, x, out, _F16_FOUR, _F16_TWO, _F16_ONE)
 
 
-@njit(parallel=True, cache=True, fastmath=FUSED_PRODUCTS)
+@njit(parallel=True, cache=True)
 def matvec_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out (n, ra + rb + rc) = x @ [A; B; C].T for float32 weights (uint32 bits, rows x cols)."""
     float_matvec(a, b, c, x, out, _F32_FOUR, _F32_TWO, _F32_ONE)

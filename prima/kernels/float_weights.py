@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from prima.kernels.drivers import FUSED_PRODUCTS, HALF_LANES, float_matvec, row_group
+from prima.kernels.drivers import HALF_LANES, float_matvec, row_group
 from prima.kernels.lanes import bits_f32, half_to_f32
 
 
@@ -50,7 +50,7 @@ def widen_bf16_tile(a: np.ndarray, start: int, out: np.ndarray) -> None:
 _BF16_FOUR, _BF16_TWO, _BF16_ONE = (row_group(bf16_to_f32, rows, HALF_LANES) for rows in (4, 2, 1))
 
 
-@njit(parallel=True, cache=True, fastmath=FUSED_PRODUCTS)
+@njit(parallel=True, cache=True)
 def matvec_bf16(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """drivers.matvec_f16 for bfloat16 weights."""
     float_matvec(a, b, c, x, out, _BF16_FOUR, _BF16_TWO, _BF16_ONE)

@@ -222,11 +222,12 @@ def f16_at(typingctx, w, off):
     return types.float32(w, off), codegen
 
 
-# Bytes ahead of the current block that the kernels ask the CPU to fetch. Weights come from
-# page-cache pages, 4 KiB each and scattered in physical memory, where the hardware prefetcher
-# stops at every page boundary; a software prefetch crosses it.
+# Bytes ahead of the current block that the kernels ask the CPU to fetch: a page. Weights come
+# from page-cache pages, 4 KiB each and scattered in physical memory, where the hardware
+# prefetcher stops at every page boundary; a software prefetch crosses it. A page ahead beat
+# 1 KiB on machine C (docs/performance.md), for quantized blocks and float rows alike.
 # A constant, not a setting: numba compiles it into cached kernels, which would ignore a change.
-PREFETCH_AHEAD = 1024
+PREFETCH_AHEAD = 4096
 
 
 @intrinsic
