@@ -4,13 +4,13 @@ the prompt) and for free text.
 
     python bench/bench_speculative.py [--model smollm2-135m] [-n 64] [--threads 1] [--draft-max 3]
                                       [--draft-model PATH_OR_NAME | --pair ceiling|floor]
-                                      [--ceiling-type F32|F16] [--cache-dir DIR] [--skip-ring]
+                                      [--ceiling-type F32|F16|BF16] [--cache-dir DIR] [--skip-ring]
                                       [--hop-ms MS]
 
 With --draft-model the drafts come from that model (on the ring, the head daemon's) instead of
 prompt lookup. --pair measures the bounds of a draft model with pairs made from --model (see
 speculative_pairs.py; written once into --cache-dir): `ceiling` runs a dequantized F32 (or
---ceiling-type F16) copy of the model drafted for by the model itself (nearly every draft
+--ceiling-type F16 or BF16) copy of the model drafted for by the model itself (nearly every draft
 accepted, a cheap draft: the best a real pair can do); `floor` runs the model drafted for by a
 tiny random Qwen with its vocabulary (drafts almost always rejected: what a useless draft costs
 with the back-off).

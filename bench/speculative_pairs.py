@@ -27,13 +27,17 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from prima.model.synth import SynthSpec, write_synth_model
 
-CEILING_TYPES = {"F32": np.float32, "F16": np.float16}
-# general.file_type as llama.cpp numbers it (llama_ftype): all F32, mostly F16.
-_FILE_TYPE = {"F32": 0, "F16": 1}
+CEILING_TYPES = {
+    "F32": GGMLQuantizationType.F32,
+    "F16": GGMLQuantizationType.F16,
+    "BF16": GGMLQuantizationType.BF16,
+}
+# general.file_type as llama.cpp numbers it (llama_ftype): all F32, mostly F16, mostly BF16.
+_FILE_TYPE = {"F32": 0, "F16": 1, "BF16": 32}
 # The floor's draft: 2 layers of 64 wide, so its cost is mostly its 49152-row output head.
 FLOOR_SPEC = SynthSpec(
     arch="qwen2", n_layers=2, d_model=64, ffn=128, n_heads=4, n_kv_heads=2, qtype="Q8_0", tied_output=True
@@ -42,12 +46,12 @@ _WRITER_KEYS = ("GGUF.", "general.architecture", "general.file_type")  # the wri
 
 
 def ceiling_target(source: Path, cache_dir: Path, weight_type: str = "F32") -> Path:
-    """`source` with every quantized matrix dequantized to `weight_type` (F32 or F16); norms and
-    other F32 tensors are copied. Written once as <stem>.<type>.gguf in `cache_dir`."""
+    """`source` with every quantized matrix dequantized to `weight_type` (F32, F16 or BF16,
+    rounded by gguf-py as llama.cpp's converter rounds); norms and other F32 tensors are copied. Written once as <stem>.<type>.gguf in `cache_dir`."""
     out = cache_dir / f"{source.stem}.dequantized-{weight_type}.gguf"
     if out.is_file():
         return out
-    dtype = CEILING_TYPES[weight_type]
+    qtype = CEILING_TYPES[weight_type]
     reader = GGUFReader(str(source))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -56,23 +60,25 @@ def ceiling_target(source: Path, cache_dir: Path, weight_type: str = "F32") -> P
     _copy_metadata(reader, writer)
     writer.add_file_type(_FILE_TYPE[weight_type])
 
-    def target_dtype(tensor_type: GGMLQuantizationType) -> type[np.floating]:
+    def target_type(tensor_type: GGMLQuantizationType) -> GGMLQuantizationType:
         # Matrices take the chosen type; what is already F32 (norms, biases) stays F32.
-        return np.float32 if tensor_type == GGMLQuantizationType.F32 else dtype
+        return GGMLQuantizationType.F32 if tensor_type == GGMLQuantizationType.F32 else qtype
 
     # Shapes first (the header precedes the data), then one tensor at a time: memory stays at
     # about one dequantized tensor.
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))  # numpy order: rows, then columns
-        out_dtype = np.dtype(target_dtype(t.tensor_type))
-        writer.add_tensor_info(t.name, shape, out_dtype, int(np.prod(shape)) * out_dtype.itemsize)
+        kind = target_type(t.tensor_type)
+        nbytes = int(np.prod(shape)) * (4 if kind == GGMLQuantizationType.F32 else 2)
+        byte_shape = (*shape[:-1], nbytes // max(int(np.prod(shape[:-1])), 1))
+        writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))
-        values = dequantize(t.data, t.tensor_type).reshape(shape)
-        writer.write_tensor_data(np.ascontiguousarray(values, dtype=target_dtype(t.tensor_type)))
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        writer.write_tensor_data(quantize(values, target_type(t.tensor_type)).view(np.uint8))
     writer.close()
     os.replace(tmp, out)
     return out
