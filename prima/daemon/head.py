@@ -66,6 +66,10 @@ class RingEngine:
     LocalEngine it says which tokens the ring's caches hold (`held_tokens`), so a kept session
     (prima.daemon.kept_sessions) can serve the next request that starts with them."""
 
+    # A check of drafts waits for a trip round the ring, while the drafter can guess on
+    # (prima.engine.drafts_ahead).
+    checks_over_network = True
+
     def __init__(
         self, model: WindowedModel, link: RingLink, n_ctx: int, ubatch: int = DEFAULT_UBATCH
     ) -> None:

@@ -13,7 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from prima.engine.prefix import common_prefix
+from prima.engine.drafts_ahead import DraftsAhead, checks_over_network
+from prima.engine.prefix import reuse_prefix
 from prima.engine.sampling import Sampler, SamplerConfig
 from prima.engine.speculative import DraftConfig, DraftLength, DraftSource, drafter
 from prima.errors import ContextFullError, InputError
@@ -50,18 +51,6 @@ class ReplayingEngine(Protocol):
     the same bits, in batches as large as keeps that true (a resumed generation's tokens)."""
 
     def forward_decoded(self, token_ids: list[int] | np.ndarray) -> np.ndarray: ...
-
-
-@runtime_checkable
-class PrefixEngine(Protocol):
-    """An engine whose KV cache outlives a generation: `held_tokens` are the ids at the
-    positions it holds, and `rewind(n)` keeps the first n of them. A request that starts with
-    some of them computes only the rest (reuse_prefix)."""
-
-    @property
-    def held_tokens(self) -> Sequence[int]: ...
-
-    def rewind(self, n_past: int) -> None: ...
 
 
 class TextDecoder(Protocol):
@@ -207,6 +196,12 @@ def sample_tokens(
     draft_length = DraftLength(request.draft.max_tokens)
     if drafts_from is not None and not isinstance(engine, VerifyingEngine):
         raise InputError(f"{type(engine).__name__} cannot check draft tokens; run without --draft")
+    # On a ring, the drafter guesses the next drafts while a check travels (drafts_ahead).
+    ahead = (
+        DraftsAhead(drafts_from, request.draft.max_tokens)
+        if drafts_from and checks_over_network(engine)
+        else None
+    )
     stops = set(request.stop_ids)
     history = list(prompt)
     t0 = clock()
@@ -226,12 +221,18 @@ def sample_tokens(
         left = max_tokens - (len(history) - len(prompt))
         if not left:
             break
-        drafts = drafts_from.propose(history, draft_length.next(left - 1)) if drafts_from else []
+        n_drafts = draft_length.next(left - 1) if drafts_from else 0
+        drafts = ahead.take(history, n_drafts) if ahead else []
+        drafts = drafts or (drafts_from.propose(history, n_drafts) if drafts_from else [])
         if not drafts:
             token = sample.sample(engine.forward([token]), history)
             continue
         verifier: VerifyingEngine = engine  # type: ignore[assignment]  # checked above
-        rows = verifier.forward_all([token, *drafts])
+        rows = (
+            ahead.check(verifier.forward_all, history, drafts)
+            if ahead
+            else verifier.forward_all([token, *drafts])
+        )
         drafted += len(drafts)
         kept = 0
         for row, draft in zip(rows, [*drafts, None], strict=True):
@@ -254,19 +255,6 @@ def sample_tokens(
         accepted,
         cached_tokens=cached,
     )
-
-
-def reuse_prefix(engine: Engine, prompt: Sequence[int]) -> int:
-    """Make `engine` hold a prefix of `prompt` and return its length: the longest prefix its
-    cache shares with the prompt (a PrefixEngine), but never the prompt's last token, whose
-    logits the first sample needs; otherwise reset it and return 0."""
-    if isinstance(engine, PrefixEngine):
-        keep = min(common_prefix(engine.held_tokens, prompt), len(prompt) - 1)
-        if keep > 0:
-            engine.rewind(keep)
-            return keep
-    engine.reset()
-    return 0
 
 
 def prefill(engine: Engine, prompt: list[int], decoded: int = 0) -> np.ndarray:

@@ -16,13 +16,12 @@ from prima.engine.batching import DecodeBatcher
 from prima.engine.generate import (
     Engine,
     GenerateRequest,
-    PrefixEngine,
     TokenEvent,
     VerifyingEngine,
     forward_ids,
     sample_tokens,
 )
-from prima.engine.prefix import choose_held
+from prima.engine.prefix import PrefixEngine, choose_held
 from prima.engine.speculative import Drafter, DraftSource
 from prima.engine.turns import TurnTaking
 from prima.errors import InputError
@@ -240,7 +239,7 @@ class LocalGeneratorPool:
     An engine keeps its cache after a request, so the pool is also a cache of up to `size`
     conversations: a request goes to the free engine whose held tokens share the longest
     prefix with its prompt (a chat's earlier turns, a common system prompt), which computes
-    only the rest (prima.engine.generate.reuse_prefix). A request that would cut into what an
+    only the rest (prima.engine.prefix.reuse_prefix). A request that would cut into what an
     engine holds takes a new engine while the pool may grow; once it is full, the engine sharing
     the longest prefix, or the one used least recently (prima.engine.prefix.choose_held)."""
 

@@ -1,9 +1,27 @@
-"""Which held KV cache a request should continue: pure choices over token ids, shared by this
-device's engine pool (prima.engine.local) and a ring head's kept sessions (prima.daemon)."""
+"""Which held KV cache a request should continue: choices over token ids, shared by this
+device's engine pool (prima.engine.local) and a ring head's kept sessions (prima.daemon), and
+how an engine is made to hold the part of a prompt it already computed (reuse_prefix)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PrefixEngine(Protocol):
+    """An engine whose KV cache outlives a generation: `held_tokens` are the ids at the
+    positions it holds, and `rewind(n)` keeps the first n of them. A request that starts with
+    some of them computes only the rest (reuse_prefix)."""
+
+    @property
+    def held_tokens(self) -> Sequence[int]: ...
+
+    def rewind(self, n_past: int) -> None: ...
+
+
+class ResettableEngine(Protocol):
+    def reset(self) -> None: ...
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -31,3 +49,16 @@ def choose_held(held: Sequence[Sequence[int]], prompt: Sequence[int], can_grow: 
         return None
     best = max(range(len(held)), key=shared.__getitem__)
     return best if shared[best] > 0 else 0
+
+
+def reuse_prefix(engine: ResettableEngine, prompt: Sequence[int]) -> int:
+    """Make `engine` hold a prefix of `prompt` and return its length: the longest prefix its
+    cache shares with the prompt (a PrefixEngine), but never the prompt's last token, whose
+    logits the first sample needs; otherwise reset it and return 0."""
+    if isinstance(engine, PrefixEngine):
+        keep = min(common_prefix(engine.held_tokens, prompt), len(prompt) - 1)
+        if keep > 0:
+            engine.rewind(keep)
+            return keep
+    engine.reset()
+    return 0
