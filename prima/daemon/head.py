@@ -66,10 +66,6 @@ class RingEngine:
     LocalEngine it says which tokens the ring's caches hold (`held_tokens`), so a kept session
     (prima.daemon.kept_sessions) can serve the next request that starts with them."""
 
-    # A check of drafts waits for a trip round the ring, while the drafter can guess on
-    # (prima.engine.drafts_ahead).
-    checks_over_network = True
-
     def __init__(
         self, model: WindowedModel, link: RingLink, n_ctx: int, ubatch: int = DEFAULT_UBATCH
     ) -> None:
@@ -86,6 +82,12 @@ class RingEngine:
         self._held: list[int] = []  # the token at each position the nodes' caches hold
         self._seq = 0
         link.open_ring_session(self.session_id, self.n_ctx)
+
+    @property
+    def checks_over_network(self) -> bool:
+        """Whether a check of drafts waits for other nodes (a ring of two or more), while the
+        drafter can guess on (prima.engine.drafts_ahead); a ring of one computes it here."""
+        return len(self.plan.nodes) > 1
 
     @property
     def vocab_size(self) -> int:

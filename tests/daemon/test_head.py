@@ -27,6 +27,7 @@ def test_a_ring_of_one_gives_the_logits_of_one_pass(solo_runtime: NodeRuntime) -
     model = solo_runtime.model
     ring = RingEngine(model, solo_runtime.head, n_ctx=32, ubatch=2)  # three micro-batches, pipelined
     try:
+        assert not ring.checks_over_network  # its checks of drafts run here: no drafting ahead
         got = ring.forward(PROMPT)
         step = ring.forward([10])  # a decode step: the head's own hop, computed inline
     finally:

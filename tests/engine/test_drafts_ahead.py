@@ -35,10 +35,8 @@ def draft_model() -> DraftModel:
 
 
 def test_only_a_ring_head_drafts_ahead(draft_model: DraftModel) -> None:
-    from prima.daemon.head import RingEngine
-
-    assert RingEngine.checks_over_network
     assert not checks_over_network(LocalEngine(draft_model.loaded.model, N_CTX))
+    assert checks_over_network(_EngineOverANetwork(draft_model.loaded.model, N_CTX))
 
 
 def test_guesses_made_during_a_check_are_the_next_passs_drafts(draft_model: DraftModel) -> None:
