@@ -25,7 +25,13 @@ from prima.cli.progress import FetchBar, StepBar, stage
 from prima.coordinator import session
 from prima.coordinator.discovery_options import Discovery
 from prima.coordinator.session import Progress, Session, SessionOptions
-from prima.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_METHODS, MAX_DRAFT_TOKENS, DraftConfig
+from prima.engine.speculative import (
+    DEFAULT_DRAFT_MAX,
+    DRAFT_METHODS,
+    MAX_DRAFT_TOKENS,
+    RING_DRAFT_MAX,
+    DraftConfig,
+)
 from prima.errors import InputError
 from prima.model.registry import DEFAULT_MODEL
 from prima.net import mdns_names
@@ -97,9 +103,10 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft-max",
         type=positive_int,
-        default=DEFAULT_DRAFT_MAX,
+        default=None,
         metavar="K",
-        help=f"draft tokens per pass, at most {MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_MAX})",
+        help=f"draft tokens per pass, at most {MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_MAX} with --local, "
+        f"{RING_DRAFT_MAX} on a ring, where kept drafts share a trip)",
     )
 
 
@@ -113,7 +120,9 @@ def draft_from_args(args: argparse.Namespace) -> DraftConfig:
                 f"--draft-model drafts with a model, --draft {method} without one: drop one of them"
             )
         method = "model"
-    return DraftConfig(method, args.draft_max)
+    if args.draft_max is not None:
+        return DraftConfig(method, args.draft_max)
+    return DraftConfig(method, DEFAULT_DRAFT_MAX if args.local else RING_DRAFT_MAX)
 
 
 def add_ring_args(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,9 @@ from prima.errors import InputError
 
 DRAFT_METHODS: tuple[str, ...] = ("none", "lookup", "model")
 DEFAULT_DRAFT_MAX = 3  # the last token + 3 drafts = 4 rows: one batch of the CPU's fused kernels
+# On a ring kept drafts share a trip round it, and the head drafts ahead while a check travels
+# (prima.engine.drafts_ahead), so longer drafts pay there (docs/performance.md).
+RING_DRAFT_MAX = 5
 MAX_DRAFT_TOKENS = 16  # more is never accepted often enough to pay for its rows
 # Longest and shortest n-gram looked up; longer matches are tried first (they guess better).
 NGRAM_MAX = 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prima.cli.engine_options import add_model_args, open_session, session_options
-from prima.engine.speculative import DraftConfig
+from prima.engine.speculative import DEFAULT_DRAFT_MAX, RING_DRAFT_MAX, DraftConfig
 from prima.errors import InputError, PlanError
 
 
@@ -77,6 +77,15 @@ def test_the_flags_are_read_once_into_frozen_options() -> None:
     assert options.discovery.interfaces == ("127.0.0.1",)
     assert options.discovery.expect == 2
     assert not options.local
+
+
+def test_drafts_are_longer_by_default_on_a_ring() -> None:
+    """Kept drafts share a trip round a ring, so a ring drafts more tokens a pass unless told."""
+    assert session_options(_args("--draft", "lookup", "--local")).draft.max_tokens == DEFAULT_DRAFT_MAX
+    assert (
+        session_options(_args("--draft", "lookup", "--nodes", "a:1,b:2")).draft.max_tokens == RING_DRAFT_MAX
+    )
+    assert session_options(_args("--draft", "lookup", "--local", "--draft-max", "2")).draft.max_tokens == 2
 
 
 def test_a_draft_model_file_means_drafting_with_a_model() -> None:
