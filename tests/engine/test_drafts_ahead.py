@@ -39,40 +39,43 @@ def test_only_a_ring_head_drafts_ahead(draft_model: DraftModel) -> None:
     assert checks_over_network(_EngineOverANetwork(draft_model.loaded.model, N_CTX))
 
 
-def test_guesses_made_during_a_check_are_the_next_passs_drafts(draft_model: DraftModel) -> None:
+HISTORY = [5, 9, 2, 14, 7]
+
+
+def _checked(draft_model: DraftModel, k: int) -> tuple[LocalEngine, list[int], DraftsAhead, np.ndarray]:
+    """The tiny model's own k drafts after HISTORY, checked through a DraftsAhead on an engine
+    holding HISTORY but its last token: (the engine, the drafts, the DraftsAhead, the logits)."""
     target = LocalEngine(draft_model.loaded.model, N_CTX)
-    history = [5, 9, 2, 14, 7]
-    target.forward(history[:-1])
-    drafts = draft_model.drafter(N_CTX).propose(history, 3)
-    ahead = DraftsAhead(draft_model.drafter(N_CTX), max_drafts=3)
-    rows = ahead.check(target.forward_all, history, drafts)
+    target.forward(HISTORY[:-1])
+    drafts = draft_model.drafter(N_CTX).propose(HISTORY, k)
+    ahead = DraftsAhead(draft_model.drafter(N_CTX), max_drafts=k)
+    return target, drafts, ahead, ahead.check(target.forward_all, HISTORY, drafts)
+
+
+def test_guesses_made_during_a_check_are_the_next_passs_drafts(draft_model: DraftModel) -> None:
+    _, drafts, ahead, rows = _checked(draft_model, 3)
     # The check's logits are the engine's own.
     again = LocalEngine(draft_model.loaded.model, N_CTX)
-    again.forward(history[:-1])
-    np.testing.assert_array_equal(rows, again.forward_all([history[-1], *drafts]))
+    again.forward(HISTORY[:-1])
+    np.testing.assert_array_equal(rows, again.forward_all([HISTORY[-1], *drafts]))
     # The model drafts for itself, so the check keeps every draft and samples its next guess:
     # the guesses after it are what a fresh drafter proposes for that history.
-    sampled = int(np.argmax(rows[-1]))
-    after = [*history, *drafts, sampled]
-    want = draft_model.drafter(N_CTX).propose(after, 3)
-    assert ahead.take(after, 3) == want
+    after = [*HISTORY, *drafts, int(np.argmax(rows[-1]))]
+    assert ahead.take(after, 3) == draft_model.drafter(N_CTX).propose(after, 3)
     assert ahead.take(after, 3) == []  # used once
 
 
 def test_guesses_are_dropped_when_the_check_went_otherwise(draft_model: DraftModel) -> None:
-    target = LocalEngine(draft_model.loaded.model, N_CTX)
-    history = [5, 9, 2, 14, 7]
-    target.forward(history[:-1])
-    drafts = draft_model.drafter(N_CTX).propose(history, 2)
-    ahead = DraftsAhead(draft_model.drafter(N_CTX), max_drafts=2)
-    rows = ahead.check(target.forward_all, history, drafts)
+    target, drafts, ahead, rows = _checked(draft_model, 2)
     sampled = int(np.argmax(rows[-1]))
     other = (sampled + 1) % draft_model.n_shared
-    assert ahead.take([*history, *drafts, other], 2) == []  # another token than guessed
-    ahead.check(target.forward_all, history, drafts)
-    assert ahead.take([*history, drafts[0], other], 2) == []  # a draft was rejected
-    ahead.check(target.forward_all, history, drafts)
-    assert ahead.take([*history, *drafts, sampled], 0) == []  # no drafts wanted
+    assert ahead.take([*HISTORY, *drafts, other], 2) == []  # another token than guessed
+    rejected = ([*HISTORY, drafts[0], other], 2)  # the check rejected the second draft
+    none_wanted = ([*HISTORY, *drafts, sampled], 0)  # as guessed, but the next pass drafts nothing
+    for history, n_tokens in (rejected, none_wanted):
+        target.rewind(len(HISTORY) - 1)
+        ahead.check(target.forward_all, HISTORY, drafts)
+        assert ahead.take(history, n_tokens) == []
 
 
 def test_a_failed_check_raises_on_the_generating_thread(draft_model: DraftModel) -> None:
