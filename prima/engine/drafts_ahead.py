@@ -8,8 +8,10 @@ guess, the next pass's drafts are already there and drafting costs no time; othe
 dropped and drafted again, as without this. The output never depends on it: the check decides
 every token (generate.sample_tokens).
 
-Only where the check waits on the network (an engine with `checks_over_network`): on one device
-the draft model and the check would share the same cores, and the guesses would take them from it.
+Only with a draft model, and only where the check waits on the network (an engine with
+`checks_over_network`): on one device the draft model and the check would share the same cores,
+and the guesses would take them from it. Prompt lookup costs nothing to run when its drafts are
+needed, and it indexes every context it sees as final, which a guessed one is not.
 """
 
 from __future__ import annotations
@@ -19,13 +21,21 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from prima.engine.speculative import Drafter
+from prima.engine.speculative import DraftConfig, Drafter
 
 
 def checks_over_network(engine: object) -> bool:
     """Whether `engine` checks drafts by a trip round a ring (it says so), so that drafting
     ahead overlaps a wait rather than compute."""
     return bool(getattr(engine, "checks_over_network", False))
+
+
+def drafts_ahead(drafts_from: Drafter | None, draft: DraftConfig, engine: object) -> DraftsAhead | None:
+    """What drafts ahead for a generation: a DraftsAhead for a draft model on an engine that
+    checks over the network, else None (draft when a pass needs it)."""
+    if drafts_from is None or draft.method != "model" or not checks_over_network(engine):
+        return None
+    return DraftsAhead(drafts_from, draft.max_tokens)
 
 
 class DraftsAhead:

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from prima.engine.drafts_ahead import DraftsAhead, checks_over_network
+from prima.engine.drafts_ahead import drafts_ahead
 from prima.engine.prefix import reuse_prefix
 from prima.engine.sampling import Sampler, SamplerConfig
 from prima.engine.speculative import DraftConfig, DraftLength, DraftSource, drafter
@@ -196,12 +196,7 @@ def sample_tokens(
     draft_length = DraftLength(request.draft.max_tokens)
     if drafts_from is not None and not isinstance(engine, VerifyingEngine):
         raise InputError(f"{type(engine).__name__} cannot check draft tokens; run without --draft")
-    # On a ring, the drafter guesses the next drafts while a check travels (drafts_ahead).
-    ahead = (
-        DraftsAhead(drafts_from, request.draft.max_tokens)
-        if drafts_from and checks_over_network(engine)
-        else None
-    )
+    ahead = drafts_ahead(drafts_from, request.draft, engine)  # on a ring, with a draft model
     stops = set(request.stop_ids)
     history = list(prompt)
     t0 = clock()

@@ -9,12 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from prima.engine import drafts_ahead
 from prima.engine.draft_model import DraftModel
-from prima.engine.drafts_ahead import DraftsAhead, checks_over_network
+from prima.engine.drafts_ahead import DraftsAhead, checks_over_network, drafts_ahead
 from prima.engine.generate import GenerateRequest, GenerationDone, sample_tokens
 from prima.engine.local import LocalEngine
-from prima.engine.speculative import DraftConfig
+from prima.engine.speculative import DraftConfig, PromptLookup
 from prima.forward.loader import load_model
 from tests.conftest import tiny_model_path
 
@@ -34,9 +33,17 @@ def draft_model() -> DraftModel:
     return DraftModel(loaded, loaded.model.config.vocab_size)
 
 
-def test_only_a_ring_head_drafts_ahead(draft_model: DraftModel) -> None:
-    assert not checks_over_network(LocalEngine(draft_model.loaded.model, N_CTX))
-    assert checks_over_network(_EngineOverANetwork(draft_model.loaded.model, N_CTX))
+def test_only_a_ring_head_with_a_draft_model_drafts_ahead(draft_model: DraftModel) -> None:
+    here = LocalEngine(draft_model.loaded.model, N_CTX)
+    ring = _EngineOverANetwork(draft_model.loaded.model, N_CTX)
+    assert not checks_over_network(here)
+    assert checks_over_network(ring)
+    model = DraftConfig("model", 3)
+    drafter = draft_model.drafter(N_CTX)
+    assert drafts_ahead(drafter, model, here) is None
+    assert drafts_ahead(None, model, ring) is None
+    assert drafts_ahead(PromptLookup(), DraftConfig("lookup", 3), ring) is None
+    assert isinstance(drafts_ahead(drafter, model, ring), DraftsAhead)
 
 
 HISTORY = [5, 9, 2, 14, 7]
@@ -92,14 +99,14 @@ def test_drafting_ahead_keeps_plain_decodings_tokens_and_uses_its_guesses(
     draft_model: DraftModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken: list[int] = []
-    real_take = drafts_ahead.DraftsAhead.take
+    real_take = DraftsAhead.take
 
     def counting_take(self: DraftsAhead, history: list[int], n_tokens: int) -> list[int]:
         got = real_take(self, history, n_tokens)
         taken.append(len(got))
         return got
 
-    monkeypatch.setattr(drafts_ahead.DraftsAhead, "take", counting_take)
+    monkeypatch.setattr(DraftsAhead, "take", counting_take)
     model = draft_model.loaded.model
     plain = GenerateRequest((5, 9, 2, 14, 7), 24, n_ctx=N_CTX)
     want = [t for t in sample_tokens(LocalEngine(model, N_CTX), plain) if isinstance(t, int)]
