@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prima.kernels import drivers
 from prima.kernels import ops_reference as ops
-from prima.kernels.decode_layer import FLOAT_IDS, FusedLayer, decode_layer
+from prima.kernels.decode_layer import DECODE_IDS, FusedLayer, decode_layer
 from prima.kernels.quants import F16_TABLE
 from prima.kernels.tensor import QTensor
 from prima.model.config import ModelConfig
@@ -38,7 +37,7 @@ class FusedBlock:
         """The block of `params`, or None when a projection has a format without a decode
         kernel: such blocks keep the step-by-step path."""
         tensors: list[QTensor] = [getattr(params.weights, name) for name in PROJECTIONS]
-        if any(int(w.qtype) not in drivers.QUANTIZED_IDS | set(FLOAT_IDS) for w in tensors):
+        if any(int(w.qtype) not in DECODE_IDS for w in tensors):
             return None
         ws = []
         for w in tensors:

@@ -21,6 +21,8 @@ class PrefixEngine(Protocol):
 
 
 class ResettableEngine(Protocol):
+    """Any engine: reset() forgets every position it holds."""
+
     def reset(self) -> None: ...
 
 

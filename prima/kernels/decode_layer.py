@@ -30,6 +30,8 @@ from prima.kernels.ops_reference import QkvSplit
 # the row-group kernels matmul_many runs for them (drivers.float_matvec).
 F32_ID, F16_ID, BF16_ID = int(Q.F32), int(Q.F16), int(Q.BF16)
 FLOAT_IDS = (F32_ID, F16_ID, BF16_ID)
+# Every format decode_layer computes: the quantized ones' kernels and the float ones'.
+DECODE_IDS: frozenset[int] = drivers.QUANTIZED_IDS | frozenset(FLOAT_IDS)
 
 
 class FusedLayer(NamedTuple):
