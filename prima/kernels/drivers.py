@@ -74,7 +74,7 @@ def matvec(
                 dispatch.dot(fmt, c[r - rab], x, lut, out, r)
 
 
-CACHE_LINE = 64  # bytes: a float row's kernels ask for each line a page ahead (i8.PREFETCH_AHEAD)
+CACHE_LINE = i8.CACHE_LINE  # a float row's kernels ask for each line a page ahead
 
 HALF_LANES = 32  # float32 accumulators of one row dot over 16-bit float weights
 # ... and over float32 weights: at 32, LLVM unrolls a row's lanes into scalars it does not

@@ -228,6 +228,7 @@ def f16_at(typingctx, w, off):
 # 1 KiB on machine C (docs/performance.md), for quantized blocks and float rows alike.
 # A constant, not a setting: numba compiles it into cached kernels, which would ignore a change.
 PREFETCH_AHEAD = 4096
+CACHE_LINE = 64  # bytes: blocks longer than a line ask for each of their lines
 
 
 @intrinsic
@@ -336,6 +337,32 @@ def _nib32(high: bool):
 
 dot_lo32 = _nib32(high=False)
 dot_hi32 = _nib32(high=True)
+
+
+def _nib5_32(high: bool):
+    """An intrinsic for one Q5_K sub-block: acc += scale * q_j * x[xo + j], j < 32, where q_j is
+    the low (or, with `high`, the high) nibble of w[wo + j] with bit `bit` of w[ho + j] as its
+    fifth bit (q_j < 32)."""
+
+    @intrinsic
+    def dot(typingctx, acc, scale, w, wo, ho, bit, x, xo):
+        def codegen(context, builder, sig, args):
+            a = sig.args
+            raw = _load(context, builder, a[2], args[2], _i64(builder, args[3], a[3]), 32)
+            v = builder.lshr(raw, _const(32, 4)) if high else builder.and_(raw, _const(32, 15))
+            qh = _load(context, builder, a[2], args[2], _i64(builder, args[4], a[4]), 32)
+            fifth = builder.and_(builder.lshr(qh, _splat(builder, args[5], 32)), _const(32, 1))
+            v = builder.or_(v, builder.shl(fifth, _const(32, 4)))
+            xv = _load(context, builder, a[6], args[6], _i64(builder, args[7], a[7]), 32)
+            _accumulate_unsigned(builder, args[0], args[1], v, xv)
+
+        return types.void(acc, types.float32, w, wo, ho, bit, x, xo), codegen
+
+    return dot
+
+
+dot5_lo32 = _nib5_32(high=False)
+dot5_hi32 = _nib5_32(high=True)
 
 
 @intrinsic

@@ -15,6 +15,7 @@ beside it: a draft checked in a group gives the bits decoding gives it alone.
   legacy_rows(layout, block)          a legacy format's qdot from its per-block step
   affine_rows(layout, block_dot)      the same for formats whose blocks begin with d and m, their
                                       four blocks' scales converted together (NATIVE_HALF)
+  superblock_rows(layout, step, ...)  a K-quant's qdot from its per-super-block step (row by row)
 Both return the kernel uncompiled (the format module compiles it with its own steps).
 """
 
@@ -24,7 +25,16 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import Layout
-from prima.kernels.int8_dots import PREFETCH_AHEAD, QK8, affine_scales4, half_at, hsum, prefetch, zero_lanes
+from prima.kernels.int8_dots import (
+    CACHE_LINE,
+    PREFETCH_AHEAD,
+    QK8,
+    affine_scales4,
+    half_at,
+    hsum,
+    prefetch,
+    zero_lanes,
+)
 from prima.kernels.lanes import stack_f32
 
 
@@ -82,6 +92,40 @@ def legacy_rows(layout: Layout, block):
                 if nb % 2:
                     ta0 += block(a0, w, r, wr, nb - 1, xq, xd, xs, k, xa)
                 out[k, col] = (hsum(a0) + hsum(a1)) + (ta0 + ta1)
+
+    return kernel
+
+
+def superblock_rows(layout: Layout, superblock, prefetched: bool):
+    """The qdot kernel of a K-quant (256-element super-blocks) from its per-super-block step
+        superblock(acc0p, acc1p, w, r, wr, sb, xq, xd, xs, k, xk, less) -> float32
+    which adds super-block sb's sub-block dots with activation row k to the lanes at acc0p and
+    acc1p (alternating) and returns `less` plus its part of the term subtracted at the end (the
+    mins times the blocks' sums, added one by one to the row's running sum; a format without
+    mins returns `less`). `prefetched`: ask for each super-block's lines a page ahead.
+
+    Rows go one at a time: taking two activation rows per pass over a super-block, as the
+    legacy formats do, gained nothing here (LLVM did not share the unpacking; Q4_K and Q6_K,
+    machine C, 2026-12-06), and the prefetch pays for Q6_K but costs Q4_K a few percent."""
+    size, elements = layout.nbytes, layout.elements
+
+    def kernel(w, r0, r1, xq, xd, xs, out, c0):
+        acc0p, acc1p = stack_f32(16), stack_f32(16)
+        n_super = xq.shape[1] // elements
+        for r in range(r0, r1):
+            wr = r * w.strides[0]
+            for k in range(xq.shape[0]):
+                xk = k * xq.strides[0]
+                zero_lanes(carray(acc0p, 16))
+                zero_lanes(carray(acc1p, 16))
+                less = np.float32(0.0)
+                for sb in range(n_super):
+                    if prefetched:
+                        ahead = wr + sb * size + PREFETCH_AHEAD
+                        for line in range(0, size, CACHE_LINE):
+                            prefetch(w, ahead + line)
+                    less = superblock(acc0p, acc1p, w, r, wr, sb, xq, xd, xs, k, xk, less)
+                out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) - less
 
     return kernel
 

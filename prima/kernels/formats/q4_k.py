@@ -9,8 +9,9 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import QuantFormat, layouts
-from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, f16_at, half_at, hsum, zero_lanes
+from prima.kernels.int8_dots import QK8, dot_hi32, dot_lo32, f16_at, half_at
 from prima.kernels.lanes import half, lane_sum, nibbles, stack_f32
+from prima.kernels.row_groups import superblock_rows
 
 LAYOUT = layouts.Q4_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
@@ -79,7 +80,7 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
-def _scale_min_at(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np.float32]:
+def scale_min_at(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np.float32]:
     """scale_min for byte `o` of row r of the 2-D `w` (the int8 kernel's addressing)."""
     if j < 4:
         sc = np.int32(w[r, o + j] & 63)
@@ -90,34 +91,27 @@ def _scale_min_at(w: np.ndarray, r: int, o: int, j: int) -> tuple[np.float32, np
     return np.float32(sc), np.float32(m)
 
 
-@njit(cache=True)
-def qdot(w, r0, r1, xq, xd, xs, out, c0):
-    """out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks; sub-block 2g meets activation
-    block b, 2g + 1 block b + 1, and the mins meet the blocks' sums."""
-    acc0p = stack_f32(16)
-    acc1p = stack_f32(16)
-    acc0 = carray(acc0p, 16)
-    acc1 = carray(acc1p, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            zero_lanes(acc0)
-            zero_lanes(acc1)
-            mins = np.float32(0.0)
-            for sb in range(xq.shape[1] // QK):
-                o = sb * BLOCK
-                d = half_at(w, r, o + D)
-                dmin = half_at(w, r, o + DMIN)
-                for g in range(4):
-                    sc0, m0 = _scale_min_at(w, r, o + SCALES, 2 * g)
-                    sc1, m1 = _scale_min_at(w, r, o + SCALES, 2 * g + 1)
-                    b = sb * XB + 2 * g
-                    qo = wr + o + QS + g * 32
-                    dot_lo32(acc0p, d * sc0 * xd[k, b], w, qo, xq, xk + b * QK8)
-                    dot_hi32(acc1p, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * QK8 + QK8)
-                    mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
-            out[k, c0 + r - r0] = (hsum(acc0p) + hsum(acc1p)) - mins
+@njit(cache=True, inline="always")
+def _superblock(acc0p, acc1p, w, r, wr, sb, xq, xd, xs, k, xk, mins):
+    """Super-block sb of row r against activation row k: its eight sub-blocks' dots added to
+    acc0p (even) and acc1p (odd); returns `mins` plus its terms dmin * min * (block sum of x),
+    added one by one (the row's running sum)."""
+    o = sb * BLOCK
+    d = half_at(w, r, o + D)
+    dmin = half_at(w, r, o + DMIN)
+    for g in range(4):
+        sc0, m0 = scale_min_at(w, r, o + SCALES, 2 * g)
+        sc1, m1 = scale_min_at(w, r, o + SCALES, 2 * g + 1)
+        b = sb * XB + 2 * g
+        qo = wr + o + QS + g * 32
+        dot_lo32(acc0p, d * sc0 * xd[k, b], w, qo, xq, xk + b * QK8)
+        dot_hi32(acc1p, d * sc1 * xd[k, b + 1], w, qo, xq, xk + b * QK8 + QK8)
+        mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
+    return mins
+
+
+# Sub-block 2g meets activation block b, 2g + 1 block b + 1, and the mins meet the blocks' sums.
+qdot = njit(cache=True)(superblock_rows(LAYOUT, _superblock, prefetched=False))
 
 
 @njit(cache=True)

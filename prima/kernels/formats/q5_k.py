@@ -1,7 +1,6 @@
 """Q5_K: 256 weights per super-block: d and dmin (f16), scales[12] (as Q4_K), qh[32], qs[128]
 (nibbles as Q4_K). Element g*64 + j takes bit 2g of qh[j] as its fifth bit, element
-g*64 + 32 + j bit 2g + 1; value = (d * scale) * q - dmin * min. No int8 kernel: q8 mode runs
-the exact one."""
+g*64 + 32 + j bit 2g + 1; value = (d * scale) * q - dmin * min."""
 
 from __future__ import annotations
 
@@ -9,13 +8,15 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import QuantFormat, layouts
-from prima.kernels.formats.q4_k import scale_min
-from prima.kernels.int8_dots import f16_at
+from prima.kernels.formats.q4_k import scale_min, scale_min_at
+from prima.kernels.int8_dots import QK8, dot5_hi32, dot5_lo32, f16_at, half_at
 from prima.kernels.lanes import half, lane_sum, stack_f32
+from prima.kernels.row_groups import superblock_rows
 
 LAYOUT = layouts.Q5_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
 D, DMIN, SCALES, QH, QS = (LAYOUT.offset(f) for f in ("d", "dmin", "scales", "qh", "qs"))
+XB = QK // QK8  # activation blocks per super-block
 
 
 @njit(cache=True)
@@ -98,4 +99,26 @@ def unpack(row: np.ndarray, u: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> No
                 mn[p + 1] = -(dmin * m)
 
 
-FORMAT = QuantFormat(LAYOUT, dot, deq, unpack=unpack, unpack_max=31)
+@njit(cache=True, inline="always")
+def _superblock(acc0p, acc1p, w, r, wr, sb, xq, xd, xs, k, xk, mins):
+    """Super-block sb of row r against activation row k, as Q4_K's with the fifth bits: its
+    eight sub-blocks' dots added to acc0p (even) and acc1p (odd); returns `mins` plus its mins'
+    terms."""
+    o = sb * BLOCK
+    d = half_at(w, r, o + D)
+    dmin = half_at(w, r, o + DMIN)
+    for g in range(4):
+        sc0, m0 = scale_min_at(w, r, o + SCALES, 2 * g)
+        sc1, m1 = scale_min_at(w, r, o + SCALES, 2 * g + 1)
+        b = sb * XB + 2 * g
+        qo = wr + o + QS + g * 32
+        dot5_lo32(acc0p, d * sc0 * xd[k, b], w, qo, wr + o + QH, 2 * g, xq, xk + b * QK8)
+        dot5_hi32(acc1p, d * sc1 * xd[k, b + 1], w, qo, wr + o + QH, 2 * g + 1, xq, xk + b * QK8 + QK8)
+        mins += dmin * (m0 * xs[k, b] + m1 * xs[k, b + 1])
+    return mins
+
+
+qdot = njit(cache=True)(superblock_rows(LAYOUT, _superblock, prefetched=False))
+
+
+FORMAT = QuantFormat(LAYOUT, dot, deq, qdot, unpack, unpack_max=31)

@@ -9,8 +9,9 @@ import numpy as np
 from numba import carray, njit
 
 from prima.kernels.formats import QuantFormat, layouts
-from prima.kernels.int8_dots import QK8, dot_q6x32, f16_at, half_at, hsum, zero_lanes
+from prima.kernels.int8_dots import QK8, dot_q6x32, f16_at, half_at
 from prima.kernels.lanes import half, lane_sum, stack_f32
+from prima.kernels.row_groups import superblock_rows
 
 LAYOUT = layouts.Q6_K
 QK, BLOCK = LAYOUT.elements, LAYOUT.nbytes
@@ -72,57 +73,51 @@ def deq(row: np.ndarray, lut: np.ndarray, y: np.ndarray) -> None:
                     y[yb + j] = dl * (np.float32(q) - np.float32(32))
 
 
-@njit(cache=True)
-def qdot(w, r0, r1, xq, xd, xs, out, c0):
-    """out[:, c0 + i] = x @ w[r0 + i] with x as int8 blocks; each 32-element chunk meets one
-    activation block, with its two int8 scales applied inside dot_q6x32."""
-    acc0p = stack_f32(16)
-    acc1p = stack_f32(16)
-    acc0 = carray(acc0p, 16)
-    acc1 = carray(acc1p, 16)
-    for r in range(r0, r1):
-        wr = r * w.strides[0]
-        for k in range(xq.shape[0]):
-            xk = k * xq.strides[0]
-            zero_lanes(acc0)
-            zero_lanes(acc1)
-            for sb in range(xq.shape[1] // QK):
-                o = sb * BLOCK
-                d = half_at(w, r, o + D)
-                for h in range(2):
-                    ho = wr + o + QH + h * 32
-                    for c in range(0, 4, 2):  # c and c + 1 share the shift of the low bits
-                        b = sb * XB + h * 4 + c
-                        s = o + SCALES + h * 8 + c * 2
-                        ls = 4 * (c >> 1)
-                        # The scales are int8: reinterpret the unsigned bytes.
-                        dot_q6x32(
-                            acc0p,
-                            d * xd[k, b],
-                            (np.int32(w[r, s]) ^ 128) - 128,
-                            (np.int32(w[r, s + 1]) ^ 128) - 128,
-                            w,
-                            wr + o + QL + h * 64,
-                            ho,
-                            ls,
-                            2 * c,
-                            xq,
-                            xk + b * QK8,
-                        )
-                        dot_q6x32(
-                            acc1p,
-                            d * xd[k, b + 1],
-                            (np.int32(w[r, s + 2]) ^ 128) - 128,
-                            (np.int32(w[r, s + 3]) ^ 128) - 128,
-                            w,
-                            wr + o + QL + h * 64 + 32,
-                            ho,
-                            ls,
-                            2 * c + 2,
-                            xq,
-                            xk + b * QK8 + QK8,
-                        )
-            out[k, c0 + r - r0] = hsum(acc0p) + hsum(acc1p)
+@njit(cache=True, inline="always")
+def _superblock(acc0p, acc1p, w, r, wr, sb, xq, xd, xs, k, xk, less):
+    """Super-block sb of row r against activation row k: its eight 32-element chunks' dots
+    added to acc0p (even chunks) and acc1p (odd); Q6_K has no mins, so nothing to subtract."""
+    o = sb * BLOCK
+    d = half_at(w, r, o + D)
+    for h in range(2):
+        ho = wr + o + QH + h * 32
+        for c in range(0, 4, 2):  # c and c + 1 share the shift of the low bits
+            b = sb * XB + h * 4 + c
+            s = o + SCALES + h * 8 + c * 2
+            ls = 4 * (c >> 1)
+            # The scales are int8: reinterpret the unsigned bytes.
+            dot_q6x32(
+                acc0p,
+                d * xd[k, b],
+                (np.int32(w[r, s]) ^ 128) - 128,
+                (np.int32(w[r, s + 1]) ^ 128) - 128,
+                w,
+                wr + o + QL + h * 64,
+                ho,
+                ls,
+                2 * c,
+                xq,
+                xk + b * QK8,
+            )
+            dot_q6x32(
+                acc1p,
+                d * xd[k, b + 1],
+                (np.int32(w[r, s + 2]) ^ 128) - 128,
+                (np.int32(w[r, s + 3]) ^ 128) - 128,
+                w,
+                wr + o + QL + h * 64 + 32,
+                ho,
+                ls,
+                2 * c + 2,
+                xq,
+                xk + b * QK8 + QK8,
+            )
+    return less
+
+
+# Each 32-element chunk meets one activation block, with its two int8 scales applied inside
+# dot_q6x32.
+qdot = njit(cache=True)(superblock_rows(LAYOUT, _superblock, prefetched=True))
 
 
 @njit(cache=True)
