@@ -16,7 +16,7 @@ beside it: a draft checked in a group gives the bits decoding gives it alone.
   affine_rows(layout, block_dot)      the same for formats whose blocks begin with d and m, their
                                       four blocks' scales converted together (NATIVE_HALF)
   superblock_rows(layout, step, ...)  a K-quant's qdot from its per-super-block step (row by row)
-Both return the kernel uncompiled (the format module compiles it with its own steps).
+Each returns the kernel uncompiled (the format module compiles it with its own steps).
 """
 
 from __future__ import annotations
