@@ -94,11 +94,14 @@ def matmul_many(ws: Sequence[QTensor], x: np.ndarray, int8: bool = False) -> np.
             out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
             _float_matvec(ws, x, out)
             return out
-    if len(ws) == 1:
+    if len(ws) == 1 and n <= FUSED_MAX_N:
         return _matmul_one(ws[0], x)
     # Each weight's product straight into its columns: no per-weight arrays to concatenate
     # (a prefill's gate|up would hold twice its 1.5 MiB at the peak of its block).
     out = np.empty((n, sum(w.rows for w in ws)), dtype=np.float32)
+    if n > FUSED_MAX_N:
+        _tiled_products(ws, x, _dequantize_tile if HAVE_NUMBA else _reference_tile, out)
+        return out
     col = 0
     for w in ws:
         _matmul_one(w, x, out[:, col : col + w.rows])
@@ -118,23 +121,26 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def _matmul_one(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x @ dequantize(W).T, into `out` (n, rows) when given (it may be a column slice)."""
-    few = x.shape[0] <= FUSED_MAX_N
-    if w.qtype == Q.F32 and not (HAVE_NUMBA and few):
-        return np.matmul(x, w.raw.view(np.float32).T, out=out)
+    """x @ dequantize(W).T for a few rows x (a decode step, a check of drafts), into `out`
+    (n, rows) when given (it may be a column slice)."""
+    if out is None:
+        out = np.empty((x.shape[0], w.rows), dtype=np.float32)
     if not HAVE_NUMBA:
-        return _tiled_matmul(w, x, _reference_tile, out)
-    if few and (int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype in FLOAT_ROW_QTYPES):
-        rows = np.empty((x.shape[0], w.rows), dtype=np.float32)  # the kernel's own C layout
+        if w.qtype == Q.F32:
+            return np.matmul(x, w.raw.view(np.float32).T, out=out)
+        _tiled_products([w], x, _reference_tile, out)
+        return out
+    if int(w.qtype) in drivers.QUANTIZED_IDS or w.qtype in FLOAT_ROW_QTYPES:
+        rows = out if out.flags.c_contiguous else np.empty_like(out)  # the kernel's own C layout
         if w.qtype in FLOAT_ROW_QTYPES:
             _float_matvec([w], x, rows)
         else:
             drivers.matvec(int(w.qtype), w.raw, w.raw[:0], w.raw[:0], x, F16_TABLE, rows)
-        if out is None:
-            return rows
-        out[...] = rows
+        if rows is not out:
+            out[...] = rows
         return out
-    return _tiled_matmul(w, x, _dequantize_tile, out)
+    _tiled_products([w], x, _dequantize_tile, out)
+    return out
 
 
 def _float_matvec(ws: Sequence[QTensor], x: np.ndarray, out: np.ndarray) -> None:
@@ -168,7 +174,10 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
 
 def matmul_fallback(w: QTensor, x: np.ndarray) -> np.ndarray:
     """matmul without numba: gguf-py dequantizes tiles, BLAS multiplies them."""
-    return _tiled_matmul(w, _activations(w, x), _reference_tile)
+    x = _activations(w, x)
+    out = np.empty((x.shape[0], w.rows), dtype=np.float32)
+    _tiled_products([w], x, _reference_tile, out)
+    return out
 
 
 def get_rows_fallback(w: QTensor, ids: np.ndarray) -> np.ndarray:
@@ -205,27 +214,33 @@ def _ids_within(ids: np.ndarray, n: int) -> bool:
     return bool(ids.min() >= 0 and ids.max() < n)
 
 
-def _tiled_matmul(
-    w: QTensor,
+def _tiled_products(
+    ws: Sequence[QTensor],
     x: np.ndarray,
     dequantize: Callable[[QTensor, int, int], np.ndarray],
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    if out is None:
-        out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-    tile_rows = max(1, TILE_ELEMENTS // w.cols)
-    starts = range(0, w.rows, tile_rows)
+    out: np.ndarray,
+) -> None:
+    """out = x @ [W0; W1; ...].T by float32 tiles of rows (`dequantize`), each multiplied by
+    single-threaded BLAS into its columns of `out`. The prefill threads take the next tile of
+    any weight as they finish one, so unequal weights (q, k and v; a weight of one tile) keep
+    both busy. A tile's bounds depend only on its weight's shape, so the bits do not depend on
+    the thread count."""
+    tiles: list[tuple[QTensor, int, int, int]] = []
+    col = 0
+    for w in ws:
+        tile_rows = max(1, TILE_ELEMENTS // w.cols)
+        tiles += [(w, start, min(start + tile_rows, w.rows), col) for start in range(0, w.rows, tile_rows)]
+        col += w.rows
 
-    def run(worker: int) -> None:
-        for start in starts[worker::_prefill_threads]:
-            stop = min(start + tile_rows, w.rows)
-            np.matmul(x, dequantize(w, start, stop).T, out=out[:, start:stop])
+    def run(tile: tuple[QTensor, int, int, int]) -> None:
+        w, start, stop, col = tile
+        np.matmul(x, dequantize(w, start, stop).T, out=out[:, col + start : col + stop])
 
-    if _prefill_threads == 1 or len(starts) == 1:
-        run(0)
+    if _prefill_threads == 1 or len(tiles) == 1:
+        for tile in tiles:
+            run(tile)
     else:
-        list(_thread_pool().map(run, range(_prefill_threads)))
-    return out
+        list(_thread_pool().map(run, tiles))
 
 
 def prefill_map(fn: Callable[[tuple[int, int]], np.ndarray], n: int) -> list[np.ndarray]:
@@ -249,7 +264,7 @@ def _thread_pool() -> ThreadPoolExecutor:
 def _dequantize_tile(w: QTensor, start: int, stop: int) -> np.ndarray:
     """Rows [start, stop) of W as float32 on the calling thread (numba kernels, no GIL)."""
     if w.qtype == Q.F32:
-        return _float_rows(w, np.arange(start, stop, dtype=np.int64))
+        return w.raw[start:stop].view(np.float32)  # the mapped rows themselves: no copy
     out = np.empty((stop - start, w.cols), dtype=np.float32)
     if w.qtype == Q.F16:
         float_weights.widen_f16_tile(w.raw.view(np.uint16), start, out)

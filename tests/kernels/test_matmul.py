@@ -84,8 +84,7 @@ def test_matmul_unsupported_type_names_tensor() -> None:
         mm.matmul(w, np.zeros((1, 256), np.float32))
 
 
-@pytest.mark.parametrize("n", [3, mm.FUSED_MAX_N + 1])
-def test_matmul_many_writes_each_weight_into_its_columns(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matmul_many_writes_each_weight_into_its_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights that cannot share one launch (here two formats) each write their product into
     their columns of the one output (no per-weight arrays concatenated at the peak of a prefill
     block), with the bits each weight's own matmul gives."""
@@ -93,7 +92,7 @@ def test_matmul_many_writes_each_weight_into_its_columns(n: int, monkeypatch: py
         random_qtensor(Q.Q4_K, rows=40, cols=512, seed=2),
         random_qtensor(Q.Q6_K, rows=24, cols=512, seed=3),
     ]
-    x = np.random.default_rng(4).standard_normal((n, 512)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((3, 512)).astype(np.float32)
     targets: list[np.ndarray | None] = []
     one = mm._matmul_one
 
@@ -106,3 +105,25 @@ def test_matmul_many_writes_each_weight_into_its_columns(n: int, monkeypatch: py
     assert len(targets) == 2
     assert all(t is not None and np.shares_memory(t, y) for t in targets)
     np.testing.assert_array_equal(y, np.concatenate([one(w, x) for w in ws], axis=1))
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q6_K, Q.Q6_K), (Q.F32,) * 3, (Q.F16, Q.BF16, Q.F16)])
+def test_prefill_tiles_give_the_same_bits_on_any_thread_count(
+    qtypes: tuple[Q, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill's weights of unequal sizes (q, k, v) are cut into tiles that the prefill
+    threads share: one, two or three threads give the bits of each weight multiplied alone,
+    written into its columns of the one output."""
+    shapes = [(700, 256), (96, 256), (96, 256)]  # q of two tiles, k and v of one
+    monkeypatch.setattr(mm, "TILE_ELEMENTS", 512 * 256)
+    ws = [
+        random_qtensor(q, rows=r, cols=c, seed=i)
+        for i, (q, (r, c)) in enumerate(zip(qtypes, shapes, strict=True))
+    ]
+    x = np.random.default_rng(5).standard_normal((mm.FUSED_MAX_N + 9, 256)).astype(np.float32)
+    monkeypatch.setattr(mm, "_prefill_threads", 1)
+    alone = np.concatenate([mm.matmul(w, x) for w in ws], axis=1)
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(mm, "_prefill_threads", threads)
+        np.testing.assert_array_equal(mm.matmul_many(ws, x), alone)
+    np.testing.assert_allclose(alone, x @ np.concatenate([reference(w) for w in ws]).T, rtol=1e-4, atol=1e-3)
