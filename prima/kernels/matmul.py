@@ -228,7 +228,7 @@ def _tiled_products(
     tiles: list[tuple[QTensor, int, int, int]] = []
     col = 0
     for w in ws:
-        tile_rows = max(1, TILE_ELEMENTS // w.cols)
+        tile_rows = _tile_rows(w.rows, w.cols)
         tiles += [(w, start, min(start + tile_rows, w.rows), col) for start in range(0, w.rows, tile_rows)]
         col += w.rows
 
@@ -241,6 +241,14 @@ def _tiled_products(
             run(tile)
     else:
         list(_thread_pool().map(run, tiles))
+
+
+def _tile_rows(rows: int, cols: int) -> int:
+    """Rows per tile: as few tiles as keep each within TILE_ELEMENTS, all of about one size (a
+    576-row weight is two tiles of 288, not 455 and 121, which would leave a thread waiting)."""
+    per_tile = max(1, TILE_ELEMENTS // cols)
+    tiles = -(-rows // per_tile)
+    return -(-rows // tiles)
 
 
 def prefill_map(fn: Callable[[tuple[int, int]], np.ndarray], n: int) -> list[np.ndarray]:

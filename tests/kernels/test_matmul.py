@@ -127,3 +127,16 @@ def test_prefill_tiles_give_the_same_bits_on_any_thread_count(
         monkeypatch.setattr(mm, "_prefill_threads", threads)
         np.testing.assert_array_equal(mm.matmul_many(ws, x), alone)
     np.testing.assert_allclose(alone, x @ np.concatenate([reference(w) for w in ws]).T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (7, 9)]
+)
+def test_prefill_tiles_are_few_and_even(rows: int, cols: int) -> None:
+    """As few tiles as keep each within TILE_ELEMENTS (the last may be a little shorter), so two
+    threads sharing a weight's tiles finish together."""
+    tile_rows = mm._tile_rows(rows, cols)
+    n_tiles = -(-rows // tile_rows)
+    assert tile_rows * cols <= max(mm.TILE_ELEMENTS, cols)
+    assert n_tiles == -(-rows // max(1, mm.TILE_ELEMENTS // cols))
+    assert rows - (n_tiles - 1) * tile_rows > tile_rows - n_tiles
