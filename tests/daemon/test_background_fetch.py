@@ -121,8 +121,12 @@ def test_load_plan_returns_at_once_and_sessions_wait_for_the_windows(
         if h.gate.is_set():  # a later poll: the fetch goes on
             threading.Event().wait(0.05)
             return
-        for _ in range(200):  # until the stream reaches the gate (bounded: 10 s)
-            if h.sent > GATE_AFTER and runtime.info().fetch.source:  # type: ignore[union-attr]
+        # Until the stream reaches the gate and the follower has written what came before it
+        # (bounded: 30 s). The holder's count alone is not enough: on a loaded machine the
+        # follower was seen still writing the first pieces (no rate yet) after 10 s.
+        for _ in range(600):
+            fetch = runtime.info().fetch
+            if h.sent > GATE_AFTER and fetch and fetch.source and fetch.rate_bytes_per_s > 0:
                 break
             threading.Event().wait(0.05)
         half = client.info()
