@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -140,3 +142,17 @@ def test_prefill_tiles_are_few_and_even(rows: int, cols: int) -> None:
     assert tile_rows * cols <= max(mm.TILE_ELEMENTS, cols)
     assert n_tiles == -(-rows // max(1, mm.TILE_ELEMENTS // cols))
     assert rows - (n_tiles - 1) * tile_rows > tile_rows - n_tiles
+
+
+def test_prefill_tiles_reuse_their_threads_buffer() -> None:
+    """A thread dequantizes every tile into one buffer of its own (a fresh array per tile came
+    from new pages: page faults), so one thread's tiles share memory and two threads' do not."""
+    w = random_qtensor(Q.F16, rows=64, cols=256, seed=1)
+    first = mm._dequantize_tile(w, 0, 8)
+    second = mm._dequantize_tile(w, 8, 24)
+    assert np.shares_memory(first, second)
+    np.testing.assert_array_equal(second, reference(w)[8:24])
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(mm._dequantize_tile, w, 24, 40).result()
+    assert not np.shares_memory(other, second)
+    np.testing.assert_array_equal(other, reference(w)[24:40])
