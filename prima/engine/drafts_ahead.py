@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from prima.engine.draft_choice import model_drafter
 from prima.engine.speculative import DraftConfig, Drafter
 
 
@@ -35,7 +36,7 @@ def drafts_ahead(drafts_from: Drafter | None, draft: DraftConfig, engine: object
     checks over the network, else None (draft when a pass needs it)."""
     if drafts_from is None or draft.method != "model" or not checks_over_network(engine):
         return None
-    return DraftsAhead(drafts_from, draft.max_tokens)
+    return DraftsAhead(model_drafter(drafts_from), draft.max_tokens)
 
 
 class DraftsAhead:

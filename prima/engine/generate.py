@@ -13,10 +13,11 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from prima.engine.draft_choice import drafter
 from prima.engine.drafts_ahead import drafts_ahead
 from prima.engine.prefix import reuse_prefix
 from prima.engine.sampling import Sampler, SamplerConfig
-from prima.engine.speculative import DraftConfig, DraftLength, DraftSource, drafter
+from prima.engine.speculative import DraftConfig, DraftLength, DraftSource
 from prima.errors import ContextFullError, InputError
 
 

@@ -6,7 +6,8 @@ Two drafts: prompt lookup (here) and a small draft model (prima.engine.draft_mod
 lookup guesses, when the last few tokens of the context (prompt and generated so far) occurred
 earlier in it, that what followed then follows again. It costs no second model and pays off on
 repetitive text: code, lists, answers that quote the prompt. A draft model sharing the target's
-vocabulary guesses on any text, at the cost of running it.
+vocabulary guesses on any text, at the cost of running it; with one, each pass takes whichever
+of the two has lately guessed better (prima.engine.draft_choice).
 
 Drafts never change the output: generate.sample_tokens samples every position from the model's
 own logits, exactly as plain decoding would, and keeps a draft token only where the sample
@@ -144,15 +145,3 @@ class DraftLength:
             return
         self._pause = 1
         self.length = min(self.max_tokens, kept + 1)
-
-
-def drafter(config: DraftConfig, n_ctx: int, model: DraftSource | None = None) -> Drafter | None:
-    """The drafter of a generation over a context of `n_ctx` tokens, or None for plain
-    decoding; `model` is the draft model where the generation runs, if it has one."""
-    if config.method == "lookup":
-        return PromptLookup()
-    if config.method == "model":
-        if model is None:
-            raise InputError("--draft model needs a draft model here: give --draft-model PATH_OR_NAME")
-        return model.drafter(n_ctx)
-    return None
