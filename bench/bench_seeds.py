@@ -179,7 +179,7 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
         model,
         threads=1,
         preexec=[d.preexec() for d in devs],
-        node_args=[["--link-port", str(p)] for p in link_ports],
+        node_args=[["-v", "--link-port", str(p)] for p in link_ports],
         names=[s.name for s in SEEDS],
         log_dir=logs,
         plaintext=True,  # loopback only; `prima run` in another process has no share of this CA
@@ -196,6 +196,10 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
             fronts.append(f"{front}:{port}")
         drop_page_cache()  # the daemons mapped the file; start the run cold
         watch = PressureWatch(devs)
+        # Discovered nodes (zero-config) are led by the one with the most memory for layers, the
+        # others following in their order; --nodes keeps the order given, so give that one.
+        head = max(range(len(SEEDS)), key=lambda i: SEEDS[i].free_gib)
+        fronts = [fronts[head], *(f for i, f in enumerate(fronts) if i != head)]
         cmd = [sys.executable, "-m", "prima.cli.main", "-v", "run", "--nodes", ",".join(fronts)]
         cmd += ["-m", str(model), "-p", args.prompt, "-n", str(args.n), "--temp", "0", "--json"]
         cmd += ["-c", "256", "--reprofile"]  # the limits and throttles are new: measure afresh
