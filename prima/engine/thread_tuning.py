@@ -57,6 +57,10 @@ MEASURE_TIMEOUT_S = 300.0
 # once but not recorded: beside a test suite or a compile, fewer threads win, and a record would
 # keep that choice after the machine is quiet again.
 MAX_OTHERS_BUSY = 0.25
+# How long the machine's load is sampled before measuring: when other processes already keep it
+# busy, measuring would take far longer (35-60 s beside one busy core, against ~10 s) to give a
+# choice that may not be kept, so the start goes ahead on the defaults instead.
+LOAD_SAMPLE_S = 0.5
 # Where Linux says how fast each core is (cpu<N>/cpu_capacity, 1024 for the fastest kind), on
 # arm64 with cores of more than one kind; x86 and most VMs have no such file.
 CPU_SYSFS = Path("/sys/devices/system/cpu")
@@ -239,10 +243,12 @@ def tune(
     cpu_root: Path = CPU_SYSFS,
     readings: Callable[[], tuple[float, float, float]] | None = None,
 ) -> tuple[ThreadSetting, list[Measurement], bool]:
-    """The setting for this model here: recorded, or measured now (and recorded). Returns the
-    setting, its measurements and whether they were taken by this call. `cpu_root` is where
-    the cores' capacities are read (tests point it at a made-up tree); `readings`: see
-    OthersLoad."""
+    """The setting for this model here: recorded, or measured now (and recorded if the machine
+    stayed quiet). Where other processes already keep the cores busy, nothing is measured (unless
+    `refresh`, as `prima tune` asks): the default, all threads sleeping between launches, with no
+    measurements. Returns the setting, its measurements and whether they were taken by this
+    call. `cpu_root` is where the cores' capacities are read (tests point it at a made-up tree);
+    `readings`: see OthersLoad (read twice before measuring, twice around it)."""
     cores = cores or usable_cores()
     big = big_cores(cpu_capacities(cpu_root), usable_cpus())
     path = record_path(fingerprint, cores)
@@ -255,6 +261,17 @@ def tune(
             found = load_record(path)
             if found is not None:
                 return found[0], found[1], False
+        busy = 0.0 if refresh else _others_busy_now(readings)
+        if busy > MAX_OTHERS_BUSY:
+            default = ThreadSetting(cores, PASSIVE)
+            log.warning(
+                "other processes keep %.0f%% of the cores busy: starting with %s, without timing the "
+                "choices (decode moves to fewer threads by itself if they are faster); a start on a "
+                "quiet machine, or `prima tune`, measures them",
+                100 * busy,
+                default.describe(),
+            )
+            return default, [], False
         with OthersLoad(readings) as load:
             measured = [Measurement(s, measure(model, s)) for s in candidates(cores, big)]
         chosen = choose(measured)
@@ -268,6 +285,13 @@ def tune(
                 chosen.describe(),
             )
     return chosen, measured, True
+
+
+def _others_busy_now(readings: Callable[[], tuple[float, float, float]] | None) -> float:
+    """The share of the cores other processes keep busy, over LOAD_SAMPLE_S from now."""
+    with OthersLoad(readings) as load:
+        time.sleep(LOAD_SAMPLE_S)
+    return load.busy_share()
 
 
 class OthersLoad:

@@ -105,7 +105,7 @@ def test_tune_measures_each_candidate_once_then_reads_the_record(
     record = tmp_path / "threads.json"
     monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
     # Kept however busy the test machine is: the load it sees is the one the test gives.
-    chosen, measured, fresh = tt.tune(smollm2_path, "f" * 64, cores=2, readings=_others_busy(0.0))
+    chosen, measured, fresh = tt.tune(smollm2_path, "f" * 64, cores=2, readings=_load(0.0, 0.0))
     assert fresh
     assert record.exists()
     assert [x.setting for x in measured] == tt.candidates(2)
@@ -154,6 +154,12 @@ def _others_busy(share: float, wall_s: float = 2.0, ours_s: float = 1.5) -> Read
     return Readings(start, end)
 
 
+def _load(before: float, during: float) -> Readings:
+    """Readings for tune: other processes' share of the cores in its sample before measuring,
+    then while it measures."""
+    return Readings(*_others_busy(before).readings, *_others_busy(during).readings)
+
+
 def test_others_load_sees_other_processes_not_its_own_work() -> None:
     with tt.OthersLoad(_others_busy(0.0, ours_s=1.9)) as idle:
         pass
@@ -182,11 +188,37 @@ def test_threads_timed_on_a_busy_machine_are_used_but_not_recorded(
     monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
     monkeypatch.setattr(tt, "measure", _measured)
     with caplog.at_level("WARNING", logger="prima.engine"):
-        chosen, _, fresh = tt.tune("model.gguf", "f" * 64, cores=2, readings=_others_busy(0.8))
+        chosen, _, fresh = tt.tune("model.gguf", "f" * 64, cores=2, readings=_load(0.0, 0.8))
     assert fresh
     assert chosen.threads == 2
     assert not record.exists()
     assert "without recording it" in caplog.text
+
+
+def test_a_machine_busy_before_timing_starts_on_the_defaults_without_timing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Beside a busy core, timing the choices takes minutes and gives one that is not kept: a
+    start (a laptop in use) goes ahead at once on all threads sleeping between launches."""
+
+    def not_called(model: object, setting: ThreadSetting, timeout_s: float = 0.0) -> float:
+        raise AssertionError(f"measured {setting.describe()} on a busy machine")
+
+    record = tmp_path / "threads.json"
+    monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
+    monkeypatch.setattr(tt, "measure", not_called)
+    monkeypatch.setattr(tt, "LOAD_SAMPLE_S", 0.0)
+    with caplog.at_level("WARNING", logger="prima.engine"):
+        chosen, measured, fresh = tt.tune("model.gguf", "f" * 64, cores=2, readings=_others_busy(0.8))
+    assert (chosen, measured, fresh) == (ThreadSetting(2, tt.PASSIVE), [], False)
+    assert not record.exists()
+    assert "without timing the choices" in caplog.text
+    monkeypatch.setattr(tt, "measure", _measured)  # `prima tune` (refresh) measures all the same
+    chosen, measured, fresh = tt.tune(
+        "model.gguf", "f" * 64, cores=2, refresh=True, readings=_others_busy(0.0)
+    )
+    assert fresh
+    assert [m.setting for m in measured] == tt.candidates(2)
 
 
 # big.LITTLE: capacities as Linux reports them (cpu<N>/cpu_capacity, 1024 the fastest kind).
@@ -292,7 +324,7 @@ def test_threads_timed_on_a_quiet_machine_are_recorded(
     monkeypatch.setattr(tt, "record_path", lambda fingerprint, cores: record)
     monkeypatch.setattr(tt, "measure", _measured)
     chosen, measured, fresh = tt.tune(
-        "model.gguf", "f" * 64, cores=2, readings=_others_busy(tt.MAX_OTHERS_BUSY)
+        "model.gguf", "f" * 64, cores=2, readings=_load(tt.MAX_OTHERS_BUSY, tt.MAX_OTHERS_BUSY)
     )
     assert fresh
     assert tt.load_record(record) == (chosen, measured)
