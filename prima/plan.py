@@ -48,7 +48,8 @@ class NodeAssignment:
 
     @property
     def window_size(self) -> int:
-        return self.windows[0].n_layers if self.windows else 0
+        """The largest of its windows (they differ by at most a layer between rounds)."""
+        return max((w.n_layers for w in self.windows), default=0)
 
 
 @dataclass(frozen=True)
@@ -203,13 +204,65 @@ def plan_from_window_sizes(
             f"windows {list(window_sizes)} x {rounds} round(s) cover {per_round * rounds} layers "
             f"but the model has {n_layers}; make the window sizes sum to {n_layers}/rounds"
         )
-    order = list(range(1, len(nodes))) + [0]
-    windows: list[list[Window]] = [[] for _ in nodes]
+    return plan_from_layer_counts(
+        nodes,
+        [rounds * w for w in window_sizes],
+        rounds,
+        n_layers,
+        accel_layers=accel_layers,
+        epoch=epoch,
+        predicted_ms_per_token=predicted_ms_per_token,
+        dropped=dropped,
+    )
+
+
+def split_layers(n_layers: int, rounds: int) -> list[int]:
+    """One node's `n_layers` a token as window sizes, one per round: as equal as they can be,
+    the larger ones in the last rounds (so a node with any layers has a window in the last
+    round, and the head computes the last layers of the model)."""
+    base, extra = divmod(n_layers, rounds)
+    return [base + (1 if r >= rounds - extra else 0) for r in range(rounds)]
+
+
+def layer_windows(layer_counts: Sequence[int], rounds: int) -> list[list[Window]]:
+    """Each node's windows (ring order, node 0 the head) when node m computes layer_counts[m]
+    layers a token over `rounds` rounds (`split_layers`), laid out in hop order."""
+    sizes = [split_layers(n, rounds) for n in layer_counts]
+    order = list(range(1, len(layer_counts))) + [0]
+    windows: list[list[Window]] = [[] for _ in layer_counts]
     cursor = 0
-    for _ in range(rounds):
+    for r in range(rounds):
         for i in order:
-            windows[i].append(Window(cursor, cursor + window_sizes[i]))
-            cursor += window_sizes[i]
+            windows[i].append(Window(cursor, cursor + sizes[i][r]))
+            cursor += sizes[i][r]
+    return windows
+
+
+def plan_from_layer_counts(
+    nodes: Sequence[tuple[str, str]],
+    layer_counts: Sequence[int],
+    rounds: int,
+    n_layers: int,
+    *,
+    accel_layers: Sequence[int] | None = None,
+    epoch: int = 1,
+    predicted_ms_per_token: float | None = None,
+    dropped: Sequence[DroppedDevice] = (),
+) -> Plan:
+    """Build a plan from the layers each node computes a token (ring order, node 0 the head)
+    over k = `rounds` rounds: windows of one node differ by at most a layer between rounds, so
+    a node's share need not be a multiple of k. Requires `sum(layer_counts) == n_layers`."""
+    if len(nodes) != len(layer_counts):
+        raise PlanError(f"{len(nodes)} nodes but {len(layer_counts)} layer counts")
+    if any(n < 0 for n in layer_counts):
+        raise PlanError(f"layer counts must be >= 0, got {list(layer_counts)}")
+    if rounds < 1:
+        raise PlanError(f"rounds must be >= 1, got {rounds}")
+    if sum(layer_counts) != n_layers:
+        raise PlanError(
+            f"layer counts {list(layer_counts)} cover {sum(layer_counts)} layers but the model has {n_layers}"
+        )
+    windows = layer_windows(layer_counts, rounds)
     accel = list(accel_layers) if accel_layers is not None else [0] * len(nodes)
     assignments = tuple(
         NodeAssignment(node_id, address, tuple(windows[i]), accel[i])

@@ -13,7 +13,9 @@ from prima.plan import (
     Plan,
     Window,
     even_window_sizes,
+    plan_from_layer_counts,
     plan_from_window_sizes,
+    split_layers,
 )
 
 NODES = [("head", "10.0.0.1:7070"), ("a", "10.0.0.2:7070"), ("b", "10.0.0.3:7070")]
@@ -123,3 +125,44 @@ def test_even_window_sizes_give_the_extra_layers_to_the_nodes_after_the_head() -
         even_window_sizes(2, 12, rounds=5)
     with pytest.raises(PlanError, match="use fewer nodes or rounds"):
         even_window_sizes(5, 4)
+
+
+def test_split_layers_differ_by_at_most_one_with_the_larger_last() -> None:
+    assert split_layers(11, 4) == [2, 3, 3, 3]
+    assert split_layers(2, 4) == [0, 0, 1, 1]
+    assert split_layers(12, 4) == [3, 3, 3, 3]
+    for n, k in [(0, 3), (7, 1), (30, 7), (81, 34)]:
+        sizes = split_layers(n, k)
+        assert sum(sizes) == n
+        assert len(sizes) == k
+        assert max(sizes) - min(sizes) <= 1
+        assert sizes == sorted(sizes)
+
+
+def test_plan_from_layer_counts_tiles_the_model_with_the_head_last() -> None:
+    nodes = [("head", "h:1"), ("a", "a:1"), ("b", "b:1")]
+    plan = plan_from_layer_counts(nodes, [17, 11, 2], 4, 30)
+    assert [[str(w) for w in n.windows] for n in plan.nodes] == [
+        ["[2,6)", "[9,13)", "[17,21)", "[25,30)"],
+        ["[0,2)", "[6,9)", "[13,16)", "[21,24)"],
+        ["[2,2)", "[9,9)", "[16,17)", "[24,25)"],
+    ]
+    assert [n.n_layers for n in plan.nodes] == [17, 11, 2]
+    assert plan.hops()[-1].node_index == 0
+    assert plan.hops()[-1].window.end == 30
+    assert [n.window_size for n in plan.nodes] == [5, 3, 1]
+    # Multiples of the rounds give the plan of equal windows.
+    assert plan_from_layer_counts(nodes, [8, 12, 4], 4, 24) == plan_from_window_sizes(nodes, [2, 3, 1], 4, 24)
+
+
+@pytest.mark.parametrize(
+    ("counts", "rounds", "words"),
+    [
+        ([10, 10, 9], 2, "cover 29 layers but the model has 30"),
+        ([31, -1, 0], 2, ">= 0"),
+        ([30, 0, 0], 0, ">= 1"),
+    ],
+)
+def test_bad_layer_counts_are_refused(counts: list[int], rounds: int, words: str) -> None:
+    with pytest.raises(PlanError, match=words):
+        plan_from_layer_counts([("h", "h:1"), ("a", "a:1"), ("b", "b:1")], counts, rounds, 30)

@@ -23,7 +23,7 @@ from prima.errors import NodeError, ProtocolError
 from prima.net.codec import PROTOCOL_VERSION
 from prima.net.node_status import HopTiming, NodeStatus
 from prima.plan import DroppedDevice, Plan, Window, plan_from_window_sizes
-from prima.scheduler.cost_model import device_time, ring_costs
+from prima.scheduler.cost_model import member_time, ring_costs
 from prima.scheduler.device_probe import os_class, usable_ram_bytes
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 from prima.weights.window import LayerWindows, Residency, resident_bytes, window_spans
@@ -390,7 +390,7 @@ class ClusterMonitor:
         sends = len(plan.nodes) > 1
         out = {}
         for node, cost in zip(plan.nodes, costs, strict=True):
-            t = device_time(cost, plan.rounds, node.window_size, node.accel_layers, sends=sends)
+            t = member_time(cost, plan.rounds, node.n_layers, node.accel_layers, sends=sends)
             if t is not None:
                 out[node.node_id] = _Predicted(
                     t.own_ms,

@@ -25,14 +25,7 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.registry import DEFAULT_MODEL, resolve_model
 from prima.plan import Plan
 from prima.scheduler.compiled_windows import solve_on_compiled
-from prima.scheduler.cost_model import (
-    device_time_ms,
-    pinned_layers,
-    ram_layers,
-    ring_costs,
-    stream_buffer_layers,
-    streams,
-)
+from prima.scheduler.cost_model import member_memory, member_time, ring_costs
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile, devices_to_json, load_cluster_file
 from prima.scheduler.transfer import estimate_transfers
 
@@ -208,30 +201,23 @@ def _node_rows(plan: Plan, devices: list[DeviceProfile], model: ModelProfile) ->
     k = plan.rounds
     rows = []
     for node, cost in zip(plan.nodes, ring_costs(ring, model), strict=True):
-        w, n = node.window_size, node.accel_layers
-        u = ram_layers(cost, w, n)
-        streaming = streams(cost, k, w, n)
-        pinned = pinned_layers(cost, k, u) if streaming else k * u
-        needed = k * u * cost.layer_ram_bytes + cost.fixed_bytes
-        if streaming:
-            needed = (
-                (pinned + stream_buffer_layers(u)) * cost.layer_weight_bytes
-                + k * u * cost.layer_kv_bytes
-                + cost.fixed_bytes
-            )
+        memory = member_memory(cost, k, node.n_layers, node.accel_layers)
+        time = member_time(cost, k, node.n_layers, node.accel_layers, sends=len(ring) > 1)
+        if memory is None or time is None:
+            raise PlanError(f"{node.node_id}'s {node.n_layers} layers do not fit its memory under this plan")
         rows.append(
             {
                 "node_id": node.node_id,
                 "address": node.address,
                 "windows": [[win.start, win.end] for win in node.windows],
                 "layers": node.n_layers,
-                "accel_layers": k * n,
-                "streams": streaming,
-                "pinned_layers": pinned,
-                "reread_bytes_per_token": (k * u - pinned) * cost.layer_weight_bytes,
-                "ram_needed_bytes": needed,
+                "accel_layers": memory.shape.accel_layers,
+                "streams": memory.streams,
+                "pinned_layers": memory.pinned,
+                "reread_bytes_per_token": memory.reread_layers * cost.layer_weight_bytes,
+                "ram_needed_bytes": memory.needed_bytes,
                 "ram_budget_bytes": cost.ram_budget_bytes,
-                "ms_per_token": device_time_ms(cost, k, w, n, sends=len(ring) > 1) + cost.fixed_ms,
+                "ms_per_token": time.own_ms + cost.fixed_ms,
             }
         )
     return rows

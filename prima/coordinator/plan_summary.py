@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prima.plan import Plan
-from prima.scheduler.cost_model import DeviceCost, pinned_layers, ram_layers, ring_costs, streams
+from prima.scheduler.cost_model import DeviceCost, member_memory, ring_costs
 from prima.scheduler.halda import DropCause, drop_cause
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
@@ -62,10 +62,8 @@ def _reread_layers(plan: Plan, i: int, cost: DeviceCost | None) -> int:
     if cost is None:
         return 0
     node = plan.nodes[i]
-    if not streams(cost, plan.rounds, node.window_size, node.accel_layers):
-        return 0
-    u = ram_layers(cost, node.window_size, node.accel_layers)
-    return plan.rounds * u - max(pinned_layers(cost, plan.rounds, u), 0)
+    memory = member_memory(cost, plan.rounds, node.n_layers, node.accel_layers)
+    return memory.reread_layers if memory is not None else 0
 
 
 def _idle_texts(plan: Plan, costs: dict[str, DeviceCost]) -> list[str]:

@@ -42,6 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from prima.plan import layer_windows
 from prima.scheduler.profile_schema import KV_ELEMENT_BYTES, AcceleratorProfile, DeviceProfile, ModelProfile
 
 FALLBACK_FORMAT = "F32"
@@ -249,23 +250,111 @@ class DeviceTime:
         return self.disk_ms + self.path_ms
 
 
+@dataclass(frozen=True)
+class MemberShape:
+    """What a device's windows come to when it computes `layers` layers a token over k rounds
+    (prima.plan.split_layers: windows of q = layers // k or q + 1 layers, the first n of each
+    on the accelerator as prima.forward.placement splits them)."""
+
+    windows: int  # non-empty windows: the hops it sends a token
+    accel_layers: int  # on the accelerator, all windows together
+    ram_layers: int  # in the CPU's RAM, all windows together
+    largest_ram_window: int  # the stream buffer holds one such window ahead (+ a layer)
+
+    @classmethod
+    def of(cls, cost: DeviceCost, rounds: int, layers: int, accel_per_window: int) -> MemberShape:
+        q, extra = divmod(layers, rounds)
+        n = accel_per_window
+        # (size, how many windows of it) for the q-layer and the (q+1)-layer windows.
+        kinds = [(q, rounds - extra), (q + 1, extra)]
+        accel = sum(min(n, size) * count for size, count in kinds)
+        in_place = cost.accel_shares_ram and not cost.accel_copies_weights
+        largest = max(size - (0 if in_place else min(n, size)) for size, count in kinds if count)
+        return cls(min(rounds, layers), accel, layers if in_place else layers - accel, largest)
+
+
+@dataclass(frozen=True)
+class MemberMemory:
+    """How a device's layers sit in its memory: all resident, or `pinned` of its RAM layers kept
+    and the rest reread from disk every token."""
+
+    shape: MemberShape
+    streams: bool
+    pinned: int  # RAM layers kept resident (all of them when it does not stream)
+    needed_bytes: int  # RAM it plans to use: layers kept, stream buffer, KV cache, fixed
+
+    @property
+    def reread_layers(self) -> int:
+        return self.shape.ram_layers - self.pinned
+
+
+def member_memory(cost: DeviceCost, rounds: int, layers: int, accel_per_window: int) -> MemberMemory | None:
+    """Where the `layers` layers a token of a device (over k = `rounds` rounds, see MemberShape)
+    live, or None when they do not fit its memory or accelerator memory."""
+    k, n = rounds, accel_per_window
+    shape = MemberShape.of(cost, k, layers, n)
+    if n and (
+        not cost.has_accel
+        or n > -(-layers // k)  # more than its largest window: the same as that many
+        or shape.accel_layers * cost.accel_bytes_per_layer > cost.accel_budget_bytes
+    ):
+        return None
+    accel_ram = (
+        shape.accel_layers * cost.accel_bytes_per_layer
+        if cost.accel_shares_ram and cost.accel_copies_weights
+        else 0
+    )
+    resident = shape.ram_layers * cost.layer_ram_bytes + cost.fixed_bytes + accel_ram
+    if resident <= cost.ram_budget_bytes:
+        return MemberMemory(shape, False, shape.ram_layers, resident)
+    # Short of memory: pin what fits after the KV cache and a stream buffer, reread the rest.
+    around = (
+        cost.fixed_bytes
+        + accel_ram
+        + shape.ram_layers * cost.layer_kv_bytes
+        + stream_buffer_layers(shape.largest_ram_window) * cost.layer_weight_bytes
+    )
+    room = cost.ram_budget_bytes - around
+    if not cost.can_stream or room < 0:
+        return None
+    if cost.layer_weight_bytes <= 0:
+        pinned = shape.ram_layers
+    else:
+        pinned = min(shape.ram_layers, room // cost.layer_weight_bytes)
+    return MemberMemory(shape, True, pinned, around + pinned * cost.layer_weight_bytes)
+
+
+def member_time(
+    cost: DeviceCost, rounds: int, layers: int, accel_per_window: int, *, sends: bool = True
+) -> DeviceTime | None:
+    """The terms of T of a device computing `layers` layers a token over k = `rounds` rounds
+    (any count, not only a multiple of k: see MemberShape), with `accel_per_window` layers of
+    each window on its accelerator; None when they do not fit. `sends` is false for a lone
+    device, which has no next hop."""
+    if layers <= 0:
+        return DeviceTime(0.0, 0.0)
+    memory = member_memory(cost, rounds, layers, accel_per_window)
+    if memory is None:
+        return None
+    shape = memory.shape
+    disk = cost.disk_ms_per_layer * memory.reread_layers if memory.streams else 0.0
+    hop = cost.hop_ms if sends else 0.0
+    path = (
+        cost.cpu_ms_per_layer * layers
+        + cost.accel_delta_ms_per_layer * shape.accel_layers
+        + hop * shape.windows
+    )
+    return DeviceTime(path, disk)
+
+
 def device_time(
     cost: DeviceCost, rounds: int, window: int, accel_layers: int, *, sends: bool = True
 ) -> DeviceTime | None:
-    """The device's terms of T, or None when its layers do not fit. `sends` is false for a lone
-    device, which has no next hop."""
-    k, w, n = rounds, window, accel_layers
-    if n and (not cost.has_accel or n > w or k * n * cost.accel_bytes_per_layer > cost.accel_budget_bytes):
+    """The device's terms of T with a window of `window` layers in each of k rounds, or None
+    when its layers do not fit (`member_time` of k * window layers)."""
+    if accel_layers > window:
         return None
-    u = ram_layers(cost, w, n)
-    disk = 0.0
-    if streams(cost, k, w, n):
-        pinned = pinned_layers(cost, k, u, cost.accel_ram_bytes(k, n))
-        if pinned < 0:
-            return None
-        disk = cost.disk_ms_per_layer * (k * u - pinned)
-    hop = cost.hop_ms if sends else 0.0
-    return DeviceTime(k * (cost.cpu_ms_per_layer * w + cost.accel_delta_ms_per_layer * n + hop), disk)
+    return member_time(cost, rounds, rounds * window, accel_layers, sends=sends)
 
 
 def device_time_ms(
@@ -304,11 +393,22 @@ def ring_fetched_layers(
 ) -> tuple[int, ...] | None:
     """Layers each member must fetch for these windows; None when one would exceed its disk
     budget."""
-    per_round = sum(window_sizes)
-    offsets = window_offsets(window_sizes)
+    return ring_fetched_of_counts(costs, rounds, [rounds * w for w in window_sizes])
+
+
+def ring_fetched_of_counts(
+    costs: Sequence[DeviceCost], rounds: int, layer_counts: Sequence[int]
+) -> tuple[int, ...] | None:
+    """Layers each member must fetch when member m computes layer_counts[m] layers a token (laid
+    out as prima.plan.layer_windows does); None when one would exceed its disk budget."""
+    if all(c.held_layers is None for c in costs):
+        return (0,) * len(costs)
+    windows = layer_windows(layer_counts, rounds)
     counts = tuple(
-        fetched_layers(c, rounds, per_round, at, w)
-        for c, at, w in zip(costs, offsets, window_sizes, strict=True)
+        0
+        if c.held_layers is None
+        else sum(1 for w in ws for layer in range(w.start, w.end) if layer not in c.held_layers)
+        for c, ws in zip(costs, windows, strict=True)
     )
     if any(0 <= c.fetch_room_layers < n for c, n in zip(costs, counts, strict=True)):
         return None
@@ -318,24 +418,34 @@ def ring_fetched_layers(
 def ring_time_ms(
     costs: Sequence[DeviceCost], rounds: int, window_sizes: Sequence[int], accel_layers: Sequence[int]
 ) -> float:
-    """Predicted ms per token of a ring (costs[0] the head); inf if any device's layers do not
-    fit its memory or its disk budget. T = max(kappa + the trip round the ring, each device's own
-    reads + compute, each shared disk's reads for all its devices): the trip is serial, while
-    each device's disk streams its next layers as the others compute."""
-    if ring_fetched_layers(costs, rounds, window_sizes) is None:
+    """Predicted ms per token of a ring (costs[0] the head) with a window of window_sizes[m]
+    layers on member m in each of k = `rounds` rounds (`ring_time_of_counts`)."""
+    return ring_time_of_counts(costs, rounds, [rounds * w for w in window_sizes], accel_layers)
+
+
+def ring_time_of_counts(
+    costs: Sequence[DeviceCost], rounds: int, layer_counts: Sequence[int], accel_layers: Sequence[int]
+) -> float:
+    """Predicted ms per token of a ring (costs[0] the head) whose member m computes
+    layer_counts[m] layers a token over k = `rounds` rounds, accel_layers[m] of each window on
+    its accelerator; inf if any device's layers do not fit its memory or its disk budget.
+    T = max(kappa + the trip round the ring, each device's own reads + compute, each shared
+    disk's reads for all its devices): the trip is serial, while each device's disk streams
+    its next layers as the others compute."""
+    if ring_fetched_of_counts(costs, rounds, layer_counts) is None:
         return math.inf
     sends = len(costs) > 1
     trip = costs[0].fixed_ms
     own = 0.0
     shared: dict[str, float] = {}
-    for cost, w, n in zip(costs, window_sizes, accel_layers, strict=True):
-        t = device_time(cost, rounds, w, n, sends=sends)
-        if t is None:
+    for cost, t, n in zip(costs, layer_counts, accel_layers, strict=True):
+        time = member_time(cost, rounds, t, n, sends=sends)
+        if time is None:
             return math.inf
-        trip += t.path_ms
-        own = max(own, t.own_ms)
+        trip += time.path_ms
+        own = max(own, time.own_ms)
         if cost.shared_disk:
-            shared[cost.shared_disk] = shared.get(cost.shared_disk, 0.0) + t.disk_ms
+            shared[cost.shared_disk] = shared.get(cost.shared_disk, 0.0) + time.disk_ms
     return max(trip, own, *shared.values())
 
 

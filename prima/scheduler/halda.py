@@ -30,19 +30,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prima.errors import PlanError
-from prima.plan import DroppedDevice, Plan, plan_from_window_sizes
+from prima.plan import DroppedDevice, Plan, plan_from_layer_counts
 from prima.scheduler.cost_model import (
     DeviceCost,
     fetch_room_layers,
     pinned_layers,
     ring_costs,
     ring_time_ms,
+    ring_time_of_counts,
 )
 from prima.scheduler.halda_fit import closest_fit
 from prima.scheduler.halda_fit import describe as describe_shortfall
 from prima.scheduler.layer_capacity import capacity
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
-from prima.scheduler.window_search import Coefficients, search
+from prima.scheduler.window_search import Coefficients, search, search_counts
 
 log = logging.getLogger("prima.scheduler")
 
@@ -54,16 +55,22 @@ _TIE_RELATIVE = 1e-9
 
 @dataclass(frozen=True)
 class Assignment:
-    """The best plan for one k: the chosen devices (indices into the input, head first), their
-    window sizes and accelerator layers, the predicted ms per token, and how many layers the
+    """The best plan for one k: the chosen devices (indices into the input, head first), the
+    layers each computes a token (in windows of a size or one more, prima.plan.split_layers),
+    their accelerator layers per window, the predicted ms per token, and how many layers the
     members must fetch because they do not hold them."""
 
     rounds: int
     members: tuple[int, ...]
-    window_sizes: tuple[int, ...]
+    layer_counts: tuple[int, ...]
     accel_layers: tuple[int, ...]
     ms_per_token: float
     fetched_layers: int = 0
+
+    @property
+    def window_sizes(self) -> tuple[int, ...]:
+        """Each member's largest window."""
+        return tuple(-(-t // self.rounds) for t in self.layer_counts)
 
     def beats(self, other: Assignment | None) -> bool:
         """Faster; or as fast (within _TIE_RELATIVE) and fetching less; or equal in both and
@@ -105,9 +112,9 @@ def solve(
     ]
     for d in dropped:
         log.info("dropped %s: %s", d.node_id, d.reason)
-    return plan_from_window_sizes(
+    return plan_from_layer_counts(
         [(devices[m].node_id, devices[m].address) for m in best.members],
-        best.window_sizes,
+        best.layer_counts,
         best.rounds,
         model.n_layers,
         accel_layers=best.accel_layers,
@@ -120,10 +127,15 @@ def solve(
 def best_assignment(
     costs: Sequence[DeviceCost], n_layers: int, *, max_rounds: int | None = None
 ) -> Assignment | None:
-    """The fastest assignment over every k dividing `n_layers` (up to `max_rounds`), or None;
-    of equally fast plans, the one fetching fewest layers, then the one with fewer rounds."""
-    ks = [k for k in divisors(n_layers) if max_rounds is None or k <= max_rounds]
+    """The fastest assignment over every k up to `max_rounds`, or None; of equally fast plans,
+    the one fetching fewest layers, then the one with fewer rounds. Where every device holds
+    the whole model, a device's layers a token are any count (`solve_counts`); where some hold
+    only part of it, which layers a window covers matters and k divides the layers, each
+    device's windows equal (`solve_rounds`)."""
     coef = Coefficients.of(costs, n_layers)
+    if not coef.any_partial:
+        return _best_of_counts(costs, n_layers, coef, max_rounds)
+    ks = [k for k in divisors(n_layers) if max_rounds is None or k <= max_rounds]
     # A bound from the coefficients alone orders the k: the likely best is searched first, and
     # its time then cuts the others short or rules them out before any search.
     bounds = sorted((_cheap_bound(costs, n_layers, k), k) for k in ks)
@@ -138,6 +150,21 @@ def best_assignment(
             if bound >= cutoff:
                 continue
         found = solve_rounds(costs, n_layers, k, cutoff_ms=cutoff, coef=coef)
+        if found is not None and found.beats(best):
+            best = found
+    return best
+
+
+def _best_of_counts(
+    costs: Sequence[DeviceCost], n_layers: int, coef: Coefficients, max_rounds: int | None
+) -> Assignment | None:
+    """`best_assignment` for devices that all hold the whole model: every k from 1 up, each
+    search cut short by the best time so far (a later k must beat it, not tie)."""
+    best: Assignment | None = None
+    top = n_layers if max_rounds is None else min(max_rounds, n_layers)
+    for k in range(1, top + 1):
+        cutoff = math.inf if best is None else best.ms_per_token * (1 - _TIE_RELATIVE)
+        found = solve_counts(costs, n_layers, k, cutoff_ms=cutoff, coef=coef)
         if found is not None and found.beats(best):
             best = found
     return best
@@ -183,7 +210,30 @@ def solve_rounds(
     # Score the answer with the cost model itself, so the plan's prediction is the model's.
     ms = ring_time_ms([costs[m] for m in members], k, windows, accel)
     assert math.isfinite(ms), (k, windows, accel)
-    return Assignment(k, members, windows, accel, ms, found.fetched_layers)
+    return Assignment(k, members, tuple(k * w for w in windows), accel, ms, found.fetched_layers)
+
+
+def solve_counts(
+    costs: Sequence[DeviceCost],
+    n_layers: int,
+    rounds: int,
+    *,
+    cutoff_ms: float = math.inf,
+    coef: Coefficients | None = None,
+) -> Assignment | None:
+    """The fastest assignment for k = `rounds` when every device holds the whole model, a
+    device's layers a token being any count (windows of a size or one more); None when
+    nothing fits or beats `cutoff_ms`."""
+    k = rounds
+    found = search_counts(coef or Coefficients.of(costs, n_layers), k, n_layers, cutoff_ms)
+    if found is None:
+        return None
+    members = tuple(m for m, t in enumerate(found.window_sizes) if t > 0)
+    counts = tuple(found.window_sizes[m] for m in members)
+    accel = tuple(found.accel_layers[m] for m in members)
+    ms = ring_time_of_counts([costs[m] for m in members], k, counts, accel)
+    assert math.isfinite(ms), (k, counts, accel)
+    return Assignment(k, members, counts, accel, ms)
 
 
 class DropCause(enum.Enum):

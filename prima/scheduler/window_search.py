@@ -165,33 +165,124 @@ def search(coef: Coefficients, rounds: int, per_round: int, cutoff_ms: float = I
     return Found(tuple(int(w) for w in windows), tuple(int(n) for n in accel), float(best), int(fetched))
 
 
+def count_option_tables(
+    coef: Coefficients, rounds: int, n_layers: int, *, sends: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """path[m, t, n] and disk[m, t, n] (ms) of device m computing t layers a token over k =
+    `rounds` rounds, n of each window on its accelerator, as `cost_model.member_time` gives
+    them; path is inf where the option does not fit."""
+    return _count_tables(*coef.arrays(), rounds, n_layers, sends)
+
+
+def search_counts(coef: Coefficients, rounds: int, n_layers: int, cutoff_ms: float = INF) -> Found | None:
+    """The fastest assignment of layers a token to devices for k = `rounds` rounds, each
+    device's windows differing by at most a layer between rounds, so its share need not be a
+    multiple of k; None when nothing fits or beats `cutoff_ms`. For devices that hold the whole
+    model: which layers a window covers then does not matter. `Found.window_sizes` holds the
+    layers a token here."""
+    if coef.any_partial:
+        raise ValueError("search_counts plans devices that hold the whole model; use search")
+    path, disk = _count_tables(*coef.arrays(), rounds, n_layers, True)
+    best, fetched, counts, accel = _search_ring(
+        path, disk, coef.missing_before, coef.fetch_room, rounds, False, coef.fixed_ms, cutoff_ms
+    )
+    head = tuple(x[:1] for x in coef.arrays())
+    alone_path, alone_disk = _count_tables(*head, rounds, n_layers, False)
+    alone, n_alone = _alone(alone_path[0, n_layers], alone_disk[0, n_layers], coef.fixed_ms)
+    if alone < cutoff_ms and alone <= best * (1 + TIE):
+        counts = np.zeros(len(coef.cpu_ms), dtype=np.int64)
+        accel = np.zeros(len(coef.cpu_ms), dtype=np.int64)
+        counts[0], accel[0], best = n_layers, n_alone, alone
+    if not best < cutoff_ms:
+        return None
+    return Found(tuple(int(t) for t in counts), tuple(int(n) for n in accel), float(best), int(fetched))
+
+
+@njit(cache=True)
+def _option(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, m, k, t, n, h):
+    """(path, disk) of device m computing t layers a token over k rounds with n layers of each
+    window on its accelerator, as `cost_model.member_time` gives them (the same operations in
+    the same order, so the same floats); path is inf when the option does not fit."""
+    q, extra = divmod(t, k)
+    acc = min(n, q) * (k - extra) + min(n, q + 1) * extra
+    in_place = shares[m] and not copies[m]
+    held = t if in_place else t - acc
+    largest = 0
+    if k - extra > 0:
+        largest = q if in_place else q - min(n, q)
+    if extra > 0:
+        largest = max(largest, q + 1 if in_place else q + 1 - min(n, q + 1))
+    if n > 0 and acc * accel_bytes[m] > accel_budget[m]:
+        return np.inf, 0.0
+    accel_ram = acc * accel_bytes[m] if shares[m] and copies[m] else 0
+    reread = 0.0
+    if held * (lw[m] + kv[m]) + fixed[m] + accel_ram > ram[m]:  # streams: pins what fits, rereads the rest
+        room = ram[m] - fixed[m] - accel_ram - held * kv[m] - (largest + 1) * lw[m]
+        if not math.isfinite(d[m]) or room < 0:
+            return np.inf, 0.0
+        pinned = held if lw[m] <= 0 else min(held, room // lw[m])
+        reread = d[m] * (held - pinned)
+    return a[m] * t + b[m] * acc + h * min(k, t), reread
+
+
 @njit(cache=True)
 def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, per_round, sends):
+    """path[m, w, n], disk[m, w, n]: a window of w layers in every round (k * w layers a token)."""
     m_count = a.shape[0]
     size = per_round + 1
     path = np.full((m_count, size, size), np.inf)
     disk = np.zeros((m_count, size, size))
     for m in range(m_count):
         h = hop[m] if sends else 0.0
-        layer_ram = lw[m] + kv[m]
         n_top = per_round if accel_budget[m] > 0 else 0
         for w in range(1, size):
             for n in range(min(w, n_top) + 1):
                 if n > 0 and k * n * accel_bytes[m] > accel_budget[m]:
                     break
-                u = w if shares[m] and not copies[m] else w - n
-                accel_ram = k * n * accel_bytes[m] if shares[m] and copies[m] else 0
-                reread = 0.0
-                if (
-                    k * u * layer_ram + fixed[m] + accel_ram > ram[m]
-                ):  # streams: pins what fits, rereads the rest
-                    room = ram[m] - fixed[m] - accel_ram - k * u * kv[m] - (u + 1) * lw[m]
-                    if not math.isfinite(d[m]) or room < 0:
-                        continue
-                    pinned = k * u if lw[m] <= 0 else min(k * u, room // lw[m])
-                    reread = d[m] * (k * u - pinned)
-                path[m, w, n] = k * (a[m] * w + b[m] * n + h)
-                disk[m, w, n] = reread
+                p, r = _option(
+                    a,
+                    b,
+                    d,
+                    hop,
+                    lw,
+                    kv,
+                    fixed,
+                    ram,
+                    accel_budget,
+                    shares,
+                    accel_bytes,
+                    copies,
+                    m,
+                    k,
+                    k * w,
+                    n,
+                    h,
+                )
+                path[m, w, n] = p
+                disk[m, w, n] = r
+    return path, disk
+
+
+@njit(cache=True)
+def _count_tables(
+    a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, n_layers, sends
+):
+    """path[m, t, n], disk[m, t, n]: t layers a token in windows of t // k or one more layers
+    (prima.plan.split_layers), n of each on the accelerator (n up to the largest window)."""
+    m_count = a.shape[0]
+    size = n_layers + 1
+    path = np.full((m_count, size, size), np.inf)
+    disk = np.zeros((m_count, size, size))
+    for m in range(m_count):
+        h = hop[m] if sends else 0.0
+        for t in range(1, size):
+            n_top = (t + k - 1) // k if accel_budget[m] > 0 else 0
+            for n in range(n_top + 1):
+                p, r = _option(
+                    a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, m, k, t, n, h
+                )
+                path[m, t, n] = p
+                disk[m, t, n] = r
     return path, disk
 
 

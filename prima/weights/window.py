@@ -183,7 +183,7 @@ class LayerWindows:
         self._index = {layer: j for j, layer in enumerate(self.order)}
         self._spans = {i: layer_spans(gguf, weights, i) for i in self.order}
         self._bytes = {i: sum(s.n_bytes for s in self._spans[i]) for i in self.order}
-        self._window_end = {w.end - 1 for w in self.windows}
+        self._window_end = {w.end - 1 for w in self.windows if w.n_layers}
         self.owned_bytes = sum(self.sizes)
         self.budget_bytes = budget_bytes
         self.limited = self._short_of(budget_bytes)

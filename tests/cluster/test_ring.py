@@ -17,6 +17,7 @@ from prima.engine.generate import GenerationDone
 from prima.engine.prompt import prompt_ids
 from prima.engine.speculative import DraftConfig
 from prima.forward.loader import load_model
+from prima.plan import plan_from_layer_counts
 from tests.conftest import REPEAT_TEXT
 
 from .conftest import reference_tokens, ring_request, ring_tokens, start_ring
@@ -82,6 +83,30 @@ def test_hand_windows_equal_single_device(
         stops = sorted(load_model(smollm2_path, layers=range(0)).tokenizer.stop_ids)
         assert ring_tokens(ring, prompt, stop_ids=stops) == expected
         assert [n.windows[0].n_layers for n in ring.plan.nodes] == [2, 4, 4]
+    finally:
+        ring.close()
+
+
+def test_layer_counts_that_are_not_multiples_of_the_rounds_equal_single_device(
+    smollm2_ring: LocalRing, smollm2_path: Path, oracle: Callable[[str], dict[str, Any]]
+) -> None:
+    """Halda's plans where a node's layers a token need not be a multiple of k: its windows
+    differ by a layer between rounds, and a node with fewer layers than rounds sits some out."""
+    prompt = _prompt_ids(oracle, "smollm2-135m", "capital")
+    expected = reference_tokens(smollm2_path, prompt)
+    ring = Ring.connect(smollm2_ring.addresses[:3], rounds=1)
+    try:
+        nodes = [(n.node_id, n.address) for n in ring.plan.nodes]
+        plan = plan_from_layer_counts(nodes, [17, 11, 2], 4, 30, epoch=ring.plan.epoch + 1)
+        assert [[w.n_layers for w in n.windows] for n in plan.nodes] == [
+            [4, 4, 4, 5],
+            [2, 3, 3, 3],
+            [0, 0, 1, 1],
+        ]
+        ring.load_plan(plan)
+        stops = sorted(load_model(smollm2_path, layers=range(0)).tokenizer.stop_ids)
+        assert ring_tokens(ring, prompt, stop_ids=stops) == expected
+        assert [i.windows for i in ring.info()] == [n.windows for n in plan.nodes]
     finally:
         ring.close()
 

@@ -1,5 +1,6 @@
 """The brute-force oracle Halda's tests compare against: every ring Halda may choose, enumerated,
-each scored by the same cost model (`ring_time_ms`). Exponential; for clusters of a few devices."""
+each scored by the same cost model (`ring_time_ms`, `ring_time_of_counts`). Exponential; for
+clusters of a few devices."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 
 from prima.scheduler import halda
-from prima.scheduler.cost_model import DeviceCost, ring_fetched_layers, ring_time_ms
+from prima.scheduler.cost_model import DeviceCost, ring_fetched_layers, ring_time_ms, ring_time_of_counts
 
 Candidate = tuple[list[DeviceCost], int, tuple[int, ...], tuple[int, ...]]  # ring, k, windows, accel
 
@@ -56,3 +57,26 @@ def brute_force_with_fetches(costs: Sequence[DeviceCost], n_layers: int) -> tupl
         if t < best[0] * (1 - 1e-9) or (t <= best[0] * (1 + 1e-9) and fetched < best[1]):
             best = (t, fetched)
     return best
+
+
+def count_candidates(costs: Sequence[DeviceCost], n_layers: int) -> Iterator[Candidate]:
+    """Every ring Halda may choose for devices that hold the whole model: every subset with
+    the head, every k from 1 to n_layers, every split of the n_layers layers a token among the
+    members (at least one each, any count) and every accelerator-layer vector (up to each
+    member's largest window; 0 on devices without one)."""
+    for k in range(1, n_layers + 1):
+        for r in range(min(len(costs), n_layers)):
+            for rest in itertools.combinations(range(1, len(costs)), r):
+                ring = [costs[m] for m in (0, *rest)]
+                for counts in compositions(n_layers, len(ring)):
+                    choices = [
+                        range(-(-t // k) + 1) if c.has_accel else range(1)
+                        for c, t in zip(ring, counts, strict=True)
+                    ]
+                    for accel in itertools.product(*choices):
+                        yield ring, k, counts, accel
+
+
+def brute_force_counts(costs: Sequence[DeviceCost], n_layers: int) -> float:
+    """Least predicted ms/token over `count_candidates`; inf when nothing fits."""
+    return min((ring_time_of_counts(*c) for c in count_candidates(costs, n_layers)), default=math.inf)

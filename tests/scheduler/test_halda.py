@@ -14,29 +14,38 @@ from prima.scheduler.cost_model import (
     pinned_layers,
     predict_ms_per_token,
     ring_costs,
+    ring_time_of_counts,
     streams,
 )
 from prima.scheduler.profile_schema import AcceleratorProfile
 from tests.scheduler.conftest import MiB, make_device, make_model
-from tests.scheduler.halda_oracle import brute_force
+from tests.scheduler.halda_oracle import brute_force, brute_force_counts
 
 
 @pytest.mark.parametrize("seed", range(50))
 def test_halda_matches_brute_force_on_random_clusters(seed, random_cluster):
     devices, model = random_cluster(seed)
-    expected = brute_force(ring_costs(devices, model), model.n_layers)
+    costs = ring_costs(devices, model)
+    expected = brute_force_counts(costs, model.n_layers)
     if not math.isfinite(expected):
         with pytest.raises(PlanError, match="no assignment"):
             halda.solve(devices, model)
         return
     plan = halda.solve(devices, model)
     assert plan.predicted_ms_per_token == pytest.approx(expected, rel=1e-9)
+    # Never worse than the best plan whose windows are equal in every round.
+    assert plan.predicted_ms_per_token <= brute_force(costs, model.n_layers) * (1 + 1e-9)
     # The plan's own windows, re-scored from scratch, give the same time.
     by_id = {d.node_id: d for d in devices}
     ring = [by_id[n.node_id] for n in plan.nodes]
     accel = [n.accel_layers for n in plan.nodes]
-    rescored = predict_ms_per_token(ring, model, plan.rounds, [n.window_size for n in plan.nodes], accel)
+    counts = [n.n_layers for n in plan.nodes]
+    rescored = ring_time_of_counts(ring_costs(ring, model), plan.rounds, counts, accel)
     assert rescored == pytest.approx(expected, rel=1e-9)
+    # Each node's windows differ by at most a layer.
+    assert all(
+        max(w.n_layers for w in n.windows) - min(w.n_layers for w in n.windows) <= 1 for n in plan.nodes
+    )
     assert {n.node_id for n in plan.nodes} | {d.node_id for d in plan.dropped} == set(by_id)
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from prima.errors import PlanError
 from prima.scheduler import halda
-from prima.scheduler.cost_model import device_time, ring_costs, ring_fetched_layers
-from prima.scheduler.window_search import Coefficients, option_tables
+from prima.scheduler.cost_model import device_time, member_time, ring_costs, ring_fetched_layers
+from prima.scheduler.window_search import Coefficients, count_option_tables, option_tables
 from tests.no_numba import env_without_numba
 from tests.scheduler.halda_oracle import brute_force, brute_force_with_fetches
 
@@ -40,6 +40,34 @@ def test_option_tables_equal_the_cost_model(seed, random_cluster):
                 else:
                     # Bit for bit: the search must rank options exactly as the cost model does.
                     assert (path[m, w, n], disk[m, w, n]) == (t.path_ms, t.disk_ms), (m, w, n)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_count_option_tables_equal_the_cost_model(seed, random_cluster):
+    devices, model = random_cluster(seed)
+    costs = ring_costs(devices, model)
+    coef = Coefficients.of(costs, model.n_layers)
+    n_layers = model.n_layers
+    for k in range(1, n_layers + 1):
+        for sends in (True, False):
+            path, disk = count_option_tables(coef, k, n_layers, sends=sends)
+            for m, t, n in itertools.product(range(len(costs)), range(1, n_layers + 1), range(n_layers + 1)):
+                time = member_time(costs[m], k, t, n, sends=sends)
+                if time is None:
+                    assert path[m, t, n] == math.inf, (k, m, t, n)
+                else:
+                    # Bit for bit: the search must rank options exactly as the cost model does.
+                    assert (path[m, t, n], disk[m, t, n]) == (time.path_ms, time.disk_ms), (k, m, t, n)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_member_time_of_whole_windows_is_device_time(seed, random_cluster):
+    devices, model = random_cluster(seed)
+    for cost in ring_costs(devices, model):
+        for k in halda.divisors(model.n_layers):
+            for w in range(1, model.n_layers // k + 1):
+                for n in range(w + 1):
+                    assert member_time(cost, k, k * w, n) == device_time(cost, k, w, n)
 
 
 @pytest.mark.parametrize("seed", range(100, 130))
