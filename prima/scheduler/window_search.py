@@ -186,9 +186,8 @@ def search_counts(coef: Coefficients, rounds: int, n_layers: int, cutoff_ms: flo
     best, fetched, counts, accel = _search_ring(
         path, disk, coef.missing_before, coef.fetch_room, rounds, False, coef.fixed_ms, cutoff_ms
     )
-    head = tuple(x[:1] for x in coef.arrays())
-    alone_path, alone_disk = _count_tables(*head, rounds, n_layers, False)
-    alone, n_alone = _alone(alone_path[0, n_layers], alone_disk[0, n_layers], coef.fixed_ms)
+    alone_path, alone_disk = _alone_options(*coef.arrays(), rounds, n_layers)
+    alone, n_alone = _alone(alone_path, alone_disk, coef.fixed_ms)
     if alone < cutoff_ms and alone <= best * (1 + TIE):
         counts = np.zeros(len(coef.cpu_ms), dtype=np.int64)
         accel = np.zeros(len(coef.cpu_ms), dtype=np.int64)
@@ -271,18 +270,56 @@ def _count_tables(
     (prima.plan.split_layers), n of each on the accelerator (n up to the largest window)."""
     m_count = a.shape[0]
     size = n_layers + 1
-    path = np.full((m_count, size, size), np.inf)
-    disk = np.zeros((m_count, size, size))
+    # n runs up to the largest window, ceil(t / k): only as wide as needed (one column without
+    # accelerators), as every k is searched and each fills these tables.
+    width = (n_layers + k - 1) // k + 1 if np.any(accel_budget > 0) else 1
+    path = np.full((m_count, size, width), np.inf)
+    disk = np.zeros((m_count, size, width))
     for m in range(m_count):
         h = hop[m] if sends else 0.0
         for t in range(1, size):
             n_top = (t + k - 1) // k if accel_budget[m] > 0 else 0
+            q, extra = divmod(t, k)
             for n in range(n_top + 1):
+                if (
+                    n > 0
+                    and (min(n, q) * (k - extra) + min(n, q + 1) * extra) * accel_bytes[m] > accel_budget[m]
+                ):
+                    break  # more accelerator layers than its memory holds, and so for every larger n
                 p, r = _option(
                     a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, m, k, t, n, h
                 )
                 path[m, t, n] = p
                 disk[m, t, n] = r
+    return path, disk
+
+
+@njit(cache=True)
+def _alone_options(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, n_layers):
+    """path[n], disk[n] of the head alone with all n_layers layers (no hop), as _count_tables."""
+    n_top = (n_layers + k - 1) // k if accel_budget[0] > 0 else 0
+    path = np.full(n_top + 1, np.inf)
+    disk = np.zeros(n_top + 1)
+    for n in range(n_top + 1):
+        path[n], disk[n] = _option(
+            a,
+            b,
+            d,
+            hop,
+            lw,
+            kv,
+            fixed,
+            ram,
+            accel_budget,
+            shares,
+            accel_bytes,
+            copies,
+            0,
+            k,
+            n_layers,
+            n,
+            0.0,
+        )
     return path, disk
 
 
@@ -332,7 +369,7 @@ def _cheapest_trip(path, disk, missing_before, fetch_room, rounds, any_partial, 
     best_n = np.zeros((m_count, size), dtype=np.int64)
     for m in range(m_count):
         for w in range(1, size):
-            for n in range(w + 1):
+            for n in range(min(w, path.shape[2] - 1) + 1):
                 p = path[m, w, n]
                 if p < best[m, w] and (disk[m, w, n] == 0.0 or disk[m, w, n] + p <= tau):
                     best[m, w], best_n[m, w] = p, n
