@@ -1,21 +1,27 @@
 """The cost model: predicted time per token of a ring for a given layer assignment.
 
-For a ring of M devices (head first), k rounds, window sizes w_m and accelerator layers n_m:
+For a ring of M devices (head first), k rounds, t_m layers a token on device m (in k windows of
+t_m // k or one more layers, prima.plan.split_layers) and n_m accelerator layers per window:
 
-    T = max( kappa + k * sum_m (a_m * w_m + b_m * n_m + c_m),            the trip round the ring
-             max_m d_m * Y_m + k * (a_m * w_m + b_m * n_m + c_m) )         each device's own time
+    T = max( kappa + sum_m (a_m * t_m + b_m * N_m + c_m * H_m),          the trip round the ring
+             max_m d_m * Y_m + a_m * t_m + b_m * N_m + c_m * H_m )         each device's own time
+
+with H_m = min(k, t_m) its windows that are not empty (a hop after each) and N_m its
+accelerator layers in all of them. With windows of w_m layers in every round (t_m = k w_m) the
+terms are k * (a_m * w_m + b_m * n_m + c_m), the original's form (`device_time`).
 
 - a_m  CPU ms per layer: GEMV FLOPs / measured FLOP/s per weight format, plus reading the
        layer's KV cache (full planned context) at memory bandwidth.
 - b_m  ms saved (negative) or added per layer moved to the accelerator.
-- d_m  ms to read one layer's weights from disk. A device short of memory for its k*u_m layers
-       (u_m = w_m - n_m, or w_m when the accelerator shares RAM) pins as many as its budget holds
-       after its KV cache and a stream buffer of u_m + 1 layers, and rereads the rest every token.
+- d_m  ms to read one layer's weights from disk. A device short of memory for its U_m layers
+       in RAM (its layers less its accelerator's, or all of them when the accelerator reads the
+       RAM in place) pins as many as its budget holds after its KV cache and a stream buffer of
+       u_m + 1 layers (u_m: its largest window's layers in RAM), and rereads the rest every token.
 - c_m  ms to send one activation to the next ring member: latency + bytes / bandwidth. A lone
        device sends nothing, so c is 0 when M == 1. (The original system sets c_m = 0.)
 - kappa  the output head on the head node: as the head timed it, else from its FLOPs.
 
-Y_m = k*u_m - P_m are the layers device m rereads per token. Its disk reads them while the rest
+Y_m = U_m - P_m are the layers device m rereads per token. Its disk reads them while the rest
 of the ring computes (the prefetch thread runs ahead of compute), so they bound T next to the
 trip instead of adding to it. Devices that read one disk (daemons on one machine: equal
 `shared_disk`) share its bandwidth, so their rereads add up: T >= sum over them of d_m * Y_m.
@@ -24,16 +30,16 @@ Disk, per device: a device that holds only some layers of the model (it fetched 
 peer) fetches the others its windows need, and may hold at most `disk_budget_bytes` after that;
 an assignment over that budget does not fit. Windows lie in the plan's order (the members after
 the head, then the head, in every round), so which layers a device gets depends on the windows
-before it (`window_offsets`).
+before it (`window_offsets`, prima.plan.layer_windows).
 
-Memory, per device (bytes): a resident device needs k*u_m*(layer + KV) + fixed_m <= RAM budget;
-a streaming device pins P_m layers: P_m*layer + (u_m + 1)*layer + k*u_m*KV + fixed_m <= budget. Accelerator layers need
-k*n_m*e_m <= accelerator memory, e_m one layer's footprint there: the layer and its KV as the CPU
+Memory, per device (bytes): a resident device needs U_m*(layer + KV) + fixed_m <= RAM budget;
+a streaming device pins P_m layers: P_m*layer + (u_m + 1)*layer + U_m*KV + fixed_m <= budget.
+Accelerator layers need N_m*e_m <= accelerator memory, e_m one layer's footprint there: the layer and its KV as the CPU
 holds them, or, for an NPU that holds its own copy (acl), its weights in fp16 with room for its
 compiled gears and its KV in fp16 (`accel_layer_bytes`). On a SoC whose NPU shares the RAM
-(the 310B), that copy comes out of the RAM budget too: k*n_m*e_m is added to its left side, and
-u_m = w_m - n_m. Both Halda and the brute-force check in the tests
-evaluate plans through `ring_time_ms`, so they cannot disagree about what a plan costs.
+(the 310B), that copy comes out of the RAM budget too: N_m*e_m is added to its left side, and
+its accelerator layers are not in U_m. Both Halda and the brute-force check in the tests
+evaluate plans through `ring_time_of_counts`, so they cannot disagree about what a plan costs.
 """
 
 from __future__ import annotations

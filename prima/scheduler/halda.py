@@ -1,16 +1,20 @@
-"""Halda: choose which devices join the ring and how many layers each computes per round.
+"""Halda: choose which devices join the ring and how many layers each computes a token.
 
-For every k dividing L (W = L/k layers per round) the fastest assignment under `cost_model` is
-found exactly; the best k wins. The objective (docs/halda.md has the derivation):
+For every k (rounds) the fastest assignment under `cost_model` is found exactly; the best k
+wins. The objective (docs/halda.md has the derivation):
 
-    minimize  T = max( kappa + k * sum_m (a_m w_m + b_m n_m + c_m z_m),    the trip round the ring
-                       max_m d_m y_m + k (a_m w_m + b_m n_m + c_m) )        each device's own time
-    subject to  sum_m w_m = W, each device's layers fitting its memory (resident, or streaming:
-                pinning what fits and rereading y_m layers per token), n_m <= w_m accelerator
-                layers fitting its accelerator memory, the layers it lacks fitting its disk
-                budget, the head always in the ring.
+    minimize  T = max( kappa + sum_m (a_m t_m + b_m N_m + c_m H_m),     the trip round the ring
+                       max_m d_m y_m + a_m t_m + b_m N_m + c_m H_m )      each device's own time
+    subject to  sum_m t_m = L (device m's t_m layers in k windows of t_m // k or one more,
+                H_m of them not empty, N_m of their layers on its accelerator), each device's
+                layers fitting its memory (resident, or streaming: pinning what fits and
+                rereading y_m layers per token), the accelerator layers fitting its accelerator
+                memory, the layers it lacks fitting its disk budget, the head always in the ring.
     of equally fast plans: the fewest layers fetched (devices that hold only some), then the
     fewest rounds.
+
+Where a device holds only part of the model, the windows' offsets matter, and k divides L with
+every device's windows equal (t_m = k w_m), as in the original.
 
 The trip is a sum over devices and each own time depends on one device alone, so for a bound
 tau on the own times the cheapest trip is a knapsack over devices, solved by dynamic program;
