@@ -20,10 +20,14 @@ from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
 
 def accelerator_windows(plan: Plan, node_id: str) -> list[range]:
     """The layers of each window of `node_id` that `plan` puts on its accelerator (the first
-    `accel_layers` of each window), in order; none without accelerator layers."""
+    `accel_layers` of each window that is not empty), in order; none without accelerator layers."""
     for node in plan.nodes:
         if node.node_id == node_id and node.accel_layers:
-            return [range(w.start, w.start + min(node.accel_layers, w.end - w.start)) for w in node.windows]
+            return [
+                range(w.start, w.start + min(node.accel_layers, w.n_layers))
+                for w in node.windows
+                if w.n_layers
+            ]
     return []
 
 
