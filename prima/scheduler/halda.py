@@ -40,7 +40,6 @@ from prima.scheduler.cost_model import (
     fetch_room_layers,
     pinned_layers,
     ring_costs,
-    ring_time_ms,
     ring_time_of_counts,
 )
 from prima.scheduler.halda_fit import closest_fit
@@ -208,13 +207,8 @@ def solve_rounds(
     found = search(coef or Coefficients.of(costs, n_layers), k, n_layers // k, cutoff_ms)
     if found is None:
         return None
-    members = tuple(m for m, w in enumerate(found.window_sizes) if w > 0)
-    windows = tuple(found.window_sizes[m] for m in members)
-    accel = tuple(found.accel_layers[m] for m in members)
-    # Score the answer with the cost model itself, so the plan's prediction is the model's.
-    ms = ring_time_ms([costs[m] for m in members], k, windows, accel)
-    assert math.isfinite(ms), (k, windows, accel)
-    return Assignment(k, members, tuple(k * w for w in windows), accel, ms, found.fetched_layers)
+    counts = [k * w for w in found.window_sizes]
+    return _scored(costs, k, counts, found.accel_layers, found.fetched_layers)
 
 
 def solve_counts(
@@ -232,12 +226,21 @@ def solve_counts(
     found = search_counts(coef or Coefficients.of(costs, n_layers), k, n_layers, cutoff_ms)
     if found is None:
         return None
-    members = tuple(m for m, t in enumerate(found.window_sizes) if t > 0)
-    counts = tuple(found.window_sizes[m] for m in members)
-    accel = tuple(found.accel_layers[m] for m in members)
-    ms = ring_time_of_counts([costs[m] for m in members], k, counts, accel)
-    assert math.isfinite(ms), (k, counts, accel)
-    return Assignment(k, members, counts, accel, ms)
+    return _scored(costs, k, found.window_sizes, found.accel_layers, found.fetched_layers)
+
+
+def _scored(
+    costs: Sequence[DeviceCost], rounds: int, counts: Sequence[int], accel: Sequence[int], fetched: int
+) -> Assignment:
+    """A search's answer (layers a token and accelerator layers per device, 0 for those left
+    out) as an Assignment, scored by the cost model itself so the plan's prediction is the
+    model's."""
+    members = tuple(m for m, t in enumerate(counts) if t > 0)
+    mine = tuple(counts[m] for m in members)
+    on_accel = tuple(accel[m] for m in members)
+    ms = ring_time_of_counts([costs[m] for m in members], rounds, mine, on_accel)
+    assert math.isfinite(ms), (rounds, mine, on_accel)
+    return Assignment(rounds, members, mine, on_accel, ms, fetched)
 
 
 class DropCause(enum.Enum):

@@ -137,18 +137,18 @@ def option_tables(
 ) -> tuple[np.ndarray, np.ndarray]:
     """path[m, w, n] and disk[m, w, n] (ms) of device m with window w and n accelerator layers,
     as `cost_model.device_time` gives them; path is inf where the option does not fit."""
-    return _tables(*coef.arrays(), rounds, per_round, sends)
+    return _tables(coef.arrays(), rounds, per_round, sends)
 
 
 def search(coef: Coefficients, rounds: int, per_round: int, cutoff_ms: float = INF) -> Found | None:
     """The fastest assignment of `per_round` layers per round for k = `rounds`, or None when
     nothing fits or nothing is faster than `cutoff_ms`. Of plans equally fast (within rounding)
     that the search meets, the one fetching fewest layers wins."""
-    path, disk = _tables(*coef.arrays(), rounds, per_round, True)
+    path, disk = _tables(coef.arrays(), rounds, per_round, True)
     fetch = (coef.missing_before, coef.fetch_room, rounds, coef.any_partial)
     best, fetched, windows, accel = _search_ring(path, disk, *fetch, coef.fixed_ms, cutoff_ms)
     head = tuple(x[:1] for x in coef.arrays())
-    alone_path, alone_disk = _tables(*head, rounds, per_round, False)
+    alone_path, alone_disk = _tables(head, rounds, per_round, False)
     alone, n_alone = _alone(alone_path[0, per_round], alone_disk[0, per_round], coef.fixed_ms)
     alone_fetched = _fetched(coef.missing_before, 0, 0, per_round, per_round, rounds)
     if alone_fetched > coef.fetch_room[0]:
@@ -171,7 +171,7 @@ def count_option_tables(
     """path[m, t, n] and disk[m, t, n] (ms) of device m computing t layers a token over k =
     `rounds` rounds, n of each window on its accelerator, as `cost_model.member_time` gives
     them; path is inf where the option does not fit."""
-    return _count_tables(*coef.arrays(), rounds, n_layers, sends)
+    return _count_tables(coef.arrays(), rounds, n_layers, sends)
 
 
 def search_counts(coef: Coefficients, rounds: int, n_layers: int, cutoff_ms: float = INF) -> Found | None:
@@ -182,11 +182,11 @@ def search_counts(coef: Coefficients, rounds: int, n_layers: int, cutoff_ms: flo
     layers a token here."""
     if coef.any_partial:
         raise ValueError("search_counts plans devices that hold the whole model; use search")
-    path, disk = _count_tables(*coef.arrays(), rounds, n_layers, True)
+    path, disk = _count_tables(coef.arrays(), rounds, n_layers, True)
     best, fetched, counts, accel = _search_ring(
         path, disk, coef.missing_before, coef.fetch_room, rounds, False, coef.fixed_ms, cutoff_ms
     )
-    alone_path, alone_disk = _alone_options(*coef.arrays(), rounds, n_layers)
+    alone_path, alone_disk = _alone_options(coef.arrays(), rounds, n_layers)
     alone, n_alone = _alone(alone_path, alone_disk, coef.fixed_ms)
     if alone < cutoff_ms and alone <= best * (1 + TIE):
         counts = np.zeros(len(coef.cpu_ms), dtype=np.int64)
@@ -198,10 +198,12 @@ def search_counts(coef: Coefficients, rounds: int, n_layers: int, cutoff_ms: flo
 
 
 @njit(cache=True)
-def _option(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, m, k, t, n, h):
+def _option(coefs, m, k, t, n, h):
     """(path, disk) of device m computing t layers a token over k rounds with n layers of each
     window on its accelerator, as `cost_model.member_time` gives them (the same operations in
-    the same order, so the same floats); path is inf when the option does not fit."""
+    the same order, so the same floats); path is inf when the option does not fit. `coefs` is
+    `Coefficients.arrays()`."""
+    a, b, d, _, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies = coefs
     q, extra = divmod(t, k)
     acc = min(n, q) * (k - extra) + min(n, q + 1) * extra
     in_place = shares[m] and not copies[m]
@@ -225,9 +227,10 @@ def _option(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes,
 
 
 @njit(cache=True)
-def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, per_round, sends):
+def _tables(coefs, k, per_round, sends):
     """path[m, w, n], disk[m, w, n]: a window of w layers in every round (k * w layers a token)."""
-    m_count = a.shape[0]
+    hop, accel_budget, accel_bytes = coefs[3], coefs[8], coefs[10]
+    m_count = hop.shape[0]
     size = per_round + 1
     path = np.full((m_count, size, size), np.inf)
     disk = np.zeros((m_count, size, size))
@@ -239,18 +242,7 @@ def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes,
                 if n > 0 and k * n * accel_bytes[m] > accel_budget[m]:
                     break
                 p, r = _option(
-                    a,
-                    b,
-                    d,
-                    hop,
-                    lw,
-                    kv,
-                    fixed,
-                    ram,
-                    accel_budget,
-                    shares,
-                    accel_bytes,
-                    copies,
+                    coefs,
                     m,
                     k,
                     k * w,
@@ -263,12 +255,11 @@ def _tables(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes,
 
 
 @njit(cache=True)
-def _count_tables(
-    a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, n_layers, sends
-):
+def _count_tables(coefs, k, n_layers, sends):
     """path[m, t, n], disk[m, t, n]: t layers a token in windows of t // k or one more layers
     (prima.plan.split_layers), n of each on the accelerator (n up to the largest window)."""
-    m_count = a.shape[0]
+    hop, accel_budget, accel_bytes = coefs[3], coefs[8], coefs[10]
+    m_count = hop.shape[0]
     size = n_layers + 1
     # n runs up to the largest window, ceil(t / k): only as wide as needed (one column without
     # accelerators), as every k is searched and each fills these tables.
@@ -286,34 +277,21 @@ def _count_tables(
                     and (min(n, q) * (k - extra) + min(n, q + 1) * extra) * accel_bytes[m] > accel_budget[m]
                 ):
                     break  # more accelerator layers than its memory holds, and so for every larger n
-                p, r = _option(
-                    a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, m, k, t, n, h
-                )
+                p, r = _option(coefs, m, k, t, n, h)
                 path[m, t, n] = p
                 disk[m, t, n] = r
     return path, disk
 
 
 @njit(cache=True)
-def _alone_options(a, b, d, hop, lw, kv, fixed, ram, accel_budget, shares, accel_bytes, copies, k, n_layers):
+def _alone_options(coefs, k, n_layers):
     """path[n], disk[n] of the head alone with all n_layers layers (no hop), as _count_tables."""
-    n_top = (n_layers + k - 1) // k if accel_budget[0] > 0 else 0
+    n_top = (n_layers + k - 1) // k if coefs[8][0] > 0 else 0
     path = np.full(n_top + 1, np.inf)
     disk = np.zeros(n_top + 1)
     for n in range(n_top + 1):
         path[n], disk[n] = _option(
-            a,
-            b,
-            d,
-            hop,
-            lw,
-            kv,
-            fixed,
-            ram,
-            accel_budget,
-            shares,
-            accel_bytes,
-            copies,
+            coefs,
             0,
             k,
             n_layers,
