@@ -32,6 +32,12 @@ class Window:
         return f"[{self.start},{self.end})"
 
 
+def windows_text(windows: Sequence[Window]) -> str:
+    """`[0,3) [9,12)`: the windows that hold layers (a node with fewer layers than rounds sits
+    some rounds out), or `-` for none."""
+    return " ".join(str(w) for w in windows if w.n_layers) or "-"
+
+
 @dataclass(frozen=True)
 class NodeAssignment:
     """One ring member: its identity, where to reach it, its windows (one per round, in round
@@ -171,7 +177,7 @@ class Plan:
         ]
         for i, n in enumerate(self.nodes):
             role = "head" if i == 0 else f"node {i}"
-            wins = " ".join(str(w) for w in n.windows)
+            wins = windows_text(n.windows)
             accel = f", {n.accel_layers} accel layers/window" if n.accel_layers else ""
             lines.append(f"  {role:7} {n.node_id} @ {n.address}: {n.n_layers} layers {wins}{accel}")
         if self.predicted_ms_per_token is not None:

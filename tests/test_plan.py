@@ -16,6 +16,7 @@ from prima.plan import (
     plan_from_layer_counts,
     plan_from_window_sizes,
     split_layers,
+    windows_text,
 )
 
 NODES = [("head", "10.0.0.1:7070"), ("a", "10.0.0.2:7070"), ("b", "10.0.0.3:7070")]
@@ -166,3 +167,10 @@ def test_plan_from_layer_counts_tiles_the_model_with_the_head_last() -> None:
 def test_bad_layer_counts_are_refused(counts: list[int], rounds: int, words: str) -> None:
     with pytest.raises(PlanError, match=words):
         plan_from_layer_counts([("h", "h:1"), ("a", "a:1"), ("b", "b:1")], counts, rounds, 30)
+
+
+def test_windows_text_leaves_out_the_rounds_a_node_sits_out() -> None:
+    plan = plan_from_layer_counts([("head", "h:1"), ("a", "a:1"), ("b", "b:1")], [17, 11, 2], 4, 30)
+    assert windows_text(plan.nodes[2].windows) == "[16,17) [24,25)"
+    assert windows_text(()) == "-"
+    assert "b @ b:1: 2 layers [16,17) [24,25)" in plan.describe()

@@ -30,6 +30,7 @@ from prima.net import credentials
 from prima.net.client import NodeClient
 from prima.net.credentials import ClusterCA
 from prima.net.node_status import NodeStatus
+from prima.plan import windows_text
 
 log = logging.getLogger("prima.cli")
 
@@ -149,7 +150,7 @@ def _holds_last_layer(s: NodeStatus) -> bool:
 
 
 def _print_status(address: str, s: NodeStatus, *, is_head: bool) -> None:
-    wins = " ".join(str(w) for w in s.windows) or "-"
+    wins = windows_text(s.windows)
     res = s.residency
     mem = f", {res.resident_bytes / 2**20:.1f}/{res.owned_bytes / 2**20:.1f} MiB resident" if res else ""
     link = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prima.plan import Plan
+from prima.plan import Plan, windows_text
 from prima.scheduler.cost_model import DeviceCost, member_memory, ring_costs
 from prima.scheduler.halda import DropCause, drop_cause
 from prima.scheduler.profile_schema import DeviceProfile, ModelProfile
@@ -53,7 +53,7 @@ def _node_text(plan: Plan, i: int, cost: DeviceCost | None) -> str:
     reread = _reread_layers(plan, i, cost)
     if reread:
         notes.append(f"rereads {reread} layer(s) a token from disk")
-    windows = " ".join(str(w) for w in node.windows)
+    windows = windows_text(node.windows)
     return f"{node.node_id} {windows}" + (f" ({', '.join(notes)})" if notes else "")
 
 

@@ -26,7 +26,7 @@ from prima.model.sparse import SparseFile
 from prima.net.client import NodeClient, Transport
 from prima.net.fetch import FetchCancelled, FetchStats, fetch_into, get_manifest
 from prima.net.node_status import FetchProgress
-from prima.plan import Plan
+from prima.plan import Plan, windows_text
 
 log = logging.getLogger("prima.daemon")
 
@@ -107,7 +107,7 @@ class WindowFetcher:
                 log.info(
                     "fetched %d MiB for windows %s from %s in %.1f s",
                     stats.written_bytes >> 20,
-                    " ".join(map(str, plan.nodes[me].windows)),
+                    windows_text(plan.nodes[me].windows),
                     address,
                     time.monotonic() - t0,
                 )
@@ -135,7 +135,7 @@ class WindowFetcher:
         node = plan.nodes[me]
         raise PlanError(
             f"node {node.node_id} would hold {after / GiB:.2f} GiB of the model after fetching the "
-            f"{missing_bytes / GiB:.2f} GiB its windows {' '.join(map(str, node.windows))} lack, over its "
+            f"{missing_bytes / GiB:.2f} GiB its windows {windows_text(node.windows)} lack, over its "
             f"--disk-budget of {self.disk_budget_bytes / GiB:.2f} GiB; plan with Halda (it respects the "
             "budget), give this node fewer layers, or restart its primad with a larger --disk-budget"
         )
@@ -188,7 +188,7 @@ class PlanFetch:
             "plan epoch %d: bringing in %d MiB of windows %s in the background",
             self.epoch,
             (self.needed_bytes - self.held_at_start) >> 20,
-            " ".join(map(str, self.plan.nodes[self.me].windows)),
+            windows_text(self.plan.nodes[self.me].windows),
         )
         self._thread.start()
         return self

@@ -11,7 +11,7 @@ from prima.forward.loader import LoadedModel
 from prima.net.client import Transport
 from prima.net.codec import WireDType
 from prima.net.status import NotReadyError
-from prima.plan import Plan
+from prima.plan import Plan, windows_text
 from prima.weights.window import Residency
 
 from .authorization import PlanOwnership
@@ -183,5 +183,5 @@ class PlanHolder:
             "node %s: plan epoch %d, windows %s",
             plan.nodes[me].node_id,
             plan.epoch,
-            " ".join(map(str, windows)),
+            windows_text(windows),
         )
