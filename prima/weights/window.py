@@ -4,8 +4,7 @@ them into memory ahead of compute: the streaming half of pipelined-ring parallel
 Weights stay in the OS page cache (the file mapping), never in anonymous memory. A node computes
 its layers in a fixed cyclic order (its window of round 0, of round 1, ..., then round 0 of the
 next token). When they all fit its budget, the prefetch thread reads each once, in order, and
-they stay. When they do not, some layers are *pinned* (read once, kept; spread over the order,
-`spread_pins`) and the rest *stream*
+they stay. When they do not, some layers are *pinned* (read once, kept) and the rest *stream*
 through a bounded buffer: the thread reads the next streamed layers in compute order while the
 node (or the rest of the ring) computes, and the compute thread drops each streamed layer right
 after using it. Under cyclic access an LRU page cache keeps exactly the wrong pages and rereads
@@ -31,7 +30,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,37 +164,6 @@ def stream_buffer_bytes(window_bytes: Sequence[int], layer_bytes: Sequence[int])
     return max(window_bytes, default=0) + max(layer_bytes, default=0)
 
 
-def spread_pins(order: Sequence[int], layer_bytes: Mapping[int, int], capacity: int) -> list[int]:
-    """The layers to keep resident within `capacity` bytes: as many as the first ones in compute
-    order would be, but spread evenly over the order, so that the streamed ones between them
-    are read while pinned ones compute. Pinning the first ones instead leaves every read to the
-    end of the pass, where the disk must keep up with compute through a buffer a window deep
-    (a ring of many one-layer windows measured 1.24x its predicted time so)."""
-    count = 0
-    used = 0
-    for layer in order:
-        if used + layer_bytes[layer] > capacity:
-            break
-        used += layer_bytes[layer]
-        count += 1
-    if count == 0:
-        return []
-    picked: list[int] = []
-    used = 0
-    for j in range(count):
-        layer = order[(2 * j + 1) * len(order) // (2 * count)]
-        if layer not in picked and used + layer_bytes[layer] <= capacity:
-            picked.append(layer)
-            used += layer_bytes[layer]
-    for layer in order:  # layers of other sizes: fill what room is left in order
-        if len(picked) >= count:
-            break
-        if layer not in picked and used + layer_bytes[layer] <= capacity:
-            picked.append(layer)
-            used += layer_bytes[layer]
-    return sorted(picked, key=order.index)
-
-
 class LayerWindows:
     """One node's windows (one per round) over the model mmap, kept within `budget_bytes`
     (0 = no budget: every layer is read once and stays).
@@ -254,8 +222,13 @@ class LayerWindows:
             # A window ahead would crowd out the pinned layers (one round, or a budget just short
             # of the layers): keep two layers in flight instead and pin the rest.
             room = min(2 * biggest, self.budget_bytes)
-        pinned = spread_pins(self.order, self._bytes, self.budget_bytes - room)
-        used = sum(self._bytes[layer] for layer in pinned)
+        pinned: list[int] = []
+        used = 0
+        for layer in self.order:
+            if used + self._bytes[layer] + room > self.budget_bytes:
+                break
+            pinned.append(layer)
+            used += self._bytes[layer]
         log.info(
             "budget %d MiB below the %d MiB owned: %d layers pinned, the rest stream through %d MiB",
             self.budget_bytes >> 20,

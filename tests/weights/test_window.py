@@ -15,7 +15,7 @@ from prima.model.gguf_file import GGUFFile
 from prima.model.weights import ModelWeights
 from prima.plan import Window
 from prima.scheduler.memory import process_major_faults
-from prima.weights.window import PAGE, LayerWindows, resident_bytes, spread_pins
+from prima.weights.window import PAGE, LayerWindows, resident_bytes
 
 # Pages another mapping touches near a span edge (read-around) may stay cached; allow a little.
 SLACK_BYTES = 64 * PAGE
@@ -220,18 +220,3 @@ def test_budget_can_shrink_and_grow_while_running(private_model: Path) -> None:
         _compute(lw, layer)
     assert lw.resident_bytes() == owned
     lw.close()
-
-
-def test_pins_spread_over_the_pass_so_reads_fall_between_them() -> None:
-    order = list(range(10, 20))
-    sizes = dict.fromkeys(order, 100)
-    assert spread_pins(order, sizes, 500) == [11, 13, 15, 17, 19]
-    assert spread_pins(order, sizes, 250) == [12, 17]
-    assert spread_pins(order, sizes, 99) == []
-    assert spread_pins(order, sizes, 1000) == order
-    # As many as the first layers in order would give (10, 11, 12), within the bytes, when sizes differ.
-    sizes[13] = 300
-    picked = spread_pins(order, sizes, 500)
-    assert len(picked) == 3
-    assert sum(sizes[i] for i in picked) <= 500
-    assert picked == sorted(picked)
