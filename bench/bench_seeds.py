@@ -2,7 +2,7 @@
 model ~2.2x their memory together, against llama.cpp alone on the best of them.
 
     python bench/bench_seeds.py [--size 3G] [--overhead 250M] [--disk-scale 10] [-n 8]
-                                [--skip llama|ring] [--json]
+                                [--skip llama|ring] [--max-rounds K] [--json]
 
 prima.cpp's table (docs/performance.md cites it): a Mac M1 (2.4 GiB free, 0.72 GB/s disk), a
 laptop (4.1 GiB, 2.98 GB/s), a desktop (9.7 GiB, 3.17 GB/s) and a phone (1.9 GiB, 1.37 GB/s)
@@ -203,6 +203,8 @@ def run_ring(model: Path, args: argparse.Namespace, devs: list[EmulatedDevice]) 
         cmd = [sys.executable, "-m", "prima.cli.main", "-v", "run", "--nodes", ",".join(fronts)]
         cmd += ["-m", str(model), "-p", args.prompt, "-n", str(args.n), "--temp", "0", "--json"]
         cmd += ["-c", "256", "--reprofile"]  # the limits and throttles are new: measure afresh
+        if args.max_rounds is not None:
+            cmd += ["--max-rounds", str(args.max_rounds)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         figures = watch.stop()
         (logs / "coordinator.log").write_text(out.stderr)
@@ -251,6 +253,7 @@ def main() -> int:
     p.add_argument("--disk-scale", type=float, default=10.0, help="seeds' disk speeds divided by this")
     p.add_argument("-n", type=int, default=8, help="tokens to generate (default 8)")
     p.add_argument("--skip", action="append", default=[], choices=("llama", "ring"))
+    p.add_argument("--max-rounds", type=int, default=None, help="let Halda consider at most this many rounds")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before giving up")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
