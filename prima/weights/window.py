@@ -131,16 +131,6 @@ def layer_spans(gguf: GGUFFile, weights: ModelWeights, layer: int) -> tuple[Span
     return (Span(start // PAGE * PAGE, -(-end // PAGE) * PAGE),)
 
 
-def inner_span(gguf: GGUFFile, weights: ModelWeights, layer: int) -> Span:
-    """The pages wholly inside one layer's tensors: what dropping it may drop. Its outer pages
-    (`layer_spans`) may hold the neighbouring layer's bytes too, and evicting one of those
-    would make the neighbour, pinned perhaps, fault it back in, a 4 KiB read queued behind
-    the prefetch's large ones on the same disk."""
-    start, end = gguf.byte_range(weights.layer_tensor_names(layer))
-    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-    return Span(first, max(first, last))
-
-
 def window_spans(gguf: GGUFFile, weights: ModelWeights, window: Window) -> tuple[Span, ...]:
     """The page-aligned spans of a window's layers, merged where they touch. GGUF writers often
     order layers by name (blk.1, blk.10, blk.11, ...), so a window is not one span."""
@@ -193,7 +183,6 @@ class LayerWindows:
         self._index = {layer: j for j, layer in enumerate(self.order)}
         self._spans = {i: layer_spans(gguf, weights, i) for i in self.order}
         self._bytes = {i: sum(s.n_bytes for s in self._spans[i]) for i in self.order}
-        self._inner = {i: inner_span(gguf, weights, i) for i in self.order}
         self._window_end = {w.end - 1 for w in self.windows if w.n_layers}
         self.owned_bytes = sum(self.sizes)
         self.budget_bytes = budget_bytes
@@ -434,11 +423,8 @@ class LayerWindows:
         self.stats.read_ms += (time.perf_counter() - t0) * 1e3
         self.stats.bytes_read += self._bytes[layer]
 
-    def _release(self, layer: int, *, whole: bool = False) -> None:
-        """Drop `layer` from memory: its inner pages (`inner_span`), or `whole` its outer ones too."""
-        for span in self._spans[layer] if whole else (self._inner[layer],):
-            if not span.n_bytes:
-                continue
+    def _release(self, layer: int) -> None:
+        for span in self._spans[layer]:
             self._madvise(span, mmap.MADV_DONTNEED)
             os.posix_fadvise(self._fd, span.start, span.n_bytes, os.POSIX_FADV_DONTNEED)
         if layer in self._loaded:
@@ -456,7 +442,7 @@ class LayerWindows:
         """Drop every layer from memory (a new plan, a shutdown, or a cold start in tests)."""
         with self._cv:
             for layer in self.order:
-                self._release(layer, whole=True)
+                self._release(layer)
             self._cv.notify_all()
 
     # -- reporting -----------------------------------------------------------------------------
