@@ -30,7 +30,7 @@ Disk, per device: a device that holds only some layers of the model (it fetched 
 peer) fetches the others its windows need, and may hold at most `disk_budget_bytes` after that;
 an assignment over that budget does not fit. Windows lie in the plan's order (the members after
 the head, then the head, in every round), so which layers a device gets depends on the windows
-before it (`window_offsets`, prima.plan.layer_windows).
+before it (prima.plan.layer_windows).
 
 Memory, per device (bytes): a resident device needs U_m*(layer + KV) + fixed_m <= RAM budget;
 a streaming device pins P_m layers: P_m*layer + (u_m + 1)*layer + U_m*KV + fixed_m <= budget.
@@ -90,11 +90,12 @@ class DeviceCost:
         """e_m: what one layer takes in the accelerator's memory."""
         return self.accel_layer_bytes or self.layer_ram_bytes
 
-    def accel_ram_bytes(self, rounds: int, accel_layers: int) -> int:
-        """RAM the accelerator's own copies of its k*n layers take: all of them on a SoC where it
-        shares the RAM, none where it has its own memory or reads the CPU's pages in place."""
+    def accel_ram_bytes(self, accel_layers: int) -> int:
+        """RAM the accelerator's own copies of its layers (all windows together) take: all of
+        them on a SoC where it shares the RAM, none where it has its own memory or reads the
+        CPU's pages in place."""
         if self.accel_shares_ram and self.accel_copies_weights:
-            return rounds * accel_layers * self.accel_bytes_per_layer
+            return accel_layers * self.accel_bytes_per_layer
         return 0
 
     @property
@@ -213,8 +214,15 @@ def ram_layers(cost: DeviceCost, window: int, accel_layers: int) -> int:
 def streams(cost: DeviceCost, rounds: int, window: int, accel_layers: int) -> bool:
     """Whether the device is short of memory for its k*u layers and must stream some from disk."""
     u = ram_layers(cost, window, accel_layers)
-    accel_ram = cost.accel_ram_bytes(rounds, accel_layers)
-    return rounds * u * cost.layer_ram_bytes + cost.fixed_bytes + accel_ram > cost.ram_budget_bytes
+    return (
+        _resident_bytes(cost, rounds * u, cost.accel_ram_bytes(rounds * accel_layers)) > cost.ram_budget_bytes
+    )
+
+
+def _resident_bytes(cost: DeviceCost, ram_layers_total: int, accel_ram_bytes: int) -> int:
+    """RAM a device needs to keep all its layers resident: each with its KV cache, its fixed
+    tensors and the accelerator's copies in RAM."""
+    return ram_layers_total * cost.layer_ram_bytes + cost.fixed_bytes + accel_ram_bytes
 
 
 def stream_buffer_layers(ram_layers_per_window: int) -> int:
@@ -227,19 +235,34 @@ def pinned_layers(cost: DeviceCost, rounds: int, ram_layers_per_window: int, acc
     """How many of its k*u layers a streaming device keeps resident (the rest it rereads every
     token): what its budget holds after all its KV cache, the stream buffer and the accelerator's
     copies in RAM; -1 if it cannot stream at all (no disk, or no room for the buffer)."""
-    k, u = rounds, ram_layers_per_window
-    room = (
-        cost.ram_budget_bytes
-        - cost.fixed_bytes
-        - accel_ram_bytes
-        - k * u * cost.layer_kv_bytes
-        - stream_buffer_layers(u) * cost.layer_weight_bytes
+    u = ram_layers_per_window
+    return _pinned(cost, rounds * u, u, accel_ram_bytes)
+
+
+def _pinned(cost: DeviceCost, ram_layers_total: int, largest_ram_window: int, accel_ram_bytes: int) -> int:
+    """`pinned_layers` for any windows: of `ram_layers_total` layers in RAM whose largest window
+    holds `largest_ram_window`, how many a streaming device keeps; -1 if it cannot stream."""
+    room = cost.ram_budget_bytes - _stream_overhead_bytes(
+        cost, ram_layers_total, largest_ram_window, accel_ram_bytes
     )
     if not cost.can_stream or room < 0:
         return -1
     if cost.layer_weight_bytes <= 0:
-        return k * u
-    return min(k * u, room // cost.layer_weight_bytes)
+        return ram_layers_total
+    return min(ram_layers_total, room // cost.layer_weight_bytes)
+
+
+def _stream_overhead_bytes(
+    cost: DeviceCost, ram_layers_total: int, largest_ram_window: int, accel_ram_bytes: int
+) -> int:
+    """What a streaming device's RAM holds besides its pinned layers: its fixed tensors, the
+    accelerator's copies, all its KV cache and the stream buffer."""
+    return (
+        cost.fixed_bytes
+        + accel_ram_bytes
+        + ram_layers_total * cost.layer_kv_bytes
+        + stream_buffer_layers(largest_ram_window) * cost.layer_weight_bytes
+    )
 
 
 @dataclass(frozen=True)
@@ -305,28 +328,15 @@ def member_memory(cost: DeviceCost, rounds: int, layers: int, accel_per_window: 
         or shape.accel_layers * cost.accel_bytes_per_layer > cost.accel_budget_bytes
     ):
         return None
-    accel_ram = (
-        shape.accel_layers * cost.accel_bytes_per_layer
-        if cost.accel_shares_ram and cost.accel_copies_weights
-        else 0
-    )
-    resident = shape.ram_layers * cost.layer_ram_bytes + cost.fixed_bytes + accel_ram
+    accel_ram = cost.accel_ram_bytes(shape.accel_layers)
+    resident = _resident_bytes(cost, shape.ram_layers, accel_ram)
     if resident <= cost.ram_budget_bytes:
         return MemberMemory(shape, False, shape.ram_layers, resident)
     # Short of memory: pin what fits after the KV cache and a stream buffer, reread the rest.
-    around = (
-        cost.fixed_bytes
-        + accel_ram
-        + shape.ram_layers * cost.layer_kv_bytes
-        + stream_buffer_layers(shape.largest_ram_window) * cost.layer_weight_bytes
-    )
-    room = cost.ram_budget_bytes - around
-    if not cost.can_stream or room < 0:
+    pinned = _pinned(cost, shape.ram_layers, shape.largest_ram_window, accel_ram)
+    if pinned < 0:
         return None
-    if cost.layer_weight_bytes <= 0:
-        pinned = shape.ram_layers
-    else:
-        pinned = min(shape.ram_layers, room // cost.layer_weight_bytes)
+    around = _stream_overhead_bytes(cost, shape.ram_layers, shape.largest_ram_window, accel_ram)
     return MemberMemory(shape, True, pinned, around + pinned * cost.layer_weight_bytes)
 
 
@@ -369,29 +379,6 @@ def device_time_ms(
     """The device's own time per token (its reads + its part of the trip), inf if it does not fit."""
     t = device_time(cost, rounds, window, accel_layers, sends=sends)
     return math.inf if t is None else t.own_ms
-
-
-def window_offsets(window_sizes: Sequence[int]) -> list[int]:
-    """Where each member's window starts within a round: the members after the head first, in
-    ring order, then the head (as prima.plan.plan_from_window_sizes lays them out)."""
-    offsets = [0] * len(window_sizes)
-    cursor = 0
-    for m in [*range(1, len(window_sizes)), 0]:
-        offsets[m] = cursor
-        cursor += window_sizes[m]
-    return offsets
-
-
-def fetched_layers(cost: DeviceCost, rounds: int, per_round: int, offset: int, window: int) -> int:
-    """Layers of the device's windows (one per round, at `offset` in each) it does not hold."""
-    if cost.held_layers is None:
-        return 0
-    return sum(
-        1
-        for r in range(rounds)
-        for layer in range(r * per_round + offset, r * per_round + offset + window)
-        if layer not in cost.held_layers
-    )
 
 
 def ring_fetched_layers(
